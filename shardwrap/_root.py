@@ -1,0 +1,220 @@
+"""The root's orchestration: hooks, execution order, prefetch and the end of backward.
+
+Design note. Each unit gets a forward pre-hook (gather, make the full parameters visible)
+and a forward hook (reshard, unless it is the root or ``reshard_after_forward`` is off,
+and hook the outputs so the unit is gathered again before autograd needs it). After a
+unit's flat gradient is complete (a post-accumulate-grad hook on the flat buffer) that
+group's storage is released and its reduce-scatter becomes ready. A callback queued on the
+autograd engine at the start of backward releases whatever is still gathered, reduces
+what no hook reduced (unused units send zeros) and waits for every reduction.
+
+The order in which units ran in the previous forward and backward drives prefetch: when a
+unit starts, the next one's all-gather is issued so that it overlaps this unit's compute.
+Collectives go through :class:`~shardwrap._schedule.Schedule`, which keeps every rank's
+sequence identical.
+
+The root unit is not resharded after forward (backward needs it first), nor after a
+``no_grad`` forward, so decoding loops do not re-gather it on every call; a gathered unit
+whose shard has changed since (an optimizer step, a load) is gathered afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from ._collectives import CommStats, Group
+from ._schedule import Schedule
+from ._unit import FlatGroup, ShardState, Unit
+
+__all__ = ["Phase", "Root"]
+
+
+class Phase(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+class Root:
+    """Drives every unit of one sharded model.
+
+    Args:
+        units: all units in pre-order; ``units[0]`` wraps the root module.
+        group: process group, or ``None`` for world size 1.
+        stats: collective counters.
+        device: the device of the shards.
+        reshard_after_forward: release each non-root unit's gathered parameters after its
+            forward (ZeRO-3) rather than keeping them until its backward.
+    """
+
+    def __init__(
+        self,
+        units: list[Unit],
+        group: Group,
+        stats: CommStats,
+        device: torch.device,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.units = units
+        self.group = group
+        self.stats = stats
+        self.device = device
+        self.reshard_after_forward = reshard_after_forward
+        self.schedule = Schedule(units, group, stats, device)
+        self.phase = Phase.IDLE
+        self._forward_order: list[Unit] = []
+        self._backward_order: list[Unit] = []
+        self._recording: list[Unit] = []
+        self._backward_seen: set[int] = set()
+        self._released: set[int] = set()
+        self._handles = []
+        for unit in units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
+            unit.register_grad_hooks(self._on_grad)
+
+    @property
+    def root(self) -> Unit:
+        return self.units[0]
+
+    # forward -------------------------------------------------------------------------
+
+    def _hook_pre_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._pre_forward(unit)
+
+        return hook
+
+    def _hook_post_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            return self._post_forward(unit, output)
+
+        return hook
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
+            self._ensure_gathered(unit, backward=True)
+            unit.use_full(torch.is_grad_enabled())
+            return
+        if unit is self.root:
+            self.phase = Phase.FORWARD
+            self._recording = []
+        self._recording.append(unit)
+        self._ensure_gathered(unit, backward=False)
+        unit.use_full(torch.is_grad_enabled())
+        self._prefetch(self._forward_order, unit, backward=False)
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        if self.phase is Phase.BACKWARD:
+            return output
+        grad = torch.is_grad_enabled()
+        if unit is not self.root and (self.reshard_after_forward or not grad):
+            unit.reshard()
+        if grad:
+            self._hook_outputs(unit, output)
+        if unit is self.root:
+            for u in self.units[1:]:
+                if u.state is not ShardState.SHARDED and (self.reshard_after_forward or not grad):
+                    u.reshard()
+            self.schedule.end_forward()
+            self._forward_order = self._recording
+            self.phase = Phase.IDLE
+        return output
+
+    def _hook_outputs(self, unit: Unit, output: Any) -> None:
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
+
+    # backward ------------------------------------------------------------------------
+
+    def _start_backward(self) -> None:
+        self.phase = Phase.BACKWARD
+        self._recording = []
+        self._backward_seen = set()
+        self._released = set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self._start_backward()
+        if unit.index in self._backward_seen:
+            return
+        self._backward_seen.add(unit.index)
+        self._recording.append(unit)
+        self._ensure_gathered(unit, backward=True)
+        self._prefetch(self._backward_order, unit, backward=True)
+
+    def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self._start_backward()
+        group.drop_views()
+        group.free_storage()
+        self._released.add(id(group))
+        if all(id(g) in self._released for g in unit.groups):
+            unit.reshard()
+        self.schedule.grad_ready(group)
+
+    def _end_backward(self) -> None:
+        for unit in self.units:
+            if unit.state is not ShardState.SHARDED:
+                unit.reshard()
+        self.schedule.finish_backward()
+        self._backward_order = self._recording
+        self.phase = Phase.IDLE
+
+    # gathering -----------------------------------------------------------------------
+
+    def _ensure_gathered(self, unit: Unit, backward: bool) -> None:
+        if unit.state is ShardState.GATHERING and not unit.is_stale:
+            unit.finish_gather()
+        if unit.state is ShardState.GATHERED and not unit.is_stale:
+            return
+        self.schedule.gather(unit, backward)
+        unit.finish_gather()
+
+    def _prefetch(self, order: list[Unit], current: Unit, backward: bool) -> None:
+        try:
+            nxt = order[order.index(current) + 1]
+        except (ValueError, IndexError):
+            return
+        if nxt.state is ShardState.SHARDED:
+            self.schedule.gather(nxt, backward)
+
+    # outside forward -----------------------------------------------------------------
+
+    @contextmanager
+    def gathered(self, writeback: bool) -> Iterator[None]:
+        """Gather every unit, expose full parameters, optionally write edits back."""
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
+        for unit in self.units:
+            unit.reshard()
+            unit.start_gather()
+            unit.finish_gather()
+            unit.use_full(track_grad=False)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if writeback:
+                    for g in unit.groups:
+                        g.write_back()
+                unit.reshard()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction; gradients accumulate unsharded until sync resumes."""
+        previous, self.schedule.sync = self.schedule.sync, False
+        try:
+            yield
+        finally:
+            self.schedule.sync = previous

@@ -1,0 +1,396 @@
+"""``ShardedModule``: the public wrapper.
+
+``ShardedModule(model, ...)`` shards ``model`` in place and returns the same object with
+its class swapped for a subclass of both ``ShardedModule`` and the original class, so
+``isinstance(model, OriginalClass)``, attribute access, parameter names and state-dict
+keys are those of the original model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._collectives import CommStats, Group, all_reduce, group_size
+from ._root import Root
+from ._unit import FlatGroup, ShardState, Unit
+from ._wrap import AutoWrap, group_key, place_parameters, resolve_policy
+
+__all__ = ["ShardedModule"]
+
+_ROOT_ATTR = "_shardwrap_root"
+_RETIRED_ATTR = "_shardwrap_retired"
+
+
+class ShardedModule(nn.Module):
+    """Shard a model's parameters across ranks, ZeRO-3 style, keeping the model's identity.
+
+    Every submodule that ``auto_wrap`` selects becomes a *unit*; the root holds the
+    parameters no unit took. Each unit keeps a flat, padded 1/N shard of its parameters,
+    all-gathers them just before its forward and its backward, releases them afterwards,
+    and reduce-scatters its gradient so the optimizer steps on the local shard.
+
+    ``model.parameters()`` yields one 1-D ``nn.Parameter`` per original parameter, with its
+    original name: this rank's piece of it (possibly empty). Build the optimizer from them
+    *after* wrapping; any elementwise torch optimizer works unchanged.
+
+    Args:
+        module: the model to shard, in place. Its parameters must all be on one device.
+        auto_wrap: which submodules become units: a module class, a tuple of classes, a
+            callable ``(module) -> bool``, or an int (minimum parameter count). ``None``
+            makes the whole model one unit.
+        process_group: the ranks to shard over. Defaults to the default group when
+            ``torch.distributed`` is initialised, else world size 1 (no launcher needed).
+        device: where shards live. Defaults to ``cuda:$LOCAL_RANK`` with NCCL, else the
+            parameters' device.
+        reshard_after_forward: release each unit's gathered parameters after its forward
+            (ZeRO-3, least memory) rather than keeping them until its backward (one
+            all-gather fewer per unit and step).
+
+    Raises:
+        TypeError: ``auto_wrap`` of an unsupported type.
+        ValueError: a model already wrapped, parameters on several devices or on the meta
+            device, or parameter names, shapes or dtypes that differ across ranks (checked
+            with one small collective; every rank raises, naming the first difference).
+    """
+
+    _shardwrap_root: Root
+
+    def __new__(
+        cls,
+        module: nn.Module,
+        *,
+        auto_wrap: AutoWrap = None,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        reshard_after_forward: bool = True,
+    ) -> ShardedModule:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
+        _check_not_wrapped(module)
+        policy = resolve_policy(module, auto_wrap)
+        device = _check_device(module, device)
+        group = _resolve_group(process_group)
+        _check_same_model(module, group, device)
+        _wrap(module, policy, group, device, reshard_after_forward)
+        return module  # type: ignore[return-value]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Wrapping happens in ``__new__``; the wrapped module is already initialised."""
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Calls and bytes of every collective this model issued since the last reset."""
+        return self._shardwrap_root.stats
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, unsharded, without communication.
+
+        Backward passes inside the block keep full, unreduced flat gradients (memory like
+        DDP); the first backward after the block reduces everything accumulated. Every rank
+        must enter the block alike.
+        """
+        with self._shardwrap_root.no_sync():
+            yield
+
+    @contextmanager
+    def gathered(self, writeback: bool = False) -> Iterator[None]:
+        """Make the full parameters readable (and, with ``writeback``, writable) outside forward.
+
+        Inside the block ``module.weight`` and friends are full tensors. With
+        ``writeback=True`` in-place edits are copied into the shards on exit; otherwise they
+        are discarded. Gathers every unit at once: memory of the whole model. Call on every
+        rank.
+        """
+        with self._shardwrap_root.gathered(writeback):
+            yield
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip gradients by their global norm over all ranks, like ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns:
+            The total norm of the gradients (before clipping), identical on every rank.
+        """
+        root = self._shardwrap_root
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm_type = float(norm_type)
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+            local = torch.linalg.vector_norm(norms, norm_type)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=root.device)
+        if norm_type == float("inf"):
+            all_reduce(local, root.group, dist.ReduceOp.MAX, root.stats).wait()
+            total = local
+        else:
+            local = local.pow(norm_type)
+            all_reduce(local, root.group, dist.ReduceOp.SUM, root.stats).wait()
+            total = local.pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite; "
+                "pass error_if_nonfinite=False to clip anyway"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
+        """The original model's state dict: same keys, full shapes, CPU tensors.
+
+        Gathers one flat group at a time, so device memory stays near one unit. Every rank
+        must call it; with ``rank0_only`` the other ranks get an empty dict.
+        """
+        root = self._shardwrap_root
+        keep = not rank0_only or _rank(root.group) == 0
+        full: dict[int, Tensor] = {}
+        for unit in root.units:
+            for g in unit.groups:
+                with _readable(unit, g):
+                    if keep:
+                        data = g.full_data
+                        for p, off, shape in zip(g.shard_params, g.layout.offsets, g.shapes):
+                            full[id(p)] = data[off : off + shape.numel()].view(shape).to("cpu", copy=True)
+        if not keep:
+            return {}
+        return {
+            k: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
+            for k, v in nn.Module.state_dict(self, keep_vars=True).items()
+        }
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Load a plain (unsharded) state dict into the shards and buffers.
+
+        Raises:
+            KeyError: naming every missing and unexpected key.
+            ValueError: naming every parameter or buffer whose shape differs.
+        """
+        root = self._shardwrap_root
+        own = nn.Module.state_dict(self, keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if missing or unexpected:
+            raise KeyError(
+                f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}. "
+                "Pass the state dict of the same model class and configuration "
+                "(model.full_state_dict() or the unwrapped model's state_dict())."
+            )
+        index = {id(p): (g, i) for u in root.units for g in u.groups for i, p in enumerate(g.shard_params)}
+        wrong = []
+        for k, v in own.items():
+            shape = index[id(v)][0].shapes[index[id(v)][1]] if id(v) in index else v.shape
+            if tuple(state_dict[k].shape) != tuple(shape):
+                wrong.append(f"{k}: expected {tuple(shape)}, got {tuple(state_dict[k].shape)}")
+        if wrong:
+            raise ValueError("load_full_state_dict: shape mismatch for " + "; ".join(wrong))
+        done: set[int] = set()
+        with torch.no_grad():
+            for k, v in own.items():
+                if id(v) in done:
+                    continue
+                done.add(id(v))
+                value = state_dict[k].to(v.device)
+                if id(v) in index:
+                    g, i = index[id(v)]
+                    pc = g.pieces[i]
+                    v.copy_(value.reshape(-1)[pc.start : pc.stop])
+                else:
+                    v.copy_(value)
+
+
+@contextmanager
+def _readable(unit: Unit, group: FlatGroup) -> Iterator[None]:
+    """Fill ``group``'s full buffer for reading; restore the unit's state afterwards."""
+    if unit.state is ShardState.GATHERED and not group.is_stale and group.views is not None:
+        yield
+        return
+    was_sharded = unit.state is ShardState.SHARDED
+    if unit.state is ShardState.GATHERING:
+        unit.finish_gather()
+    group.gather(unit.stats).wait()
+    try:
+        yield
+    finally:
+        if was_sharded:
+            group.free_storage()
+
+
+# construction ------------------------------------------------------------------------
+
+_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (ShardedModule, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def _wrap(
+    module: nn.Module,
+    policy: Any,
+    group: Group,
+    device: torch.device,
+    reshard_after_forward: bool,
+) -> None:
+    placement = place_parameters(module, policy)
+    stats = CommStats()
+    units: list[Unit] = []
+    for index, (unit_module, params) in enumerate(zip(placement.units, placement.params)):
+        by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
+        for entry in params:
+            by_key.setdefault(group_key(entry[1]), []).append(entry)
+        flat_groups = []
+        for entries in by_key.values():
+            names = [n for n, _, _ in entries]
+            originals = [p for _, p, _ in entries]
+            fg = FlatGroup(names, originals, [s for _, _, s in entries], group, device)
+            for (name, p, slots), shard_param in zip(entries, fg.shard_params):
+                for owner, attr in slots:
+                    owner._parameters[attr] = shard_param
+                _retire(p, name)
+            flat_groups.append(fg)
+        units.append(Unit(unit_module, index, flat_groups, stats))
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[k] = b.to(device)
+    root = Root(units, group, stats, device, reshard_after_forward)
+    module.__class__ = _sharded_class(type(module))
+    object.__setattr__(module, _ROOT_ATTR, root)
+    for unit in units[1:]:
+        object.__setattr__(unit.module, "_shardwrap_unit", unit)
+    _install_optimizer_check()
+
+
+def _retire(p: nn.Parameter, name: str) -> None:
+    """Free an original parameter and mark it, so an optimizer still holding it fails loudly."""
+    setattr(p, _RETIRED_ATTR, name)
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_hook_installed = False
+
+
+def _install_optimizer_check() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _hook_installed = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked.get(optimizer) == count:
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = getattr(p, _RETIRED_ATTR, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"shardwrap: this optimizer holds parameter '{name}' from before the model "
+                    "was wrapped; those parameters no longer train the model. Build the "
+                    "optimizer after wrapping: opt = torch.optim.AdamW(model.parameters())."
+                )
+    _checked[optimizer] = count
+
+
+# checks ------------------------------------------------------------------------------
+
+
+def _check_not_wrapped(module: nn.Module) -> None:
+    for name, m in module.named_modules():
+        if hasattr(m, _ROOT_ATTR) or hasattr(m, "_shardwrap_unit"):
+            where = "the model" if not name else f"its submodule '{name}'"
+            raise ValueError(
+                f"ShardedModule: {where} is already wrapped. Wrap once, at the top, and let "
+                "auto_wrap select the submodules: ShardedModule(model, auto_wrap=Block)."
+            )
+
+
+def _check_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    devices: dict[torch.device, str] = {}
+    for name, p in module.named_parameters():
+        devices.setdefault(p.device, name)
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "ShardedModule: the model has parameters on the meta device, which shardwrap "
+            "cannot materialise yet. Build the model on CPU (or call "
+            "model.to_empty(device='cpu') and initialise it) before wrapping."
+        )
+    if len(devices) > 1:
+        listed = ", ".join(f"'{n}' on {d}" for d, n in devices.items())
+        raise ValueError(
+            f"ShardedModule: parameters are on several devices ({listed}). Move the model to "
+            "one device first, e.g. model.to('cpu'), and pass device= for where shards go."
+        )
+    if device is not None:
+        return torch.device(device)
+    if devices:
+        only = next(iter(devices))
+        if only.type != "cpu":
+            return only
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _resolve_group(process_group: dist.ProcessGroup | None) -> Group:
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _rank(group: Group) -> int:
+    return 0 if group is None else group.rank()
+
+
+def _signature(name: str, p: Tensor) -> int:
+    text = f"{name}|{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode()
+    return int.from_bytes(hashlib.sha1(text).digest()[:7], "little")
+
+
+def _check_same_model(module: nn.Module, group: Group, device: torch.device) -> None:
+    """One small all-reduce: every rank must hold the same parameter names, shapes and dtypes."""
+    if group_size(group) == 1:
+        return
+    named = list(module.named_parameters())
+    sigs = [_signature(n, p) for n, p in named]
+    digest = _signature("|".join(str(s) for s in sigs), torch.empty(0))
+    t = torch.tensor([len(sigs), digest, -len(sigs), -digest], dtype=torch.int64, device=device)
+    all_reduce(t, group, dist.ReduceOp.MIN).wait()
+    lo_n, lo_d, hi_n, hi_d = t.tolist()
+    if lo_n == -hi_n and lo_d == -hi_d:
+        return
+    longest = -hi_n
+    padded = sigs + [-1] * (longest - len(sigs))
+    t = torch.tensor(padded + [-s for s in padded], dtype=torch.int64, device=device)
+    all_reduce(t, group, dist.ReduceOp.MIN).wait()
+    values = t.tolist()
+    first = next(i for i in range(longest) if values[i] != -values[longest + i])
+    if first < len(named):
+        name, p = named[first]
+        here = f"parameter #{first} '{name}' with shape {tuple(p.shape)} and dtype {p.dtype}"
+    else:
+        here = f"no parameter #{first} (this rank has only {len(named)})"
+    raise ValueError(
+        f"ShardedModule: the model differs across ranks; rank {group.rank()} has {here}, "
+        "which differs on another rank. Build the same model on every rank (same config, "
+        "same code path) before wrapping."
+    )

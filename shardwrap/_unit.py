@@ -1,0 +1,251 @@
+"""One wrapped module's shards and its SHARDED <-> GATHERED state machine.
+
+Design note. A unit owns one :class:`FlatGroup` per (dtype, requires_grad) group of the
+parameters it holds. Each group keeps this rank's 1/N shard of a padded flat buffer; the
+optimizer sees one ``nn.Parameter`` per original parameter, a 1-D view of that shard.
+Those shard parameters stay registered in the modules at all times, so ``parameters()``,
+``state_dict()`` and an optimizer built after wrapping always see shards.
+
+While the unit is gathered, the full flat buffer (a leaf tensor whose storage is released
+on reshard) is split into views shaped like the original parameters, and the views shadow
+the registered parameters through each module's instance ``__dict__``: ``module.weight``
+returns the full view, ``module._parameters`` keeps the shard. Autograd accumulates the
+gradients of all views into the flat buffer's ``.grad`` in one piece, which is then
+reduce-scattered straight from the flat layout.
+
+A unit knows nothing of other units or of the order of collectives; the schedule decides
+when to gather, and the root decides when to reshard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum, auto
+
+import torch
+from torch import Tensor, nn
+
+from ._collectives import CommStats, Group, Pending, all_gather, group_rank, group_size
+from ._collectives import reduce_scatter
+from ._layout import FlatLayout, LocalPiece
+
+__all__ = ["FlatGroup", "ShardState", "Unit"]
+
+Slot = tuple[nn.Module, str]
+
+
+class ShardState(Enum):
+    SHARDED = auto()
+    GATHERING = auto()
+    GATHERED = auto()
+
+
+class FlatGroup:
+    """The parameters of one unit that share a dtype and ``requires_grad``.
+
+    Args:
+        names: canonical name of each parameter (as ``named_parameters()`` gives it).
+        params: the original, full parameters, in flat order.
+        slots: for each parameter, every ``(module, attribute)`` that holds it (several for
+            tied parameters).
+        group: process group, or ``None`` for world size 1.
+        device: where the shard lives.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        slots: list[list[Slot]],
+        group: Group,
+        device: torch.device,
+    ) -> None:
+        self.names = names
+        self.slots = slots
+        self.group = group
+        self.shapes = [p.shape for p in params]
+        self.dtype = params[0].dtype
+        self.requires_grad = params[0].requires_grad
+        self.layout = FlatLayout(tuple(p.numel() for p in params), group_size(group))
+        rank = group_rank(group)
+        self.pieces: tuple[LocalPiece, ...] = self.layout.local_pieces(rank)
+
+        lo, hi = self.layout.shard_range(rank)
+        self.shard: Tensor = torch.zeros(hi - lo, dtype=self.dtype, device=device)  # 1-D, padded/N
+        with torch.no_grad():
+            for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
+                a, b = max(lo, offset), min(hi, offset + n)
+                if a < b:
+                    self.shard[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+        self.shard_params = [
+            nn.Parameter(self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad)
+            for pc in self.pieces
+        ]
+
+        # 1-D, padded numel; storage allocated only while gathered.
+        self.full: Tensor = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
+        self.full.requires_grad_(self.requires_grad)
+        # Same storage, own version counter and no autograd: what collectives write into,
+        # so re-gathering never invalidates views that autograd saved for backward.
+        self._full_alias: Tensor = torch.empty(0, dtype=self.dtype, device=device)
+        self._full_alias.set_(self.full.untyped_storage(), 0, self.full.shape)
+        self._full_nbytes = self.full.untyped_storage().nbytes()
+        self.free_storage()
+        self._split_sizes = list(self.layout.numels) + ([self.layout.padding] if self.layout.padding else [])
+
+        self.views: list[Tensor] | None = None
+        self.views_track_grad = False
+        self.gathered_version = -1
+        self.grad_shard: Tensor | None = None  # 1-D, padded/N: backs the shard params' .grad
+        self._grad_views: list[Tensor] = []
+
+    # storage -------------------------------------------------------------------------
+
+    def alloc_storage(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self._full_nbytes:
+            storage.resize_(self._full_nbytes)
+
+    @property
+    def full_data(self) -> Tensor:
+        """The gathered flat buffer, outside autograd (valid only while gathered)."""
+        return self._full_alias
+
+    def free_storage(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != 0:
+            storage.resize_(0)
+
+    @property
+    def is_stale(self) -> bool:
+        """True when the shard changed (an optimizer step, a load) since the last gather."""
+        return self.shard._version != self.gathered_version
+
+    # gather --------------------------------------------------------------------------
+
+    def gather(self, stats: CommStats | None) -> Pending:
+        """All-gather the shards into the full buffer (asynchronously where possible)."""
+        self.alloc_storage()
+        self.gathered_version = self.shard._version
+        return all_gather(self._full_alias, self.shard, self.group, stats)
+
+    def make_views(self, track_grad: bool) -> None:
+        """Split the full buffer into parameter-shaped views and shadow the shard params."""
+        track_grad = track_grad and self.requires_grad
+        if self.views is not None and self.views_track_grad == track_grad:
+            return
+        with torch.set_grad_enabled(track_grad):
+            chunks = torch.split(self.full, self._split_sizes)
+            self.views = [c.view(s) for c, s in zip(chunks, self.shapes)]
+        self.views_track_grad = track_grad
+        for view, slots in zip(self.views, self.slots):
+            for module, attr in slots:
+                module.__dict__[attr] = view
+
+    def drop_views(self) -> None:
+        if self.views is None:
+            return
+        self.views = None
+        for slots in self.slots:
+            for module, attr in slots:
+                module.__dict__.pop(attr, None)
+
+    def write_back(self) -> None:
+        """Copy this rank's range of the full buffer back into the shard."""
+        lo, hi = self.layout.shard_range(group_rank(self.group))
+        with torch.no_grad():
+            self.shard.copy_(self._full_alias[lo:hi])
+
+    # gradients -----------------------------------------------------------------------
+
+    def reduce_grad(self, stats: CommStats | None) -> tuple[Pending, Tensor, Tensor]:
+        """Start reduce-scattering the flat gradient (zeros if none).
+
+        Returns the collective in flight, its output (this rank's averaged shard) and its
+        input, which must stay alive until the collective completes. Pass the output to
+        :meth:`accumulate` once done.
+        """
+        grad = self.full.grad
+        self.full.grad = None
+        if grad is None:
+            grad = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.shard.device)
+        out = torch.empty_like(self.shard)
+        return reduce_scatter(out, grad, self.group, stats), out, grad
+
+    def accumulate(self, new: Tensor) -> None:
+        """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``)."""
+        params = self.shard_params
+        if self.grad_shard is not None and all(p.grad is v for p, v in zip(params, self._grad_views)):
+            self.grad_shard.add_(new)
+        elif all(p.grad is None for p in params):
+            self.grad_shard = new
+            self._grad_views = [new[pc.shard_offset : pc.shard_offset + pc.numel] for pc in self.pieces]
+            for p, v in zip(params, self._grad_views):
+                p.grad = v
+        else:
+            for p, pc in zip(params, self.pieces):
+                piece = new[pc.shard_offset : pc.shard_offset + pc.numel]
+                if p.grad is None:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.add_(piece)
+            self.grad_shard, self._grad_views = None, []
+
+
+class Unit:
+    """A wrapped module: its flat groups and their shared SHARDED <-> GATHERED state.
+
+    Args:
+        module: the wrapped module.
+        index: position in the pre-order of units (the root is 0); the schedule orders
+            collectives by it, identically on every rank.
+        groups: the unit's flat groups (possibly none).
+        stats: collective counters shared by the whole model.
+    """
+
+    def __init__(self, module: nn.Module, index: int, groups: list[FlatGroup], stats: CommStats) -> None:
+        self.module = module
+        self.index = index
+        self.groups = groups
+        self.stats = stats
+        self.state = ShardState.SHARDED
+        self._pending: list[Pending] = []
+        self.trainable = [g for g in groups if g.requires_grad]
+
+    @property
+    def is_stale(self) -> bool:
+        return any(g.is_stale for g in self.groups)
+
+    def start_gather(self) -> None:
+        """Issue the all-gathers; the unit is GATHERING until :meth:`finish_gather`."""
+        if self.state is ShardState.GATHERING:
+            self.finish_gather()
+        self._pending = [g.gather(self.stats) for g in self.groups]
+        self.state = ShardState.GATHERING
+
+    def finish_gather(self) -> None:
+        for p in self._pending:
+            p.wait()
+        self._pending = []
+        self.state = ShardState.GATHERED
+
+    def use_full(self, track_grad: bool) -> None:
+        """Make the module's attributes the full parameters (the unit must be gathered)."""
+        if self.state is not ShardState.GATHERED:
+            raise RuntimeError(f"unit {self.index} is {self.state.name}, expected GATHERED")
+        for g in self.groups:
+            g.make_views(track_grad)
+
+    def reshard(self) -> None:
+        """Release the full buffers; the module's attributes fall back to the shards."""
+        if self.state is ShardState.GATHERING:
+            self.finish_gather()
+        for g in self.groups:
+            g.drop_views()
+            g.free_storage()
+        self.state = ShardState.SHARDED
+
+    def register_grad_hooks(self, on_grad: Callable[[Unit, FlatGroup], None]) -> None:
+        """Call ``on_grad(unit, group)`` once a group's flat gradient is complete."""
+        for g in self.trainable:
+            g.full.register_post_accumulate_grad_hook(lambda _t, g=g: on_grad(self, g))

@@ -1,0 +1,135 @@
+"""Which submodules become units, and which unit holds each parameter.
+
+Pure module-tree logic: no tensors are moved and nothing is communicated here.
+
+- ``auto_wrap`` selects units: a class, a tuple of classes, a callable ``(module) -> bool``
+  or an int (minimum parameter count, counted bottom-up so a selected child's parameters do
+  not count again for its parent). The root is always a unit.
+- A parameter belongs to the innermost unit whose subtree holds every place it is used:
+  the lowest common ancestor of those places. Tied parameters (an embedding shared with the
+  output head) therefore land in the unit that encloses both uses, automatically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["AutoWrap", "Placement", "place_parameters", "resolve_policy"]
+
+AutoWrap = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | int | None
+
+
+def resolve_policy(root: nn.Module, auto_wrap: AutoWrap) -> Callable[[nn.Module], bool]:
+    """Turn ``auto_wrap`` into a predicate over submodules (the root is never asked)."""
+    if auto_wrap is None:
+        return lambda m: False
+    if isinstance(auto_wrap, bool):
+        raise TypeError(_bad_policy(auto_wrap))
+    if isinstance(auto_wrap, int):
+        if auto_wrap < 1:
+            raise ValueError(f"auto_wrap as a parameter count must be at least 1, got {auto_wrap}")
+        return _size_policy(root, auto_wrap)
+    if isinstance(auto_wrap, type):
+        auto_wrap = (auto_wrap,)
+    if isinstance(auto_wrap, tuple):
+        bad = [c for c in auto_wrap if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad or not auto_wrap:
+            raise TypeError(_bad_policy(auto_wrap))
+        classes = auto_wrap
+        return lambda m: isinstance(m, classes)
+    if callable(auto_wrap):
+        return auto_wrap
+    raise TypeError(_bad_policy(auto_wrap))
+
+
+def _bad_policy(value: object) -> str:
+    return (
+        f"auto_wrap got {value!r} ({type(value).__name__}); it takes a module class, a tuple "
+        "of module classes, a callable (module) -> bool, an int (minimum parameter count) "
+        "or None. Example: ShardedModule(model, auto_wrap=TransformerBlock)."
+    )
+
+
+def _size_policy(root: nn.Module, min_params: int) -> Callable[[nn.Module], bool]:
+    selected: set[int] = set()
+    numel = {id(p): p.numel() for p in root.parameters()}
+
+    def visit(module: nn.Module) -> tuple[int, set[int]]:
+        seen: set[int] = {id(p) for p in module.parameters(recurse=False)}
+        for child in module.children():
+            _, child_seen = visit(child)
+            if id(child) not in selected:
+                seen |= child_seen
+        if module is not root and sum(numel[i] for i in seen) >= min_params:
+            selected.add(id(module))
+        return len(seen), seen
+
+    visit(root)
+    return lambda m: id(m) in selected
+
+
+@dataclass
+class Placement:
+    """Units in pre-order (root first) and, for each, the parameters it holds.
+
+    ``params[i]`` lists ``(name, parameter, slots)`` for unit ``i``: the canonical name, the
+    parameter, and every ``(module, attribute)`` that holds it.
+    """
+
+    units: list[nn.Module]
+    params: list[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]] = field(default_factory=list)
+
+
+def place_parameters(root: nn.Module, policy: Callable[[nn.Module], bool]) -> Placement:
+    """Select units and give every parameter to the lowest unit that encloses all its uses."""
+    units: list[nn.Module] = [root]
+    unit_index = {id(root): 0}
+    chains: dict[int, tuple[int, ...]] = {}  # id(param) -> unit chain of its LCA so far
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    first_seen: dict[int, tuple[str, nn.Parameter]] = {}
+
+    def walk(module: nn.Module, prefix: str, chain: tuple[int, ...]) -> None:
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            key = id(p)
+            places = slots.setdefault(key, [])
+            if not any(m is module and a == attr for m, a in places):
+                places.append((module, attr))
+            if key not in first_seen:
+                first_seen[key] = (prefix + attr, p)
+                chains[key] = chain
+            else:
+                chains[key] = _common_prefix(chains[key], chain)
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            child_chain = chain
+            if child is not root and policy(child):
+                if id(child) not in unit_index:
+                    unit_index[id(child)] = len(units)
+                    units.append(child)
+                child_chain = chain + (unit_index[id(child)],)
+            walk(child, f"{prefix}{name}.", child_chain)
+
+    walk(root, "", (0,))
+    placement = Placement(units=units, params=[[] for _ in units])
+    for key, (name, p) in first_seen.items():
+        placement.params[chains[key][-1]].append((name, p, slots[key]))
+    return placement
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def group_key(p: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """Parameters share a flat buffer when they share dtype and ``requires_grad``."""
+    return p.dtype, p.requires_grad
