@@ -74,9 +74,12 @@ class Root:
         self._recording: list[Unit] = []
         self._backward_seen: set[int] = set()
         self._released: set[int] = set()
+        self._inputs_pending: dict[int, int] = {}
         self._handles = []
         for unit in units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit)))
+            self._handles.append(
+                unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
+            )
             self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
             unit.register_grad_hooks(self._on_grad)
 
@@ -87,8 +90,10 @@ class Root:
     # forward -------------------------------------------------------------------------
 
     def _hook_pre_forward(self, unit: Unit):
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._pre_forward(unit)
+            if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:
+                self._hook_inputs(unit, (args, kwargs))
 
         return hook
 
@@ -134,6 +139,23 @@ class Root:
             if isinstance(t, Tensor) and t.requires_grad:
                 t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
 
+    def _hook_inputs(self, unit: Unit, inputs: Any) -> None:
+        """Count this call's input gradients, so frozen groups are released once they exist.
+
+        A frozen group has no gradient to tell when backward is done with it; the unit's
+        backward is done once the gradients of all its inputs are computed.
+        """
+        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        self._inputs_pending[unit.index] = self._inputs_pending.get(unit.index, 0) + 1
+
+        def on_inputs_done(grads: Any, unit: Unit = unit) -> None:
+            self._inputs_pending[unit.index] -= 1
+            self._maybe_release(unit)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, on_inputs_done, mode="all")
+
     # backward ------------------------------------------------------------------------
 
     def _start_backward(self) -> None:
@@ -159,15 +181,24 @@ class Root:
         group.drop_views()
         group.free_storage()
         self._released.add(id(group))
-        if all(id(g) in self._released for g in unit.groups):
-            unit.reshard()
+        self._maybe_release(unit)
         self.schedule.grad_ready(group)
+
+    def _maybe_release(self, unit: Unit) -> None:
+        """Reshard ``unit`` once backward no longer needs any of its groups."""
+        if self.phase is not Phase.BACKWARD or unit.state is ShardState.SHARDED:
+            return
+        if self._inputs_pending.get(unit.index, 0) > 0:
+            return
+        if all(id(g) in self._released for g in unit.trainable):
+            unit.reshard()
 
     def _end_backward(self) -> None:
         for unit in self.units:
             if unit.state is not ShardState.SHARDED:
                 unit.reshard()
         self.schedule.finish_backward()
+        self._inputs_pending.clear()
         self._backward_order = self._recording
         self.phase = Phase.IDLE
 

@@ -326,17 +326,17 @@ def _check_device(module: nn.Module, device: torch.device | str | None) -> torch
     devices: dict[torch.device, str] = {}
     for name, p in module.named_parameters():
         devices.setdefault(p.device, name)
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            "ShardedModule: the model has parameters on the meta device, which shardwrap "
-            "cannot materialise yet. Build the model on CPU (or call "
-            "model.to_empty(device='cpu') and initialise it) before wrapping."
-        )
     if len(devices) > 1:
         listed = ", ".join(f"'{n}' on {d}" for d, n in devices.items())
         raise ValueError(
             f"ShardedModule: parameters are on several devices ({listed}). Move the model to "
             "one device first, e.g. model.to('cpu'), and pass device= for where shards go."
+        )
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "ShardedModule: the model has parameters on the meta device, which shardwrap "
+            "cannot materialise yet. Build the model on CPU (or call "
+            "model.to_empty(device='cpu') and initialise it) before wrapping."
         )
     if device is not None:
         return torch.device(device)

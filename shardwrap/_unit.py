@@ -211,6 +211,7 @@ class Unit:
         self.state = ShardState.SHARDED
         self._pending: list[Pending] = []
         self.trainable = [g for g in groups if g.requires_grad]
+        self.frozen = [g for g in groups if not g.requires_grad]
 
     @property
     def is_stale(self) -> bool:
