@@ -1,0 +1,41 @@
+# make test: build .venv (once per change to pyproject.toml or this file), then run the suite.
+# make demo: the same .venv, then train a small GPT under torchrun (see examples/train_gpt.py).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp
+
+# NOTE: the exact pin matters: an unpinned torch resolves to a multi-GB CUDA build. Where no local
+# CPU wheel is on pip's path, add TORCH_PIP_FLAGS='--index-url https://download.pytorch.org/whl/cpu'.
+TORCH := torch==2.13.0
+TORCH_PIP_FLAGS ?=
+
+# The demo's ranks; extra flags for it go in DEMO_ARGS, e.g. make demo DEMO_ARGS='--steps 100'.
+NPROC ?= 2
+DEMO_ARGS ?=
+
+export OMP_NUM_THREADS := 1
+
+.PHONY: test demo
+
+# The process tier runs only once a test carries the marker: pytest exits 5 when it collects
+# nothing, and accepting 5 unconditionally would also hide process tests lost by mistake.
+test: $(STAMP)
+	$(BIN)/pytest -m "not process"
+	@if grep -rqsE --include='*.py' 'mark\.process\b' tests; then \
+		echo "$(BIN)/pytest -m process -n 2"; \
+		$(BIN)/pytest -m process -n 2; \
+	else \
+		echo "process tier: no tests marked 'process' yet"; \
+	fi
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py $(DEMO_ARGS)
+
+# One environment for both: the process tier runs the demo, so tests need its extra too.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install $(TORCH_PIP_FLAGS) '$(TORCH)'
+	$(BIN)/pip install -e '.[test,demo]'
+	touch $@

@@ -1,0 +1,1 @@
+"""shardwrap's test suite; run it with ``make test``."""
