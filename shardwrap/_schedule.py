@@ -33,6 +33,10 @@ from ._unit import FlatGroup, ShardState, Unit
 
 __all__ = ["Schedule"]
 
+# Each reduction in flight holds a unit's full-size flat gradient; two overlap the next
+# unit's backward while bounding that memory.
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
 
 class Schedule:
     """Orders one model's gathers and gradient reductions identically on every rank.
@@ -65,6 +69,7 @@ class Schedule:
         self._used = [False] * len(self.reduce_order)
         self._issued = 0
         self._pending: list[tuple[int, Pending, torch.Tensor, torch.Tensor]] = []
+        self._landed: list[tuple[int, torch.Tensor]] = []  # reduced shard gradients, 1-D padded/N
 
     # gathers -------------------------------------------------------------------------
 
@@ -129,8 +134,16 @@ class Schedule:
         if not self.sync:
             return
         for i in range(self._issued, upto):
+            while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
+                self._complete_oldest()
             self._pending.append((i, *self.reduce_order[i].reduce_grad(self.stats)))
         self._issued = max(self._issued, upto)
+
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest reduction and land it, freeing its full-size gradient."""
+        i, work, out, _grad = self._pending.pop(0)
+        work.wait()
+        self._landed.append((i, out))
 
     def finish_backward(self) -> None:
         """End of backward: reduce what is left (zeros where unused) and wait for all of it."""
@@ -140,8 +153,9 @@ class Schedule:
             self._negotiate(self.end_backward_priority)
         else:
             self._issue_reductions(len(self.reduce_order))
-        for i, work, out, _grad in self._pending:
-            work.wait()
+        while self._pending:
+            self._complete_oldest()
+        for i, out in self._landed:
             if self._used_anywhere[i]:
                 self.reduce_order[i].accumulate(out)
         self._reset_backward()
