@@ -29,6 +29,7 @@ __all__ = ["ShardedModule"]
 
 _ROOT_ATTR = "_shardwrap_root"
 _RETIRED_ATTR = "_shardwrap_retired"
+_SHARD_ATTR = "_shardwrap_shard"
 
 
 class ShardedModule(nn.Module):
@@ -124,7 +125,7 @@ class ShardedModule(nn.Module):
             The total norm of the gradients (before clipping), identical on every rank.
         """
         root = self._shardwrap_root
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel() > 0]
         norm_type = float(norm_type)
         if grads:
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
@@ -259,6 +260,7 @@ def _wrap(
             originals = [p for _, p, _ in entries]
             fg = FlatGroup(names, originals, [s for _, _, s in entries], group, device)
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
+                setattr(shard_param, _SHARD_ATTR, True)
                 for owner, attr in slots:
                     owner._parameters[attr] = shard_param
                 _retire(p, name)
@@ -315,11 +317,17 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 def _check_not_wrapped(module: nn.Module) -> None:
     for name, m in module.named_modules():
         if hasattr(m, _ROOT_ATTR) or hasattr(m, "_shardwrap_unit"):
-            where = "the model" if not name else f"its submodule '{name}'"
-            raise ValueError(
-                f"ShardedModule: {where} is already wrapped. Wrap once, at the top, and let "
-                "auto_wrap select the submodules: ShardedModule(model, auto_wrap=Block)."
-            )
+            _already_wrapped("the model" if not name else f"its submodule '{name}'")
+    for name, p in module.named_parameters():
+        if getattr(p, _SHARD_ATTR, False):
+            _already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
+
+
+def _already_wrapped(where: str) -> None:
+    raise ValueError(
+        f"ShardedModule: {where} is already wrapped. Wrap once, at the top, and let "
+        "auto_wrap select the submodules: ShardedModule(model, auto_wrap=Block)."
+    )
 
 
 def _check_device(module: nn.Module, device: torch.device | str | None) -> torch.device:

@@ -29,6 +29,11 @@ def resolve_policy(root: nn.Module, auto_wrap: AutoWrap) -> Callable[[nn.Module]
         return lambda m: False
     if isinstance(auto_wrap, bool):
         raise TypeError(_bad_policy(auto_wrap))
+    if isinstance(auto_wrap, nn.Module):
+        raise TypeError(
+            f"auto_wrap got a module instance ({type(auto_wrap).__name__}); pass its class: "
+            f"auto_wrap={type(auto_wrap).__name__}."
+        )
     if isinstance(auto_wrap, int):
         if auto_wrap < 1:
             raise ValueError(f"auto_wrap as a parameter count must be at least 1, got {auto_wrap}")

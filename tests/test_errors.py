@@ -1,0 +1,263 @@
+"""Bad input gets a clear error, never a hang.
+
+Each case checks the exception type and that its message names the problem and the fix.
+Checks that need no communication run on rank 0 of two while rank 1 does nothing: an error
+raised before any collective comes back at once, one raised after a collective would time
+out instead. Models that differ across ranks make every rank raise, naming the first
+differing parameter, within a short timeout.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_errors.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import ShardedModule
+from tests._ranks import run_ranks
+from tests.models import GPT, Block, make_batch
+
+TIMEOUT = 6.0  # seconds: a collective that cannot complete fails after half of it
+
+Group = ProcessGroup | None
+
+
+def _gpt(width: int = 36) -> GPT:
+    torch.manual_seed(0)
+    return GPT(width=width)
+
+
+def _error_on_rank0(
+    world_size: int,
+    exc: type[Exception],
+    call: Callable[[Any, Group], object],
+    prepare: Callable[[Group], Any],
+) -> str:
+    """``prepare(group)`` on every rank, then ``call(prepared, group)`` on rank 0 alone.
+
+    Returns the message of the ``exc`` that ``call`` must raise. World size 1 runs without a
+    process group.
+    """
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        group = pg if world_size > 1 else None
+        prepared = prepare(group)
+        if rank > 0:
+            return ""
+        with pytest.raises(exc) as info:
+            call(prepared, group)
+        return str(info.value)
+
+    return run_ranks(world_size, fn, timeout=TIMEOUT)[0]
+
+
+def _copy_of(model: nn.Module) -> Callable[[Group], nn.Module]:
+    return lambda group: copy.deepcopy(model)
+
+
+# wrapping twice ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("auto_wrap", [Block, None])
+def test_wrapping_a_wrapped_model_again(world_size: int, auto_wrap: Any) -> None:
+    model = _gpt()
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        lambda group: ShardedModule(copy.deepcopy(model), auto_wrap=auto_wrap, process_group=group),
+    )
+    assert "already wrapped" in message and "Wrap once" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_wrapping_a_model_whose_submodule_is_wrapped(world_size: int) -> None:
+    model = _gpt()
+
+    def wrap_block(group: Group) -> nn.Module:
+        m = copy.deepcopy(model)
+        ShardedModule(m.blocks[1], process_group=group)
+        return m
+
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        wrap_block,
+    )
+    assert "'blocks.1'" in message and "already wrapped" in message
+    assert "auto_wrap" in message  # the fix: wrap once at the top, select blocks by policy
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("auto_wrap", [Block, None])
+def test_wrapping_a_submodule_of_a_wrapped_model(world_size: int, auto_wrap: Any) -> None:
+    """``blocks.1`` is a unit with ``auto_wrap=Block``, and plain shards of the root without."""
+    model = _gpt()
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m.blocks[1], process_group=group),
+        lambda group: ShardedModule(copy.deepcopy(model), auto_wrap=auto_wrap, process_group=group),
+    )
+    assert "already wrapped" in message and "Wrap once" in message
+
+
+# auto_wrap ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(
+    "auto_wrap",
+    ["Block", True, [Block], (Block, int), (Block, "Block")],
+    ids=["str", "bool", "list", "tuple-with-int", "tuple-with-str"],
+)
+def test_auto_wrap_of_the_wrong_type(world_size: int, auto_wrap: object) -> None:
+    message = _error_on_rank0(
+        world_size,
+        TypeError,
+        lambda m, group: ShardedModule(m, auto_wrap=auto_wrap, process_group=group),
+        _copy_of(_gpt()),
+    )
+    assert f"auto_wrap got {auto_wrap!r}" in message
+    assert "a module class" in message and "a tuple of module classes" in message
+    assert "auto_wrap=TransformerBlock" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("auto_wrap", [0, -3])
+def test_auto_wrap_parameter_count_below_one(world_size: int, auto_wrap: int) -> None:
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=auto_wrap, process_group=group),
+        _copy_of(_gpt()),
+    )
+    assert "auto_wrap" in message and "parameter count" in message
+    assert "at least 1" in message and f"got {auto_wrap}" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_auto_wrap_given_a_module_instance_instead_of_its_class(world_size: int) -> None:
+    """Modules are callable, so an instance must not pass for a ``(module) -> bool`` policy."""
+    model = _gpt()
+    message = _error_on_rank0(
+        world_size,
+        TypeError,
+        lambda m, group: ShardedModule(m, auto_wrap=m.blocks[0], process_group=group),
+        _copy_of(model),
+    )
+    assert "auto_wrap" in message and "Block" in message and "class" in message
+
+
+# devices -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parameters_on_several_devices(world_size: int) -> None:
+    model = _gpt()
+    model.lm_head.weight = nn.Parameter(torch.empty(67, 36, device="meta"))
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        _copy_of(model),
+    )
+    assert "several devices" in message
+    assert "'wte.weight' on cpu" in message and "'lm_head.weight' on meta" in message
+    assert "one device" in message and "model.to(" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_meta_device_model(world_size: int) -> None:
+    with torch.device("meta"):
+        model = GPT()
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        _copy_of(model),
+    )
+    assert "meta device" in message and "yet" in message
+    assert "to_empty(device='cpu')" in message and "before wrapping" in message
+
+
+# models that differ across ranks -----------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parameter_shapes_differ_across_ranks(world_size: int) -> None:
+    """The last rank builds a wider model: every rank names the first differing parameter."""
+    narrow, wide = _gpt(width=36), _gpt(width=39)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        model = copy.deepcopy(wide if rank == world_size - 1 else narrow)
+        with pytest.raises(ValueError) as info:
+            ShardedModule(model, auto_wrap=Block, process_group=pg)
+        return str(info.value)
+
+    for rank, message in enumerate(run_ranks(world_size, fn, timeout=TIMEOUT)):
+        width = 39 if rank == world_size - 1 else 36
+        assert f"parameter #0 'wte.weight' with shape (67, {width})" in message
+        assert "differs across ranks" in message and "same model on every rank" in message
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_extra_parameter_on_one_rank(world_size: int) -> None:
+    """Rank 0 has one parameter more, last in order: the others name its position."""
+    model = _gpt()
+    count = len(list(model.parameters()))
+    extra = copy.deepcopy(model)
+    extra.lm_head.register_parameter("scale", nn.Parameter(torch.ones(3)))
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        with pytest.raises(ValueError) as info:
+            ShardedModule(
+                copy.deepcopy(extra if rank == 0 else model), auto_wrap=Block, process_group=pg
+            )
+        return str(info.value)
+
+    messages = run_ranks(world_size, fn, timeout=TIMEOUT)
+    assert f"parameter #{count} 'lm_head.scale'" in messages[0]
+    for message in messages[1:]:
+        assert f"no parameter #{count}" in message
+    for message in messages:
+        assert "differs across ranks" in message and "same model on every rank" in message
+
+
+# optimizer built too early -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_optimizer_built_before_wrapping(world_size: int, optimizer: type) -> None:
+    model = _gpt()
+    idx, targets = make_batch(0, 8)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        local = copy.deepcopy(model)
+        too_early = optimizer(local.parameters(), lr=1e-2)
+        m = ShardedModule(local, auto_wrap=Block, process_group=pg if world_size > 1 else None)
+        inputs, labels = idx.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+        m(inputs, labels).backward()
+        with pytest.raises(RuntimeError) as info:
+            too_early.step()
+        message = str(info.value)
+        assert "'wte.weight'" in message and "from before the model was wrapped" in message
+        assert "optimizer after wrapping" in message
+
+        before = m.full_state_dict()
+        optimizer(m.parameters(), lr=1e-2).step()
+        after = m.full_state_dict()
+        for name, value in before.items():
+            assert not torch.equal(after[name], value), name
+
+    run_ranks(world_size, fn, timeout=TIMEOUT * 5)
