@@ -19,6 +19,7 @@ when to gather, and the root decides when to reshard.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from enum import Enum, auto
 
@@ -247,6 +248,18 @@ class Unit:
         self.state = ShardState.SHARDED
 
     def register_grad_hooks(self, on_grad: Callable[[Unit, FlatGroup], None]) -> None:
-        """Call ``on_grad(unit, group)`` once a group's flat gradient is complete."""
-        for g in self.trainable:
-            g.full.register_post_accumulate_grad_hook(lambda _t, g=g: on_grad(self, g))
+        """Call ``on_grad(unit, group)`` once a group's flat gradient is complete.
+
+        The hooks live in autograd's C++ side, out of sight of Python's garbage collector,
+        so they hold only weak references: a dropped model is freed.
+        """
+        unit_ref = weakref.ref(self)
+        callback = weakref.WeakMethod(on_grad)  # type: ignore[arg-type]
+        for i, g in enumerate(self.trainable):
+
+            def hook(_full: Tensor, i: int = i) -> None:
+                unit, fn = unit_ref(), callback()
+                if unit is not None and fn is not None:
+                    fn(unit, unit.trainable[i])
+
+            g.full.register_post_accumulate_grad_hook(hook)

@@ -69,7 +69,7 @@ def _size_policy(root: nn.Module, min_params: int) -> Callable[[nn.Module], bool
             _, child_seen = visit(child)
             if id(child) not in selected:
                 seen |= child_seen
-        if module is not root and sum(numel[i] for i in seen) >= min_params:
+        if module is not root and has_forward(module) and sum(numel[i] for i in seen) >= min_params:
             selected.add(id(module))
         return len(seen), seen
 
@@ -115,6 +115,12 @@ def place_parameters(root: nn.Module, policy: Callable[[nn.Module], bool]) -> Pl
                 continue
             child_chain = chain
             if child is not root and policy(child):
+                if not has_forward(child):
+                    raise ValueError(
+                        f"auto_wrap selected '{prefix}{name}' ({type(child).__name__}), a container "
+                        "whose forward is never called, so its parameters could never be "
+                        "gathered. Select the modules inside it instead, e.g. the block class."
+                    )
                 if id(child) not in unit_index:
                     unit_index[id(child)] = len(units)
                     units.append(child)
@@ -126,6 +132,11 @@ def place_parameters(root: nn.Module, policy: Callable[[nn.Module], bool]) -> Pl
     for key, (name, p) in first_seen.items():
         placement.params[chains[key][-1]].append((name, p, slots[key]))
     return placement
+
+
+def has_forward(module: nn.Module) -> bool:
+    """False for containers such as ``nn.ModuleList`` that are iterated, never called."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

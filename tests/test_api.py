@@ -13,6 +13,8 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_api.py -q``
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -450,3 +452,13 @@ def test_gathered_exposes_full_parameters_and_writes_back_on_request(world_size:
         torch.testing.assert_close(logits, _local(ref_logits, pg), atol=1e-5, rtol=0)
 
     run_ranks(world_size, fn)
+
+
+def test_a_dropped_model_is_freed() -> None:
+    """Autograd hooks hold the model only weakly: deleting it frees shards and groups."""
+    model = ShardedModule(GPT(), auto_wrap=Block)
+    model(*make_batch(0, 2)).backward()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

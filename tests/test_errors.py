@@ -261,3 +261,19 @@ def test_optimizer_built_before_wrapping(world_size: int, optimizer: type) -> No
             assert not torch.equal(after[name], value), name
 
     run_ranks(world_size, fn, timeout=TIMEOUT * 5)
+
+
+def test_auto_wrap_selecting_a_container_that_is_never_called() -> None:
+    """A ModuleList is iterated, never called: as a unit it could never be gathered."""
+    with pytest.raises(ValueError, match=r"'blocks' \(ModuleList\).*never called.*block class"):
+        ShardedModule(GPT(), auto_wrap=nn.ModuleList)
+
+
+def test_parameter_count_policy_skips_containers() -> None:
+    """A threshold that the block list reaches but no single block does selects no container."""
+    model = GPT()
+    reference = copy.deepcopy(model)
+    sharded = ShardedModule(model, auto_wrap=3000)
+    assert all(not isinstance(u.module, nn.ModuleList) for u in sharded._shardwrap_root.units)
+    idx, targets = make_batch(0, 2)
+    assert sharded(idx, targets).item() == pytest.approx(reference(idx, targets).item(), abs=1e-6)
