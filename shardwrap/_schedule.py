@@ -33,9 +33,9 @@ from ._unit import FlatGroup, ShardState, Unit
 
 __all__ = ["Schedule"]
 
-# Each reduction in flight holds a unit's full-size flat gradient; two overlap the next
-# unit's backward while bounding that memory.
-MAX_REDUCTIONS_IN_FLIGHT = 2
+# Each reduction in flight holds a unit's full-size flat gradient. One overlaps the next
+# unit's backward (a reduction takes less time than a unit's backward) at the least memory.
+MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 class Schedule:

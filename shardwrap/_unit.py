@@ -97,8 +97,9 @@ class FlatGroup:
         self.views: list[Tensor] | None = None
         self.views_track_grad = False
         self.gathered_version = -1
-        self.grad_shard: Tensor | None = None  # 1-D, padded/N: backs the shard params' .grad
-        self._grad_views: list[Tensor] = []
+        # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
+        self._grad_flat: Callable[[], Tensor | None] = _dead_ref
+        self._grad_views: list[Callable[[], Tensor | None]] = []
 
     # storage -------------------------------------------------------------------------
 
@@ -174,15 +175,21 @@ class FlatGroup:
         return reduce_scatter(out, grad, self.group, stats), out, grad
 
     def accumulate(self, new: Tensor) -> None:
-        """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``)."""
+        """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
+
+        The ``.grad`` tensors are views of one flat buffer, known here only weakly: once
+        ``zero_grad()`` drops them, their memory is freed.
+        """
         params = self.shard_params
-        if self.grad_shard is not None and all(p.grad is v for p, v in zip(params, self._grad_views)):
-            self.grad_shard.add_(new)
+        flat = self._grad_flat()
+        if flat is not None and all(p.grad is v() for p, v in zip(params, self._grad_views)):
+            flat.add_(new)
         elif all(p.grad is None for p in params):
-            self.grad_shard = new
-            self._grad_views = [new[pc.shard_offset : pc.shard_offset + pc.numel] for pc in self.pieces]
-            for p, v in zip(params, self._grad_views):
+            views = [new[pc.shard_offset : pc.shard_offset + pc.numel] for pc in self.pieces]
+            for p, v in zip(params, views):
                 p.grad = v
+            self._grad_flat = weakref.ref(new)
+            self._grad_views = [weakref.ref(v) for v in views]
         else:
             for p, pc in zip(params, self.pieces):
                 piece = new[pc.shard_offset : pc.shard_offset + pc.numel]
@@ -190,7 +197,11 @@ class FlatGroup:
                     p.grad = piece.clone()
                 else:
                     p.grad.add_(piece)
-            self.grad_shard, self._grad_views = None, []
+            self._grad_flat, self._grad_views = _dead_ref, []
+
+
+def _dead_ref() -> None:
+    return None
 
 
 class Unit:
