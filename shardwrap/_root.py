@@ -48,6 +48,8 @@ class Root:
     Args:
         units: all units in pre-order; ``units[0]`` wraps the root module.
         group: process group, or ``None`` for world size 1.
+        control: the group for handshakes (see :class:`~shardwrap._schedule.Schedule`), with
+            the device its tensors live on.
         stats: collective counters.
         device: the device of the shards.
         reshard_after_forward: release each non-root unit's gathered parameters after its
@@ -58,6 +60,7 @@ class Root:
         self,
         units: list[Unit],
         group: Group,
+        control: tuple[Group, torch.device],
         stats: CommStats,
         device: torch.device,
         reshard_after_forward: bool,
@@ -67,7 +70,7 @@ class Root:
         self.stats = stats
         self.device = device
         self.reshard_after_forward = reshard_after_forward
-        self.schedule = Schedule(units, group, stats, device)
+        self.schedule = Schedule(units, control[0], stats, control[1])
         self.phase = Phase.IDLE
         self._forward_order: list[Unit] = []
         self._backward_order: list[Unit] = []

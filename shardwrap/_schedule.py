@@ -43,15 +43,17 @@ class Schedule:
 
     Args:
         units: every unit of the model; ``units[i].index == i``.
-        group: process group, or ``None`` for world size 1.
+        control: the group that carries handshakes (``None`` for world size 1). Ideally a
+            group of its own over the same ranks, so that a handshake never queues behind
+            bulk transfers; the data group itself works too.
         stats: collective counters shared by the whole model.
-        device: where the handshake tensor lives (the backend's device).
+        device: where the handshake tensor lives (the control group backend's device).
     """
 
-    def __init__(self, units: list[Unit], group: Group, stats: CommStats, device: torch.device) -> None:
+    def __init__(self, units: list[Unit], control: Group, stats: CommStats, device: torch.device) -> None:
         self.units = units
-        self.group = group
-        self.world = group_size(group)
+        self.control = control
+        self.world = group_size(control)
         self.stats = stats
         self.device = device
         n = len(units)
@@ -90,7 +92,7 @@ class Schedule:
             ready = self._ready_prefix()
             t = torch.tensor([want, ready] + [-int(u) for u in self._used], dtype=torch.int64)
             t = t.to(self.device)
-            all_reduce(t, self.group, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
+            all_reduce(t, self.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
             agreed, ready, *neg_used = t.tolist()
             self._issue_reductions(ready)
             if agreed == want:

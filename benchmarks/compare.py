@@ -1,0 +1,163 @@
+"""shardwrap against PyTorch FSDP2, DDP and an unsharded process, side by side.
+
+    python benchmarks/compare.py                          # the reference configuration
+    python benchmarks/compare.py --methods shardwrap fsdp2 --rounds 3 --steps 6
+    python benchmarks/compare.py --config '{"width": 256, "depth": 2}' --theme tiny
+
+Every method trains the same GPT (same seed, batch, optimizer) under ``torchrun``, each run
+in fresh processes so that memory high-water marks are its own. Methods alternate
+(A B C A B C ...) so that drift of this shared machine hits all of them alike. For each
+method the report gives the median step time over all rounds, tokens/s per rank, the peak
+memory per rank (worst round), the bytes handed to collectives per step, and the ratios to
+FSDP2 and DDP. Output: ``benchmarks/results/<theme>_<hardware>_<date>.md`` and a PNG bar
+chart beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+METHODS = ("shardwrap", "fsdp2", "ddp", "single")
+
+
+def run_once(method: str, config: dict[str, Any], nproc: int, timeout: float) -> dict[str, Any]:
+    """Launch one method under torchrun; return rank 0's result."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(HERE / "_worker.py"), method, json.dumps(config),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).replace(" ", "-").lower()
+    return f"cpu{os.cpu_count()}"
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    rows = {}
+    for method, results in runs.items():
+        times = [t for r in results for t in r["step_times"]]
+        rows[method] = {
+            "step_s": statistics.median(times),
+            "tokens_per_s_per_rank": results[0]["config"]["batch"] * results[0]["config"]["context"] / statistics.median(times),
+            "peak_mb_per_rank": max(r["peak_mb_per_rank"] for r in results),
+            "comm_mb_per_step": statistics.median(r["comm_bytes_per_step"] for r in results) / 2**20,
+            "final_loss": results[-1]["final_loss"],
+        }
+    for row in rows.values():
+        for ref in ("fsdp2", "ddp"):
+            if ref in rows:
+                row[f"time_vs_{ref}"] = row["step_s"] / rows[ref]["step_s"]
+                row[f"memory_vs_{ref}"] = row["peak_mb_per_rank"] / rows[ref]["peak_mb_per_rank"]
+    return rows
+
+
+def markdown(rows: dict[str, dict[str, float]], runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
+    first = next(iter(runs.values()))[0]
+    cfg = first["config"]
+    lines = [
+        f"# {args.theme}: shardwrap vs FSDP2, DDP and one unsharded process",
+        "",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",
+        f"- software: Python {platform.python_version()}, torch {torch.__version__}, backend "
+        f"{'nccl' if torch.cuda.is_available() else 'gloo'}, {args.nproc} ranks, OMP_NUM_THREADS=1",
+        f"- model: GPT, {cfg['depth']} blocks of width {cfg['width']}, {cfg['heads']} heads, "
+        f"byte vocabulary, context {cfg['context']}, {first['params'] / 1e6:.1f}M parameters",
+        f"- training: batch {cfg['batch']} per rank, fp32 AdamW, {cfg['warmup']} warm-up + "
+        f"{cfg['steps']} timed steps per run, {args.rounds} alternating rounds per method",
+        f"- command: `python benchmarks/compare.py {' '.join(sys.argv[1:])}`",
+        "",
+        "| method | step (s, median) | tokens/s per rank | peak MB per rank | comm MB per step "
+        "| time vs FSDP2 | memory vs FSDP2 | time vs DDP | memory vs DDP |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, r in rows.items():
+        ratio = lambda key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
+        lines.append(
+            f"| {method} | {r['step_s']:.2f} | {r['tokens_per_s_per_rank']:.1f} | "
+            f"{r['peak_mb_per_rank']:.0f} | {r['comm_mb_per_step']:.0f} | {ratio('time_vs_fsdp2')} | "
+            f"{ratio('memory_vs_fsdp2')} | {ratio('time_vs_ddp')} | {ratio('memory_vs_ddp')} |"
+        )
+    lines += ["", "Step times of every run, in order:", ""]
+    for method, results in runs.items():
+        times = ", ".join(f"{t:.2f}" for r in results for t in r["step_times"])
+        lines.append(f"- {method}: {times}")
+    lines += [
+        "",
+        "Peak memory: resident-set high-water mark above the resident set just before the model "
+        "was built (CPU), or max_memory_allocated (GPU); the worst rank of the worst round. Comm MB: "
+        "buffers handed to collectives per step (all-gather output, reduce-scatter input, "
+        "all-reduce tensor). `single` trains an unsharded copy on every rank with no communication.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, key, label in zip(axes, ("step_s", "peak_mb_per_rank"), ("step time (s)", "peak memory per rank (MB)")):
+        bars = ax.bar(methods, [rows[m][key] for m in methods], color=["C0" if m == "shardwrap" else "C7" for m in methods])
+        ax.bar_label(bars, fmt="%.2f" if key == "step_s" else "%.0f")
+        ax.set_title(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config")
+    parser.add_argument("--theme", default="gpt101m_fp32")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--timeout", type=float, default=1200)
+    args = parser.parse_args()
+    config = {"steps": args.steps, **json.loads(args.config)}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+    for round_ in range(args.rounds):
+        for method in args.methods:
+            result = run_once(method, config, args.nproc, args.timeout)
+            runs[method].append(result)
+            print(f"round {round_ + 1} {method}: {result['step_s']:.2f} s/step, "
+                  f"{result['peak_mb_per_rank']:.0f} MB", flush=True)
+    rows = summarize(runs)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.theme}_{hardware()}_{datetime.date.today().isoformat()}"
+    report = markdown(rows, runs, args)
+    (args.out_dir / f"{stem}.md").write_text(report)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
+    plot(rows, args.out_dir / f"{stem}.png")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
