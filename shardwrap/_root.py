@@ -85,6 +85,8 @@ class Root:
             )
             self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
             unit.register_grad_hooks(self._on_grad)
+            for g in unit.trainable:
+                g.on_views_done = self._on_views_done
 
     @property
     def root(self) -> Unit:
@@ -178,6 +180,16 @@ class Root:
         self._ensure_gathered(unit, backward=True)
         self._prefetch(self._backward_order, unit, backward=True)
 
+    def _on_views_done(self, group: FlatGroup) -> None:
+        """Backward read the group's parameters for the last time: release them early.
+
+        The flat gradient is still to be assembled from the per-parameter ones; freeing the
+        parameters first keeps one unit-sized buffer fewer alive at that moment.
+        """
+        if self.phase is Phase.BACKWARD:
+            group.drop_views()
+            group.free_storage()
+
     def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
         if self.phase is not Phase.BACKWARD:
             self._start_backward()
@@ -202,6 +214,9 @@ class Root:
                 unit.reshard()
         self.schedule.finish_backward()
         self._inputs_pending.clear()
+        for unit in self.units:
+            for g in unit.trainable:
+                g.splits_pending = 0
         self._backward_order = self._recording
         self.phase = Phase.IDLE
 

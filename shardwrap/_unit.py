@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from enum import Enum, auto
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +97,10 @@ class FlatGroup:
 
         self.views: list[Tensor] | None = None
         self.views_track_grad = False
+        # Autograd split nodes over this buffer not yet run; at zero, backward is done reading
+        # the gathered parameters (their gradients are not yet one flat tensor).
+        self.splits_pending = 0
+        self.on_views_done: Callable[[FlatGroup], None] | None = None
         self.gathered_version = -1
         # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
         self._grad_flat: Callable[[], Tensor | None] = _dead_ref
@@ -140,9 +145,18 @@ class FlatGroup:
             chunks = torch.split(self.full, self._split_sizes)
             self.views = [c.view(s) for c, s in zip(chunks, self.shapes)]
         self.views_track_grad = track_grad
+        if track_grad:
+            self.splits_pending += 1
+            chunks[0].grad_fn.register_prehook(self._on_split_backward)
         for view, slots in zip(self.views, self.slots):
             for module, attr in slots:
                 module.__dict__[attr] = view
+
+    def _on_split_backward(self, grad_outputs: Any) -> None:
+        # Every view's gradient exists: backward reads these parameters no more.
+        self.splits_pending -= 1
+        if self.splits_pending == 0 and self.on_views_done is not None:
+            self.on_views_done(self)
 
     def drop_views(self) -> None:
         if self.views is None:
