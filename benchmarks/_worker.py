@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.models import GPT, Block  # noqa: E402
+from examples.train_gpt import GPT, Block  # noqa: E402
 from shardwrap import ShardedModule  # noqa: E402
 
 METHODS = ("shardwrap", "fsdp2", "ddp", "single")
