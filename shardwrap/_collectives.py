@@ -8,9 +8,9 @@ with its own group.
 
 Backend quirks handled here:
 
-- On CPU (gloo) a reduce-scatter is an in-place all-reduce of the scratch input followed by
-  dividing this rank's slice into the output: faster there, and independent of whether the
-  release's gloo supports AVG.
+- On CPU (gloo) gathers and reductions are direct point-to-point exchanges (see the note
+  above ``_exchange_all_gather``): several times faster there than gloo's collectives, and
+  independent of whether the release's gloo can average.
 - Collectives return a :class:`Pending` whose ``wait()`` finishes the work (the division
   above, for one), so callers can overlap communication with compute.
 
@@ -21,6 +21,8 @@ benchmarks read.
 from __future__ import annotations
 
 from collections.abc import Callable
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -91,32 +93,97 @@ def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None
     if group is None:
         out.copy_(shard)
         return Pending(None)
+    if shard.device.type == "cpu":
+        return _exchange_all_gather(out, shard, group)
     return Pending(group._allgather_base(out, shard))
 
 
 def reduce_scatter(out: Tensor, full: Tensor, group: Group, stats: CommStats | None = None) -> Pending:
     """Average ``full`` (1-D) over ranks and keep this rank's shard of the result in ``out``.
 
-    ``full`` is scratch: on CPU it is overwritten with the sum over ranks.
+    ``full`` is scratch and may be overwritten.
     """
-    world = group_size(group)
     if stats is not None:
         stats.add("reduce_scatter", full.numel() * full.element_size())
     if group is None:
         out.copy_(full)
         return Pending(None)
     if full.device.type == "cpu":
-        # NOTE: gloo's reduce-scatter ran 1.5-2x slower than an in-place all-reduce of the
-        # same buffer followed by a slice, at 2 and 4 ranks (50 MB, this project's CPU
-        # machines); gloo also lacks AVG on some releases, so sum and divide.
-        lo = group.rank() * out.numel()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        work = group.allreduce([full], opts)
-        return Pending(work, lambda: torch.div(full[lo : lo + out.numel()], world, out=out))
+        return _exchange_reduce_scatter(out, full, group)
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.AVG
     return Pending(group._reduce_scatter_base(out, full, opts))
+
+
+# Gloo: direct exchanges --------------------------------------------------------------
+#
+# NOTE: on gloo, point-to-point exchanges written straight into the destination beat the
+# collectives: for a 50 MB flat buffer at 2 ranks, gathering took 21 ms wall and 13 ms of
+# CPU against 81 ms and 60 ms for gloo's all-gather (which allocates and copies a buffer of
+# its own), and reducing took 37 ms against 43 ms for an all-reduce plus slice and about
+# 120 ms for gloo's reduce-scatter, sending half the bytes of the all-reduce. Every rank
+# issues exchanges in the same order (the schedule sees to it), so a per-group counter gives
+# matching tags; gloo keeps point-to-point tags apart from its collectives' own.
+
+_tags: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
+
+
+def _next_tag(group: dist.ProcessGroup) -> int:
+    """The next exchange tag of ``group``: the same sequence on every rank, for the group's life."""
+    if group not in _tags:
+        _tags[group] = itertools.count(1)
+    return next(_tags[group]) % (1 << 31)
+
+
+def _exchange_all_gather(out: Tensor, shard: Tensor, group: dist.ProcessGroup) -> Pending:
+    rank, world, n = group.rank(), group.size(), shard.numel()
+    tag = _next_tag(group)
+    out[rank * n : (rank + 1) * n].copy_(shard)
+    if n == 0:
+        return Pending(None)
+    works = []
+    for peer in _peers(rank, world):
+        works.append(group.send([shard], peer, tag))
+        works.append(group.recv([out[peer * n : (peer + 1) * n]], peer, tag))
+    return Pending(None, lambda: _wait_all(works))
+
+
+def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> Pending:
+    rank, world, n = group.rank(), group.size(), out.numel()
+    tag = _next_tag(group)
+    if n == 0:
+        return Pending(None)
+    sends = [group.send([full[peer * n : (peer + 1) * n]], peer, tag) for peer in _peers(rank, world)]
+    own = full[rank * n : (rank + 1) * n]
+    if world == 2:
+        recvs = [(group.recv([out], 1 - rank, tag), None)]
+    else:
+        buffers = [torch.empty_like(out) for _ in range(world - 1)]
+        recvs = [(group.recv([b], peer, tag), b) for b, peer in zip(buffers, _peers(rank, world))]
+
+    def finish() -> None:
+        for work, buffer in recvs:
+            work.wait()
+            if buffer is not None:
+                own.add_(buffer)
+        if world == 2:
+            out.add_(own)
+        else:
+            out.copy_(own)
+        out.div_(world)
+        _wait_all(sends)
+
+    return Pending(None, finish)
+
+
+def _peers(rank: int, world: int) -> list[int]:
+    """Every other rank, starting after this one, so that no rank is everyone's first peer."""
+    return [(rank + i) % world for i in range(1, world)]
+
+
+def _wait_all(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
 
 
 def all_reduce(
