@@ -125,13 +125,16 @@ class Root:
         if self.phase is Phase.BACKWARD:
             return output
         grad = torch.is_grad_enabled()
-        if unit is not self.root and (self.reshard_after_forward or not grad):
+        # The unit that ran last in forward runs first in backward: keep it gathered.
+        last = self._forward_order[-1] if grad and len(self._forward_order) > 1 else None
+        if unit is not self.root and unit is not last and (self.reshard_after_forward or not grad):
             unit.reshard()
         if grad:
             self._hook_outputs(unit, output)
         if unit is self.root:
+            last = self._recording[-1] if grad else None
             for u in self.units[1:]:
-                if u.state is not ShardState.SHARDED and (self.reshard_after_forward or not grad):
+                if u.state is not ShardState.SHARDED and u is not last and (self.reshard_after_forward or not grad):
                     u.reshard()
             self.schedule.end_forward()
             self._forward_order = self._recording
