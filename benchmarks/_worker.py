@@ -111,7 +111,9 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model.to(device), device_ids=[device] if device.type == "cuda" else None)
+        ddp = DistributedDataParallel(
+            model.to(device), device_ids=[device] if device.type == "cuda" else None
+        )
 
         def hook(state, bucket):  # noqa: ANN001, ANN202 (DDP inspects the real annotation)
             buf = bucket.buffer()
@@ -129,7 +131,11 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
 
 def run(method: str, cfg: Config) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     counter = ByteCounter()
     counter.install()
     dist.barrier()

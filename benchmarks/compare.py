@@ -37,14 +37,22 @@ def run_once(method: str, config: dict[str, Any], nproc: int, timeout: float) ->
     """Launch one method under torchrun; return rank 0's result."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(HERE / "_worker.py"), method, json.dumps(config),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(HERE / "_worker.py"),
+        method,
+        json.dumps(config),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(
+        f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def hardware() -> str:
@@ -59,9 +67,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
         times = [t for r in results for t in r["step_times"]]
         rows[method] = {
             "step_s": statistics.median(times),
-            "tokens_per_s_per_rank": results[0]["config"]["batch"] * results[0]["config"]["context"] / statistics.median(times),
+            "tokens_per_s_per_rank": results[0]["config"]["batch"]
+            * results[0]["config"]["context"]
+            / statistics.median(times),
             "peak_mb_per_rank": max(r["peak_mb_per_rank"] for r in results),
-            "comm_mb_per_step": statistics.median(r["comm_bytes_per_step"] for r in results) / 2**20,
+            "comm_mb_per_step": statistics.median(r["comm_bytes_per_step"] for r in results)
+            / 2**20,
             "final_loss": results[-1]["final_loss"],
         }
     for row in rows.values():
@@ -72,7 +83,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
     return rows
 
 
-def markdown(rows: dict[str, dict[str, float]], runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
+def markdown(
+    rows: dict[str, dict[str, float]],
+    runs: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+) -> str:
     first = next(iter(runs.values()))[0]
     cfg = first["config"]
     lines = [
@@ -94,11 +109,13 @@ def markdown(rows: dict[str, dict[str, float]], runs: dict[str, list[dict[str, A
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for method, r in rows.items():
-        ratio = lambda key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
+        ratios = " | ".join(
+            f"{r[key]:.2f}" if key in r else "-"
+            for key in ("time_vs_fsdp2", "memory_vs_fsdp2", "time_vs_ddp", "memory_vs_ddp")
+        )
         lines.append(
             f"| {method} | {r['step_s']:.2f} | {r['tokens_per_s_per_rank']:.1f} | "
-            f"{r['peak_mb_per_rank']:.0f} | {r['comm_mb_per_step']:.0f} | {ratio('time_vs_fsdp2')} | "
-            f"{ratio('memory_vs_fsdp2')} | {ratio('time_vs_ddp')} | {ratio('memory_vs_ddp')} |"
+            f"{r['peak_mb_per_rank']:.0f} | {r['comm_mb_per_step']:.0f} | {ratios} |"
         )
     lines += ["", "Step times of every run, in order:", ""]
     for method, results in runs.items():
@@ -106,10 +123,11 @@ def markdown(rows: dict[str, dict[str, float]], runs: dict[str, list[dict[str, A
         lines.append(f"- {method}: {times}")
     lines += [
         "",
-        "Peak memory: resident-set high-water mark above the resident set just before the model "
-        "was built (CPU), or max_memory_allocated (GPU); the worst rank of the worst round. Comm MB: "
-        "buffers handed to collectives per step (all-gather output, reduce-scatter input, "
-        "all-reduce tensor). `single` trains an unsharded copy on every rank with no communication.",
+        "Peak memory: resident-set high-water mark above the resident set just before the "
+        "model was built (CPU), or max_memory_allocated (GPU); the worst rank of the worst "
+        "round. Comm MB: buffers handed to collectives per step (all-gather output, "
+        "reduce-scatter input, all-reduce tensor). `single` trains an unsharded copy on every "
+        "rank with no communication.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -122,8 +140,14 @@ def plot(rows: dict[str, dict[str, float]], path: Path) -> None:
 
     methods = list(rows)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, key, label in zip(axes, ("step_s", "peak_mb_per_rank"), ("step time (s)", "peak memory per rank (MB)")):
-        bars = ax.bar(methods, [rows[m][key] for m in methods], color=["C0" if m == "shardwrap" else "C7" for m in methods])
+    for ax, key, label in zip(
+        axes, ("step_s", "peak_mb_per_rank"), ("step time (s)", "peak memory per rank (MB)")
+    ):
+        bars = ax.bar(
+            methods,
+            [rows[m][key] for m in methods],
+            color=["C0" if m == "shardwrap" else "C7" for m in methods],
+        )
         ax.bar_label(bars, fmt="%.2f" if key == "step_s" else "%.0f")
         ax.set_title(label)
     fig.tight_layout()
@@ -131,12 +155,16 @@ def plot(rows: dict[str, dict[str, float]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config")
+    parser.add_argument(
+        "--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config"
+    )
     parser.add_argument("--theme", default="gpt101m_fp32")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--timeout", type=float, default=1200)
@@ -147,8 +175,11 @@ def main() -> None:
         for method in args.methods:
             result = run_once(method, config, args.nproc, args.timeout)
             runs[method].append(result)
-            print(f"round {round_ + 1} {method}: {result['step_s']:.2f} s/step, "
-                  f"{result['peak_mb_per_rank']:.0f} MB", flush=True)
+            print(
+                f"round {round_ + 1} {method}: {result['step_s']:.2f} s/step, "
+                f"{result['peak_mb_per_rank']:.0f} MB",
+                flush=True,
+            )
     rows = summarize(runs)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{args.theme}_{hardware()}_{datetime.date.today().isoformat()}"

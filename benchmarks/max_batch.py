@@ -22,21 +22,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from compare import HERE, METHODS, hardware, run_once
 
 
-def fits(method: str, batch: int, config: dict[str, Any], budget: float, nproc: int,
-         trials: list[dict[str, Any]]) -> bool:
-    result = run_once(method, {**config, "batch": batch, "warmup": 1, "steps": 2}, nproc, timeout=1800)
+def fits(
+    method: str,
+    batch: int,
+    config: dict[str, Any],
+    budget: float,
+    nproc: int,
+    trials: list[dict[str, Any]],
+) -> bool:
+    result = run_once(
+        method, {**config, "batch": batch, "warmup": 1, "steps": 2}, nproc, timeout=1800
+    )
     ok = result["peak_mb_per_rank"] <= budget
-    trials.append({"batch": batch, "peak_mb": result["peak_mb_per_rank"], "step_s": result["step_s"], "fits": ok})
-    print(f"{method} batch {batch}: {result['peak_mb_per_rank']:.0f} MB, {result['step_s']:.2f} s/step "
-          f"-> {'fits' if ok else 'over budget'}", flush=True)
+    trials.append(
+        {
+            "batch": batch,
+            "peak_mb": result["peak_mb_per_rank"],
+            "step_s": result["step_s"],
+            "fits": ok,
+        }
+    )
+    print(
+        f"{method} batch {batch}: {result['peak_mb_per_rank']:.0f} MB, "
+        f"{result['step_s']:.2f} s/step -> {'fits' if ok else 'over budget'}",
+        flush=True,
+    )
     return ok
 
 
-def search(method: str, config: dict[str, Any], budget: float, nproc: int, limit: int) -> list[dict[str, Any]]:
+def search(
+    method: str, config: dict[str, Any], budget: float, nproc: int, limit: int
+) -> list[dict[str, Any]]:
     """Doubling then bisection over the batch size; returns every trial."""
     trials: list[dict[str, Any]] = []
     lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
@@ -57,12 +76,18 @@ def search(method: str, config: dict[str, Any], budget: float, nproc: int, limit
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=["shardwrap", "fsdp2", "ddp"], choices=METHODS)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--methods", nargs="+", default=["shardwrap", "fsdp2", "ddp"], choices=METHODS
+    )
     parser.add_argument("--budget-mb", type=float, required=True)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--limit", type=int, default=256, help="largest batch tried")
-    parser.add_argument("--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config")
+    parser.add_argument(
+        "--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config"
+    )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     config = json.loads(args.config)
@@ -80,11 +105,14 @@ def main() -> None:
         f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
         f"torch {torch.__version__}, {args.nproc} ranks",
         f"- budget: {args.budget_mb:.0f} MB per rank (resident memory above the level before the "
-        "model was built)" if not torch.cuda.is_available() else f"- budget: {args.budget_mb:.0f} MB per GPU",
-        f"- model and optimizer: benchmarks/_worker.py Config with {json.dumps(config)}; fp32 AdamW",
+        "model was built)"
+        if not torch.cuda.is_available()
+        else f"- budget: {args.budget_mb:.0f} MB per GPU",
+        f"- model: benchmarks/_worker.py Config with {json.dumps(config)}; fp32 AdamW",
         f"- command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`",
         "",
-        "| method | max batch per rank | peak MB at it | step (s) at it | tokens/s per rank | batch vs DDP |",
+        "| method | max batch per rank | peak MB at it | step (s) at it | tokens/s per rank "
+        "| batch vs DDP |",
         "|---|---|---|---|---|---|",
     ]
     for method, f in found.items():
@@ -94,14 +122,24 @@ def main() -> None:
             continue
         context = config.get("context", 64)
         ratio = f"{b['batch'] / ddp['batch']:.2f}" if ddp else "-"
-        lines.append(f"| {method} | {b['batch']} | {b['peak_mb']:.0f} | {b['step_s']:.2f} | "
-                     f"{b['batch'] * context / b['step_s']:.1f} | {ratio} |")
+        lines.append(
+            f"| {method} | {b['batch']} | {b['peak_mb']:.0f} | {b['step_s']:.2f} | "
+            f"{b['batch'] * context / b['step_s']:.1f} | {ratio} |"
+        )
     lines += ["", "Trials (batch: peak MB, fits):", ""]
     for method, f in found.items():
-        lines.append(f"- {method}: " + ", ".join(f"{t['batch']}: {t['peak_mb']:.0f}{'' if t['fits'] else ' (over)'}" for t in f["trials"]))
+        lines.append(
+            f"- {method}: "
+            + ", ".join(
+                f"{t['batch']}: {t['peak_mb']:.0f}{'' if t['fits'] else ' (over)'}"
+                for t in f["trials"]
+            )
+        )
     report = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"max_batch_{hardware()}_{datetime.date.today().isoformat()}.md").write_text(report)
+    (args.out_dir / f"max_batch_{hardware()}_{datetime.date.today().isoformat()}.md").write_text(
+        report
+    )
     print(report)
 
 

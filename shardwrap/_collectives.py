@@ -20,9 +20,9 @@ benchmarks read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +98,9 @@ def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None
     return Pending(group._allgather_base(out, shard))
 
 
-def reduce_scatter(out: Tensor, full: Tensor, group: Group, stats: CommStats | None = None) -> Pending:
+def reduce_scatter(
+    out: Tensor, full: Tensor, group: Group, stats: CommStats | None = None
+) -> Pending:
     """Average ``full`` (1-D) over ranks and keep this rank's shard of the result in ``out``.
 
     ``full`` is scratch and may be overwritten.
@@ -153,7 +155,9 @@ def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup
     tag = _next_tag(group)
     if n == 0:
         return Pending(None)
-    sends = [group.send([full[peer * n : (peer + 1) * n]], peer, tag) for peer in _peers(rank, world)]
+    sends = [
+        group.send([full[peer * n : (peer + 1) * n]], peer, tag) for peer in _peers(rank, world)
+    ]
     own = full[rank * n : (rank + 1) * n]
     if world == 2:
         recvs = [(group.recv([out], 1 - rank, tag), None)]

@@ -20,7 +20,7 @@ whose shard has changed since (an optimizer step, a load) is gathered afresh.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any
@@ -72,18 +72,16 @@ class Root:
         self.reshard_after_forward = reshard_after_forward
         self.schedule = Schedule(units, control[0], stats, control[1])
         self.phase = Phase.IDLE
-        self._forward_order: list[Unit] = []
-        self._backward_order: list[Unit] = []
+        self._forward_order: list[Unit] = []  # the previous step's, in call order
+        self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
+        self._backward_next: dict[int, Unit] = {}
         self._recording: list[Unit] = []
         self._backward_seen: set[int] = set()
         self._released: set[int] = set()
         self._inputs_pending: dict[int, int] = {}
-        self._handles = []
         for unit in units:
-            self._handles.append(
-                unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
-            )
-            self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
+            unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
+            unit.module.register_forward_hook(self._hook_post_forward(unit))
             unit.register_grad_hooks(self._on_grad)
             for g in unit.trainable:
                 g.on_views_done = self._on_views_done
@@ -94,7 +92,7 @@ class Root:
 
     # forward -------------------------------------------------------------------------
 
-    def _hook_pre_forward(self, unit: Unit):
+    def _hook_pre_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._pre_forward(unit)
             if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:
@@ -102,7 +100,7 @@ class Root:
 
         return hook
 
-    def _hook_post_forward(self, unit: Unit):
+    def _hook_post_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             return self._post_forward(unit, output)
 
@@ -119,7 +117,7 @@ class Root:
         self._recording.append(unit)
         self._ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
-        self._prefetch(self._forward_order, unit, backward=False)
+        self._prefetch(self._forward_next, unit, backward=False)
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if self.phase is Phase.BACKWARD:
@@ -133,11 +131,13 @@ class Root:
             self._hook_outputs(unit, output)
         if unit is self.root:
             last = self._recording[-1] if grad else None
+            release = self.reshard_after_forward or not grad
             for u in self.units[1:]:
-                if u.state is not ShardState.SHARDED and u is not last and (self.reshard_after_forward or not grad):
+                if u.state is not ShardState.SHARDED and u is not last and release:
                     u.reshard()
             self.schedule.end_forward()
             self._forward_order = self._recording
+            self._forward_next = _successors(self._recording)
             self.phase = Phase.IDLE
         return output
 
@@ -181,7 +181,7 @@ class Root:
         self._backward_seen.add(unit.index)
         self._recording.append(unit)
         self._ensure_gathered(unit, backward=True)
-        self._prefetch(self._backward_order, unit, backward=True)
+        self._prefetch(self._backward_next, unit, backward=True)
 
     def _on_views_done(self, group: FlatGroup) -> None:
         """Backward read the group's parameters for the last time: release them early.
@@ -220,7 +220,7 @@ class Root:
         for unit in self.units:
             for g in unit.trainable:
                 g.splits_pending = 0
-        self._backward_order = self._recording
+        self._backward_next = _successors(self._recording)
         self.phase = Phase.IDLE
 
     # gathering -----------------------------------------------------------------------
@@ -233,12 +233,9 @@ class Root:
         self.schedule.gather(unit, backward)
         unit.finish_gather()
 
-    def _prefetch(self, order: list[Unit], current: Unit, backward: bool) -> None:
-        try:
-            nxt = order[order.index(current) + 1]
-        except (ValueError, IndexError):
-            return
-        if nxt.state is ShardState.SHARDED:
+    def _prefetch(self, successors: dict[int, Unit], current: Unit, backward: bool) -> None:
+        nxt = successors.get(current.index)
+        if nxt is not None and nxt.state is ShardState.SHARDED:
             self.schedule.gather(nxt, backward)
 
     # outside forward -----------------------------------------------------------------
@@ -270,3 +267,11 @@ class Root:
             yield
         finally:
             self.schedule.sync = previous
+
+
+def _successors(order: list[Unit]) -> dict[int, Unit]:
+    """For each unit, the unit that ran right after its first run."""
+    nxt: dict[int, Unit] = {}
+    for a, b in zip(order, order[1:]):
+        nxt.setdefault(a.index, b)
+    return nxt

@@ -50,7 +50,9 @@ class Schedule:
         device: where the handshake tensor lives (the control group backend's device).
     """
 
-    def __init__(self, units: list[Unit], control: Group, stats: CommStats, device: torch.device) -> None:
+    def __init__(
+        self, units: list[Unit], control: Group, stats: CommStats, device: torch.device
+    ) -> None:
         self.units = units
         self.control = control
         self.world = group_size(control)

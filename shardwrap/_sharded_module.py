@@ -119,7 +119,7 @@ class ShardedModule(nn.Module):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> Tensor:
-        """Clip gradients by their global norm over all ranks, like ``torch.nn.utils.clip_grad_norm_``.
+        """Clip gradients by their global norm over all ranks, as ``clip_grad_norm_`` does.
 
         Returns:
             The total norm of the gradients (before clipping), identical on every rank.
@@ -128,7 +128,9 @@ class ShardedModule(nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel() > 0]
         norm_type = float(norm_type)
         if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+            norms = torch.stack(
+                [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+            )
             local = torch.linalg.vector_norm(norms, norm_type)
         else:
             local = torch.zeros((), dtype=torch.float32, device=root.device)
@@ -164,7 +166,9 @@ class ShardedModule(nn.Module):
                     if keep:
                         data = g.full_data
                         for p, off, shape in zip(g.shard_params, g.layout.offsets, g.shapes):
-                            full[id(p)] = data[off : off + shape.numel()].view(shape).to("cpu", copy=True)
+                            full[id(p)] = (
+                                data[off : off + shape.numel()].view(shape).to("cpu", copy=True)
+                            )
         if not keep:
             return {}
         return {
@@ -189,7 +193,12 @@ class ShardedModule(nn.Module):
                 "Pass the state dict of the same model class and configuration "
                 "(model.full_state_dict() or the unwrapped model's state_dict())."
             )
-        index = {id(p): (g, i) for u in root.units for g in u.groups for i, p in enumerate(g.shard_params)}
+        index = {
+            id(p): (g, i)
+            for u in root.units
+            for g in u.groups
+            for i, p in enumerate(g.shard_params)
+        }
         wrong = []
         for k, v in own.items():
             shape = index[id(v)][0].shapes[index[id(v)][1]] if id(v) in index else v.shape

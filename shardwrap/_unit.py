@@ -27,8 +27,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._collectives import CommStats, Group, Pending, all_gather, group_rank, group_size
-from ._collectives import reduce_scatter
+from ._collectives import (
+    CommStats,
+    Group,
+    Pending,
+    all_gather,
+    group_rank,
+    group_size,
+    reduce_scatter,
+)
 from ._layout import FlatLayout, LocalPiece
 
 __all__ = ["FlatGroup", "ShardState", "Unit"]
@@ -78,9 +85,13 @@ class FlatGroup:
             for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
                 a, b = max(lo, offset), min(hi, offset + n)
                 if a < b:
-                    self.shard[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+                    self.shard[a - lo : b - lo].copy_(
+                        p.detach().reshape(-1)[a - offset : b - offset]
+                    )
         self.shard_params = [
-            nn.Parameter(self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad)
+            nn.Parameter(
+                self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad
+            )
             for pc in self.pieces
         ]
 
@@ -93,7 +104,9 @@ class FlatGroup:
         self._full_alias.set_(self.full.untyped_storage(), 0, self.full.shape)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.free_storage()
-        self._split_sizes = list(self.layout.numels) + ([self.layout.padding] if self.layout.padding else [])
+        self._split_sizes = list(self.layout.numels) + (
+            [self.layout.padding] if self.layout.padding else []
+        )
 
         self.views: list[Tensor] | None = None
         self.views_track_grad = False
@@ -229,7 +242,9 @@ class Unit:
         stats: collective counters shared by the whole model.
     """
 
-    def __init__(self, module: nn.Module, index: int, groups: list[FlatGroup], stats: CommStats) -> None:
+    def __init__(
+        self, module: nn.Module, index: int, groups: list[FlatGroup], stats: CommStats
+    ) -> None:
         self.module = module
         self.index = index
         self.groups = groups

@@ -86,7 +86,9 @@ class Placement:
     """
 
     units: list[nn.Module]
-    params: list[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]] = field(default_factory=list)
+    params: list[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]] = field(
+        default_factory=list
+    )
 
 
 def place_parameters(root: nn.Module, policy: Callable[[nn.Module], bool]) -> Placement:
@@ -117,8 +119,8 @@ def place_parameters(root: nn.Module, policy: Callable[[nn.Module], bool]) -> Pl
             if child is not root and policy(child):
                 if not has_forward(child):
                     raise ValueError(
-                        f"auto_wrap selected '{prefix}{name}' ({type(child).__name__}), a container "
-                        "whose forward is never called, so its parameters could never be "
+                        f"auto_wrap selected '{prefix}{name}' ({type(child).__name__}), a "
+                        "container whose forward is never called, so its parameters could never be "
                         "gathered. Select the modules inside it instead, e.g. the block class."
                     )
                 if id(child) not in unit_index:
