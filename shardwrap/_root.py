@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._collectives import CommStats, Group
 from ._schedule import Schedule
-from ._unit import FlatGroup, ShardState, Unit
+from ._unit import BufferPool, FlatGroup, ShardState, Unit
 
 __all__ = ["Phase", "Root"]
 
@@ -54,6 +54,7 @@ class Root:
         device: the device of the shards.
         reshard_after_forward: release each non-root unit's gathered parameters after its
             forward (ZeRO-3) rather than keeping them until its backward.
+        pool: the buffers units gather into.
     """
 
     def __init__(
@@ -64,8 +65,13 @@ class Root:
         stats: CommStats,
         device: torch.device,
         reshard_after_forward: bool,
+        pool: BufferPool,
     ) -> None:
         self.units = units
+        self.pool = pool
+        self._unit_of = {id(g): u for u in units for g in u.groups}
+        self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._saving_owner: Unit | None = None
         self.group = group
         self.stats = stats
         self.device = device
@@ -114,6 +120,12 @@ class Root:
         if unit is self.root:
             self.phase = Phase.FORWARD
             self._recording = []
+            self._stop_saving()  # left over from a forward that raised
+            self.pool.holding = True
+        if torch.is_grad_enabled() and self._saving_owner is None:
+            self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saving.__enter__()
+            self._saving_owner = unit
         self._recording.append(unit)
         self._ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
@@ -122,6 +134,8 @@ class Root:
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if self.phase is Phase.BACKWARD:
             return output
+        if unit is self._saving_owner:
+            self._stop_saving()
         grad = torch.is_grad_enabled()
         # The unit that ran last in forward runs first in backward: keep it gathered.
         last = self._forward_order[-1] if grad and len(self._forward_order) > 1 else None
@@ -146,6 +160,35 @@ class Root:
         for t in leaves:
             if isinstance(t, Tensor) and t.requires_grad:
                 t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
+
+    # saved tensors ---------------------------------------------------------------------
+
+    def _stop_saving(self) -> None:
+        if self._saving is not None:
+            self._saving.__exit__(None, None, None)
+        self._saving, self._saving_owner = None, None
+
+    def _pack(self, t: Tensor) -> Any:
+        """Autograd saves a view of a gathered buffer by address within its group, not by memory.
+
+        The buffer may serve another unit before backward; the unpack hook rebuilds the view
+        over wherever the group is gathered then.
+        """
+        try:
+            group = self.pool.owner.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without plain storage
+            return t
+        if group is None:
+            return t
+        return _SavedView(group, t.storage_offset(), t.shape, t.stride())
+
+    def _unpack(self, saved: Any) -> Tensor:
+        if not isinstance(saved, _SavedView):
+            return saved
+        group = saved.group
+        if not group.is_allocated:
+            self._ensure_gathered(self._unit_of[id(group)], backward=True)
+        return group.full_data.as_strided(saved.shape, saved.stride, saved.offset)
 
     def _hook_inputs(self, unit: Unit, inputs: Any) -> None:
         """Count this call's input gradients, so frozen groups are released once they exist.
@@ -181,7 +224,11 @@ class Root:
         self._backward_seen.add(unit.index)
         self._recording.append(unit)
         self._ensure_gathered(unit, backward=True)
-        self._prefetch(self._backward_next, unit, backward=True)
+        if unit.index in self._backward_next:
+            self._prefetch(self._backward_next, unit, backward=True)
+        else:  # nothing more to gather in this backward: keep no spare buffers
+            self.pool.holding = False
+            self.pool.trim()
 
     def _on_views_done(self, group: FlatGroup) -> None:
         """Backward read the group's parameters for the last time: release them early.
@@ -275,3 +322,12 @@ def _successors(order: list[Unit]) -> dict[int, Unit]:
     for a, b in zip(order, order[1:]):
         nxt.setdefault(a.index, b)
     return nxt
+
+
+class _SavedView(NamedTuple):
+    """A tensor autograd saved that views a gathered buffer: where in the group it lies."""
+
+    group: FlatGroup
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]

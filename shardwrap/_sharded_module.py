@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._collectives import CommStats, Group, all_reduce, group_size
 from ._root import Root
-from ._unit import FlatGroup, ShardState, Unit
+from ._unit import BufferPool, FlatGroup, ShardState, Unit
 from ._wrap import AutoWrap, group_key, place_parameters, resolve_policy
 
 __all__ = ["ShardedModule"]
@@ -258,6 +258,7 @@ def _wrap(
 ) -> None:
     placement = place_parameters(module, policy)
     stats = CommStats()
+    pool = BufferPool()
     units: list[Unit] = []
     for index, (unit_module, params) in enumerate(zip(placement.units, placement.params)):
         by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
@@ -267,7 +268,7 @@ def _wrap(
         for entries in by_key.values():
             names = [n for n, _, _ in entries]
             originals = [p for _, p, _ in entries]
-            fg = FlatGroup(names, originals, [s for _, _, s in entries], group, device)
+            fg = FlatGroup(names, originals, [s for _, _, s in entries], group, device, pool)
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
                 setattr(shard_param, _SHARD_ATTR, True)
                 for owner, attr in slots:
@@ -279,7 +280,8 @@ def _wrap(
         for k, b in m._buffers.items():
             if b is not None and b.device != device:
                 m._buffers[k] = b.to(device)
-    root = Root(units, group, _control_group(group, device), stats, device, reshard_after_forward)
+    control = _control_group(group, device)
+    root = Root(units, group, control, stats, device, reshard_after_forward, pool)
     module.__class__ = _sharded_class(type(module))
     object.__setattr__(module, _ROOT_ATTR, root)
     for unit in units[1:]:

@@ -49,6 +49,40 @@ class ShardState(Enum):
     GATHERED = auto()
 
 
+class BufferPool:
+    """Full flat buffers passed from unit to unit, so a gather reuses memory.
+
+    A buffer a unit releases goes to the free list of its size (up to ``keep`` per size)
+    and the next unit of that size gathers into it: no allocation, no page faults. This is
+    safe because nothing outside the owning unit keeps a buffer's address: autograd saves
+    views of it by (group, offset, shape) only (see ``Root``'s saved-tensor hooks).
+    ``owner`` maps a buffer's data pointer to the group gathered in it.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.holding = True  # False: released buffers are freed, not kept
+        self.owner: dict[int, FlatGroup] = {}
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
+
+    def take(self, group: FlatGroup) -> Tensor:
+        key = (group.layout.padded_numel, group.dtype, group.shard.device)
+        free = self._free.get(key)
+        buf = free.pop() if free else torch.empty(key[0], dtype=key[1], device=key[2])
+        self.owner[buf.data_ptr()] = group
+        return buf
+
+    def give(self, buf: Tensor) -> None:
+        del self.owner[buf.data_ptr()]
+        free = self._free.setdefault((buf.numel(), buf.dtype, buf.device), [])
+        if self.holding and len(free) < self.keep:
+            free.append(buf)
+
+    def trim(self) -> None:
+        """Free every buffer no unit holds (nothing will be gathered for a while)."""
+        self._free.clear()
+
+
 class FlatGroup:
     """The parameters of one unit that share a dtype and ``requires_grad``.
 
@@ -59,6 +93,7 @@ class FlatGroup:
             tied parameters).
         group: process group, or ``None`` for world size 1.
         device: where the shard lives.
+        pool: where the full buffer comes from while gathered.
     """
 
     def __init__(
@@ -68,8 +103,10 @@ class FlatGroup:
         slots: list[list[Slot]],
         group: Group,
         device: torch.device,
+        pool: BufferPool,
     ) -> None:
         self.names = names
+        self.pool = pool
         self.slots = slots
         self.group = group
         self.shapes = [p.shape for p in params]
@@ -95,23 +132,17 @@ class FlatGroup:
             for pc in self.pieces
         ]
 
-        # 1-D, padded numel; storage allocated only while gathered.
-        self.full: Tensor = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
+        # 1-D, padded numel, over no memory: the autograd leaf that stands for the full
+        # parameters. Its gradient is the flat gradient; the values live in a pooled buffer
+        # (1-D, padded numel) while gathered.
+        self.full: Tensor = _unbacked(self.layout.padded_numel, self.dtype, device)
         self.full.requires_grad_(self.requires_grad)
-        # Same storage, own version counter and no autograd: what collectives write into,
-        # so re-gathering never invalidates views that autograd saved for backward.
-        self._full_alias: Tensor = torch.empty(0, dtype=self.dtype, device=device)
-        self._full_alias.set_(self.full.untyped_storage(), 0, self.full.shape)
-        self._full_nbytes = self.full.untyped_storage().nbytes()
-        self.free_storage()
-        self._split_sizes = list(self.layout.numels) + (
-            [self.layout.padding] if self.layout.padding else []
-        )
+        self._buffer: Tensor | None = None
 
         self.views: list[Tensor] | None = None
         self.views_track_grad = False
-        # Autograd split nodes over this buffer not yet run; at zero, backward is done reading
-        # the gathered parameters (their gradients are not yet one flat tensor).
+        # Differentiable uses of the views whose backward has not run; at zero, backward is
+        # done reading the gathered parameters (their gradients are not yet one flat tensor).
         self.splits_pending = 0
         self.on_views_done: Callable[[FlatGroup], None] | None = None
         self.gathered_version = -1
@@ -122,19 +153,24 @@ class FlatGroup:
     # storage -------------------------------------------------------------------------
 
     def alloc_storage(self) -> None:
-        storage = self.full.untyped_storage()
-        if storage.nbytes() != self._full_nbytes:
-            storage.resize_(self._full_nbytes)
+        if self._buffer is None:
+            self._buffer = self.pool.take(self)
 
     @property
     def full_data(self) -> Tensor:
-        """The gathered flat buffer, outside autograd (valid only while gathered)."""
-        return self._full_alias
+        """The gathered flat buffer, outside autograd (only while gathered)."""
+        if self._buffer is None:
+            raise RuntimeError(f"flat group {self.names[:2]}... is not gathered")
+        return self._buffer
+
+    @property
+    def is_allocated(self) -> bool:
+        return self._buffer is not None
 
     def free_storage(self) -> None:
-        storage = self.full.untyped_storage()
-        if storage.nbytes() != 0:
-            storage.resize_(0)
+        if self._buffer is not None:
+            self.pool.give(self._buffer)
+            self._buffer = None
 
     @property
     def is_stale(self) -> bool:
@@ -147,26 +183,36 @@ class FlatGroup:
         """All-gather the shards into the full buffer (asynchronously where possible)."""
         self.alloc_storage()
         self.gathered_version = self.shard._version
-        return all_gather(self._full_alias, self.shard, self.group, stats)
+        return all_gather(self._buffer, self.shard, self.group, stats)
 
     def make_views(self, track_grad: bool) -> None:
-        """Split the full buffer into parameter-shaped views and shadow the shard params."""
+        """Shape the gathered buffer into the parameters and shadow the shard params with them."""
         track_grad = track_grad and self.requires_grad
         if self.views is not None and self.views_track_grad == track_grad:
             return
-        with torch.set_grad_enabled(track_grad):
-            chunks = torch.split(self.full, self._split_sizes)
-            self.views = [c.view(s) for c, s in zip(chunks, self.shapes)]
-        self.views_track_grad = track_grad
         if track_grad:
             self.splits_pending += 1
-            chunks[0].grad_fn.register_prehook(self._on_split_backward)
+            self.views = list(_FullParams.apply(self.full, self._buffer, self))
+        else:
+            self.views = _param_views(self._buffer, self)
+        self.views_track_grad = track_grad
         for view, slots in zip(self.views, self.slots):
             for module, attr in slots:
                 module.__dict__[attr] = view
 
-    def _on_split_backward(self, grad_outputs: Any) -> None:
-        # Every view's gradient exists: backward reads these parameters no more.
+    def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
+        """The parameters' gradients laid out flat (zeros where none, and in the padding)."""
+        flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.shard.device)
+        for g, offset, n in zip(grads, self.layout.offsets, self.layout.numels):
+            if g is None:
+                flat[offset : offset + n].zero_()
+            else:
+                flat[offset : offset + n].copy_(g.reshape(-1))
+        flat[self.layout.numel :].zero_()
+        return flat
+
+    def views_backward_done(self) -> None:
+        """One autograd use of the views has its gradients: at the last, release the buffer."""
         self.splits_pending -= 1
         if self.splits_pending == 0 and self.on_views_done is not None:
             self.on_views_done(self)
@@ -183,7 +229,7 @@ class FlatGroup:
         """Copy this rank's range of the full buffer back into the shard."""
         lo, hi = self.layout.shard_range(group_rank(self.group))
         with torch.no_grad():
-            self.shard.copy_(self._full_alias[lo:hi])
+            self.shard.copy_(self.full_data[lo:hi])
 
     # gradients -----------------------------------------------------------------------
 
@@ -229,6 +275,40 @@ class FlatGroup:
 
 def _dead_ref() -> None:
     return None
+
+
+def _unbacked(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of ``numel`` elements over no memory (reading it is an error)."""
+    t = torch.empty(0, dtype=dtype, device=device)
+    return t.set_(torch.UntypedStorage(0, device=device), 0, (numel,))
+
+
+def _param_views(buffer: Tensor, group: FlatGroup) -> list[Tensor]:
+    return [
+        buffer[offset : offset + n].view(shape)
+        for offset, n, shape in zip(group.layout.offsets, group.layout.numels, group.shapes)
+    ]
+
+
+class _FullParams(torch.autograd.Function):
+    """The full parameters as views of a gathered buffer, differentiable as the group's leaf.
+
+    Forward shapes the buffer into the parameters; backward lays their gradients out flat
+    as the gradient of ``full``, the group's one leaf, so that however many forwards used
+    the group, one accumulator sums them. Backward is also the moment autograd stops
+    reading the parameters: the buffer is released before the flat gradient is allocated.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, full: Tensor, buffer: Tensor, group: FlatGroup) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return tuple(_param_views(buffer, group))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+        group: FlatGroup = ctx.group
+        group.views_backward_done()
+        return group.flat_grad(grads), None, None
 
 
 class Unit:
