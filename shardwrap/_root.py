@@ -234,11 +234,15 @@ class Root:
         """Backward read the group's parameters for the last time: release them early.
 
         The flat gradient is still to be assembled from the per-parameter ones; freeing the
-        parameters first keeps one unit-sized buffer fewer alive at that moment.
+        parameters, and the previous reduction's flat gradient, first keeps two unit-sized
+        buffers fewer alive at that moment.
         """
         if self.phase is Phase.BACKWARD:
             group.drop_views()
             group.free_storage()
+            # The reduction in flight is almost always done by now; landing it first means
+            # its flat gradient is freed before this group's is allocated.
+            self.schedule.drain()
 
     def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
         if self.phase is not Phase.BACKWARD:

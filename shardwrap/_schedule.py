@@ -143,6 +143,11 @@ class Schedule:
             self._pending.append((i, *self.reduce_order[i].reduce_grad(self.stats)))
         self._issued = max(self._issued, upto)
 
+    def drain(self) -> None:
+        """Land every reduction in flight, freeing the full-size gradients they hold."""
+        while self._pending:
+            self._complete_oldest()
+
     def _complete_oldest(self) -> None:
         """Wait for the oldest reduction and land it, freeing its full-size gradient."""
         i, work, out, _grad = self._pending.pop(0)
