@@ -188,6 +188,19 @@ def test_gpt_adamw_losses_match(world_size: int, tied: bool) -> None:
     assert_parity(build_gpt(tied), world_size, adamw, GPT_BATCHES, gpt_loss, auto_wrap=Block)
 
 
+ELEMENTWISE = {
+    "adam": lambda params: torch.optim.Adam(params, lr=3e-3),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=3e-2),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_other_elementwise_optimizers_run_unchanged(name: str) -> None:
+    """Any elementwise torch optimizer trains the shard parameters as it trains the plain ones."""
+    assert_parity(build_gpt(False), 2, ELEMENTWISE[name], GPT_BATCHES, gpt_loss, auto_wrap=Block)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gpt_parity_without_reshard_after_forward(tied: bool) -> None:
     model = build_gpt(tied)
