@@ -61,6 +61,14 @@ def hardware() -> str:
     return f"cpu{os.cpu_count()}"
 
 
+def commit() -> str:
+    """The checked-out commit, for the report (``unknown`` outside a git checkout)."""
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "unknown"
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     rows = {}
     for method, results in runs.items():
@@ -102,7 +110,7 @@ def markdown(
         f"byte vocabulary, context {cfg['context']}, {first['params'] / 1e6:.1f}M parameters",
         f"- training: batch {cfg['batch']} per rank, fp32 AdamW, {cfg['warmup']} warm-up + "
         f"{cfg['steps']} timed steps per run, {args.rounds} alternating rounds per method",
-        f"- command: `python benchmarks/compare.py {' '.join(sys.argv[1:])}`",
+        f"- command: `python benchmarks/compare.py {' '.join(sys.argv[1:])}`, at commit {commit()}",
         "",
         "| method | step (s, median) | tokens/s per rank | peak MB per rank | comm MB per step "
         "| time vs FSDP2 | memory vs FSDP2 | time vs DDP | memory vs DDP |",

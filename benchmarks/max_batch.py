@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compare import HERE, METHODS, hardware, run_once
+from compare import HERE, METHODS, commit, hardware, run_once
 
 
 def fits(
@@ -109,7 +109,8 @@ def main() -> None:
         if not torch.cuda.is_available()
         else f"- budget: {args.budget_mb:.0f} MB per GPU",
         f"- model: benchmarks/_worker.py Config with {json.dumps(config)}; fp32 AdamW",
-        f"- command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`",
+        f"- command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`, "
+        f"at commit {commit()}",
         "",
         "| method | max batch per rank | peak MB at it | step (s) at it | tokens/s per rank "
         "| batch vs DDP |",
