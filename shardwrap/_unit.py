@@ -132,7 +132,7 @@ class FlatGroup:
             for pc in self.pieces
         ]
 
-        # 1-D, padded numel, over no memory: the autograd leaf that stands for the full
+        # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
         # parameters. Its gradient is the flat gradient; the values live in a pooled buffer
         # (1-D, padded numel) while gathered.
         self.full: Tensor = _unbacked(self.layout.padded_numel, self.dtype, device)
@@ -278,9 +278,12 @@ def _dead_ref() -> None:
 
 
 def _unbacked(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 1-D tensor of ``numel`` elements over no memory (reading it is an error)."""
-    t = torch.empty(0, dtype=dtype, device=device)
-    return t.set_(torch.UntypedStorage(0, device=device), 0, (numel,))
+    """A 1-D leaf of ``numel`` elements over one element of memory (stride 0).
+
+    Only its size, dtype and gradient matter; autograd still takes a contiguous gradient
+    returned for it as ``.grad`` without copying.
+    """
+    return torch.empty_strided((numel,), (0,), dtype=dtype, device=device)
 
 
 def _param_views(buffer: Tensor, group: FlatGroup) -> list[Tensor]:
