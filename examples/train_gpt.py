@@ -8,6 +8,10 @@ and AdamW state. Each rank trains on its own random windows of the corpus (the `
 of the standard library, or any file or folder given with ``--data``, read as bytes). Rank 0
 shows a progress bar, then a table of throughput and memory and a greedy sample, and writes
 ``runs/<name>/``: ``metrics.jsonl`` (one line per step), ``loss.png`` and ``summary.json``.
+
+Every ``--save-every`` steps all ranks save a sharded checkpoint to ``runs/<name>/checkpoints/``
+(the newest ``--keep-last`` kept); ``--resume`` continues a run from its latest one, at any
+number of ranks. The final model is exported to ``runs/<name>/model/model.safetensors``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from tqdm import tqdm
 
+import shardwrap
 from shardwrap import ShardedModule
 
 
@@ -91,8 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3, help="peak; linear warmup, cosine decay")
     p.add_argument("--data", type=Path, help="a file or folder; default: the stdlib's .py files")
-    p.add_argument("--name", default=time.strftime("gpt-%Y%m%d-%H%M%S"))
+    p.add_argument("--name", help="default: gpt-<time>; with --resume, the newest run")
     p.add_argument("--out-dir", type=Path, default=Path("runs"))
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps; 0: never")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoints kept")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--sample-bytes", type=int, default=200)
     p.add_argument("--prompt", default="\n\ndef ", help="start of the greedy sample")
     p.add_argument("--seed", type=int, default=0)
@@ -116,6 +124,18 @@ def load_corpus(data: Path | None) -> Tensor:
         with open(f, "rb") as fh:
             at += fh.readinto(view[at:])
     return corpus[:at]
+
+
+def run_name(args: argparse.Namespace) -> str:
+    """``--name``, else the newest run with a checkpoint (``--resume``), else a fresh name."""
+    if args.name is not None:
+        return args.name
+    if args.resume:
+        runs = [d for d in args.out_dir.glob("*") if (d / "checkpoints" / "latest").is_file()]
+        if not runs:
+            raise SystemExit(f"--resume: no run under {args.out_dir} has a checkpoint")
+        return max(runs, key=lambda d: (d / "checkpoints" / "latest").stat().st_mtime).name
+    return time.strftime("gpt-%Y%m%d-%H%M%S")
 
 
 def peak_rss_bytes() -> int:
@@ -152,6 +172,9 @@ def main(args: argparse.Namespace) -> None:
     else:  # plain `python examples/train_gpt.py`: one rank, the same code path
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
+    names = [run_name(args) if rank == 0 else ""]
+    dist.broadcast_object_list(names, src=0)  # one run folder for all ranks
+    args.name = names[0]
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     corpus = load_corpus(args.data)
@@ -176,13 +199,31 @@ def main(args: argparse.Namespace) -> None:
     )
 
     out = args.out_dir / args.name
+    checkpoints = out / "checkpoints"
+    first_step = 0
+    losses: list[float] = []
+    if args.resume:  # any world size: each rank reads the pieces its shards need
+        extra = shardwrap.load_checkpoint(checkpoints, model, opt)
+        first_step, losses = extra["step"], extra["losses"]
+        rng.set_state(extra["rng"])
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        metrics = open(out / "metrics.jsonl", "w")
+        previous = out / "metrics.jsonl"
+        kept = previous.read_text().splitlines()[:first_step] if previous.is_file() else []
+        metrics = open(previous, "w")
+        metrics.writelines(line + "\n" for line in kept)
         print(f"{n_params:,} parameters; {len(corpus):,} bytes of corpus; {world} ranks, {device}")
+        if args.resume:
+            print(f"resumed from step {first_step} ({shardwrap.latest_checkpoint(checkpoints)})")
     tokens_per_step = world * args.batch * args.context
-    losses: list[float] = []
-    bar = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        range(first_step, args.steps),
+        initial=first_step,
+        total=args.steps,
+        disable=rank != 0,
+        unit="step",
+        dynamic_ncols=True,
+    )
     start = last = time.perf_counter()
     for step in bar:
         lr = lr_at(step, args)
@@ -205,8 +246,21 @@ def main(args: argparse.Namespace) -> None:
             metrics.write(json.dumps({**record, "elapsed": now - start}) + "\n")
             metrics.flush()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        done = step + 1
+        if args.save_every and (done % args.save_every == 0 or done == args.steps):
+            shardwrap.save_checkpoint(
+                checkpoints / f"step-{done:06d}",
+                model,
+                opt,
+                keep_last=args.keep_last,
+                step=done,
+                losses=losses,
+                rng=rng.get_state(),
+            )
+            last = time.perf_counter()  # the save does not count against the next step
     bar.close()
     train_s = time.perf_counter() - start
+    shardwrap.export(out / "model", model)  # one consolidated model.safetensors
 
     # This rank's shards of parameters, gradients (as large, while they exist) and AdamW state.
     held = sum(t.nbytes for _, p in named for t in [p, p, *opt.state[p].values()] if t.ndim > 0)
@@ -229,7 +283,7 @@ def main(args: argparse.Namespace) -> None:
             "parameters": n_params,
             "loss_first": losses[0],
             "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
-            "tokens_per_s": tokens_per_step * args.steps / train_s,
+            "tokens_per_s": tokens_per_step * (args.steps - first_step) / train_s,
             "train_seconds": train_s,
             "unsharded_bytes_computed": 16 * n_params,
             "per_rank_bytes": per_rank,

@@ -1,10 +1,21 @@
 """shardwrap: shard a PyTorch model's parameters, gradients and optimizer state across ranks.
 
-    model = ShardedModule(model, auto_wrap=TransformerBlock)
-    opt = torch.optim.AdamW(model.parameters())
+model = ShardedModule(model, auto_wrap=TransformerBlock)
+opt = torch.optim.AdamW(model.parameters())
+shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 """
 
+from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._collectives import CommStats
+from ._export import export, load_pretrained
 from ._sharded_module import ShardedModule
 
-__all__ = ["CommStats", "ShardedModule"]
+__all__ = [
+    "CommStats",
+    "ShardedModule",
+    "export",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_pretrained",
+    "save_checkpoint",
+]
