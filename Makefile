@@ -19,9 +19,10 @@ export OMP_NUM_THREADS := 1
 
 .PHONY: test demo
 
-# Two tiers: in-process tests on one worker (threads as ranks), then the torchrun runs, two
-# at a time (each spends most of its time launching processes). Either failing fails the target.
+# Lint, then two tiers: in-process tests on one worker (threads as ranks), then the torchrun
+# runs, two at a time (each spends most of its time launching processes). Any failure fails.
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not process"
 	$(BIN)/pytest -m process -n 2
 
