@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from ._checkpoint import Param, few, flat_params, persistent_buffers, wrapped_root
 from ._collectives import group_rank
-from ._sharded_module import _readable
 from ._storage import (
     Entry,
     SafetensorsWriter,
@@ -187,16 +186,13 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
         stream = _Stream(tmp, files) if rank == 0 else None
         for unit in root.units:
             for g in unit.groups:
-                with _readable(unit, g):
+                with unit.readable(g):
                     if stream is None:
                         continue
+                    views = g.param_views()
                     for p in by_group[id(g)]:
-                        i = p.index
-                        full = g.full_data[
-                            g.layout.offsets[i] : g.layout.offsets[i] + g.layout.numels[i]
-                        ]
                         for _ in keys_of.get(id(p.shard), []):
-                            stream.put(full.view(g.shapes[i]))
+                            stream.put(views[p.index])
         if stream is not None:
             for k, v in buffers.items():
                 if k not in dropped:

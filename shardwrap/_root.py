@@ -78,7 +78,7 @@ class Root:
         self.reshard_after_forward = reshard_after_forward
         self.schedule = Schedule(units, control[0], stats, control[1])
         self.phase = Phase.IDLE
-        self._forward_order: list[Unit] = []  # the previous step's, in call order
+        self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
         self._backward_next: dict[int, Unit] = {}
         self._recording: list[Unit] = []
@@ -138,7 +138,7 @@ class Root:
             self._stop_saving()
         grad = torch.is_grad_enabled()
         # The unit that ran last in forward runs first in backward: keep it gathered.
-        last = self._forward_order[-1] if grad and len(self._forward_order) > 1 else None
+        last = self._forward_last if grad else None
         if unit is not self.root and unit is not last and (self.reshard_after_forward or not grad):
             unit.reshard()
         if grad:
@@ -150,7 +150,7 @@ class Root:
                 if u.state is not ShardState.SHARDED and u is not last and release:
                     u.reshard()
             self.schedule.end_forward()
-            self._forward_order = self._recording
+            self._forward_last = self._recording[-1] if len(self._recording) > 1 else None
             self._forward_next = _successors(self._recording)
             self.phase = Phase.IDLE
         return output
@@ -238,8 +238,7 @@ class Root:
         buffers fewer alive at that moment.
         """
         if self.phase is Phase.BACKWARD:
-            group.drop_views()
-            group.free_storage()
+            group.release()
             # The reduction in flight is almost always done by now; landing it first means
             # its flat gradient is freed before this group's is allocated.
             self.schedule.drain()
@@ -247,8 +246,7 @@ class Root:
     def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
         if self.phase is not Phase.BACKWARD:
             self._start_backward()
-        group.drop_views()
-        group.free_storage()
+        group.release()
         self._released.add(id(group))
         self._maybe_release(unit)
         self.schedule.grad_ready(group)

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._collectives import CommStats, Group, all_reduce, group_size
 from ._root import Root
-from ._unit import BufferPool, FlatGroup, ShardState, Unit
+from ._unit import BufferPool, FlatGroup, Unit
 from ._wrap import AutoWrap, group_key, place_parameters, resolve_policy
 
 __all__ = ["ShardedModule"]
@@ -162,13 +162,10 @@ class ShardedModule(nn.Module):
         full: dict[int, Tensor] = {}
         for unit in root.units:
             for g in unit.groups:
-                with _readable(unit, g):
+                with unit.readable(g):
                     if keep:
-                        data = g.full_data
-                        for p, off, shape in zip(g.shard_params, g.layout.offsets, g.shapes):
-                            full[id(p)] = (
-                                data[off : off + shape.numel()].view(shape).to("cpu", copy=True)
-                            )
+                        for p, view in zip(g.shard_params, g.param_views()):
+                            full[id(p)] = view.to("cpu", copy=True)
         if not keep:
             return {}
         return {
@@ -219,23 +216,6 @@ class ShardedModule(nn.Module):
                     v.copy_(value.reshape(-1)[pc.start : pc.stop])
                 else:
                     v.copy_(value)
-
-
-@contextmanager
-def _readable(unit: Unit, group: FlatGroup) -> Iterator[None]:
-    """Fill ``group``'s full buffer for reading; restore the unit's state afterwards."""
-    if unit.state is ShardState.GATHERED and not group.is_stale and group.views is not None:
-        yield
-        return
-    was_sharded = unit.state is ShardState.SHARDED
-    if unit.state is ShardState.GATHERING:
-        unit.finish_gather()
-    group.gather(unit.stats).wait()
-    try:
-        yield
-    finally:
-        if was_sharded:
-            group.free_storage()
 
 
 # construction ------------------------------------------------------------------------

@@ -20,7 +20,8 @@ when to gather, and the root decides when to reshard.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any
 
@@ -194,11 +195,15 @@ class FlatGroup:
             self.splits_pending += 1
             self.views = list(_FullParams.apply(self.full, self._buffer, self))
         else:
-            self.views = _param_views(self._buffer, self)
+            self.views = self.param_views()
         self.views_track_grad = track_grad
         for view, slots in zip(self.views, self.slots):
             for module, attr in slots:
                 module.__dict__[attr] = view
+
+    def param_views(self) -> list[Tensor]:
+        """The gathered buffer shaped into the parameters, outside autograd."""
+        return _param_views(self.full_data, self)
 
     def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
         """The parameters' gradients laid out flat (zeros where none, and in the padding)."""
@@ -224,6 +229,11 @@ class FlatGroup:
         for slots in self.slots:
             for module, attr in slots:
                 module.__dict__.pop(attr, None)
+
+    def release(self) -> None:
+        """Drop the views and give the buffer back to the pool."""
+        self.drop_views()
+        self.free_storage()
 
     def write_back(self) -> None:
         """Copy this rank's range of the full buffer back into the shard."""
@@ -366,9 +376,24 @@ class Unit:
         if self.state is ShardState.GATHERING:
             self.finish_gather()
         for g in self.groups:
-            g.drop_views()
-            g.free_storage()
+            g.release()
         self.state = ShardState.SHARDED
+
+    @contextmanager
+    def readable(self, group: FlatGroup) -> Iterator[None]:
+        """Fill ``group``'s buffer for reading outside forward; restore the state afterwards."""
+        if self.state is ShardState.GATHERED and not group.is_stale and group.views is not None:
+            yield
+            return
+        was_sharded = self.state is ShardState.SHARDED
+        if self.state is ShardState.GATHERING:
+            self.finish_gather()
+        group.gather(self.stats).wait()
+        try:
+            yield
+        finally:
+            if was_sharded:
+                group.free_storage()
 
     def register_grad_hooks(self, on_grad: Callable[[Unit, FlatGroup], None]) -> None:
         """Call ``on_grad(unit, group)`` once a group's flat gradient is complete.
