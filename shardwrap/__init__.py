@@ -8,10 +8,14 @@ shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._collectives import CommStats
 from ._export import export, load_pretrained
+from ._grad_scaler import ShardedGradScaler
+from ._options import MixedPrecision
 from ._sharded_module import ShardedModule
 
 __all__ = [
     "CommStats",
+    "MixedPrecision",
+    "ShardedGradScaler",
     "ShardedModule",
     "export",
     "latest_checkpoint",

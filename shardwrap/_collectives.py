@@ -87,15 +87,24 @@ def group_size(group: Group) -> int:
 
 
 def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None = None) -> Pending:
-    """Gather every rank's ``shard`` into ``out`` (1-D, ``world_size * shard.numel()``)."""
+    """Gather every rank's ``shard`` into ``out`` (1-D, ``world_size * shard.numel()``).
+
+    When ``out`` has another dtype, this rank's shard is cast straight into its own slot of
+    ``out``, which then serves as the gather's input: the cast is the only copy.
+    """
     if stats is not None:
-        stats.add("all_gather", shard.numel() * shard.element_size() * group_size(group))
+        stats.add("all_gather", shard.numel() * out.element_size() * group_size(group))
     if group is None:
         out.copy_(shard)
         return Pending(None)
+    if shard.dtype != out.dtype:
+        n = shard.numel()
+        own = out[group.rank() * n : (group.rank() + 1) * n]
+        own.copy_(shard)
+        shard = own
     if shard.device.type == "cpu":
         return _exchange_all_gather(out, shard, group)
-    return Pending(group._allgather_base(out, shard))
+    return Pending(group._allgather_base(out, shard))  # in place when shard is a slot of out
 
 
 def reduce_scatter(
@@ -140,7 +149,9 @@ def _next_tag(group: dist.ProcessGroup) -> int:
 def _exchange_all_gather(out: Tensor, shard: Tensor, group: dist.ProcessGroup) -> Pending:
     rank, world, n = group.rank(), group.size(), shard.numel()
     tag = _next_tag(group)
-    out[rank * n : (rank + 1) * n].copy_(shard)
+    own = out[rank * n : (rank + 1) * n]
+    if own.data_ptr() != shard.data_ptr():
+        own.copy_(shard)
     if n == 0:
         return Pending(None)
     works = []

@@ -186,10 +186,9 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
         stream = _Stream(tmp, files) if rank == 0 else None
         for unit in root.units:
             for g in unit.groups:
-                with unit.readable(g):
+                with unit.readable(g) as views:
                     if stream is None:
                         continue
-                    views = g.param_views()
                     for p in by_group[id(g)]:
                         for _ in keys_of.get(id(p.shard), []):
                             stream.put(views[p.index])

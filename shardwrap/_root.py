@@ -27,9 +27,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ._collectives import CommStats, Group
+from ._options import MixedPrecision
 from ._schedule import Schedule
 from ._unit import BufferPool, FlatGroup, ShardState, Unit
 
@@ -55,6 +56,7 @@ class Root:
         reshard_after_forward: release each non-root unit's gathered parameters after its
             forward (ZeRO-3) rather than keeping them until its backward.
         pool: the buffers units gather into.
+        precision: mixed-precision casts of inputs and outputs, or ``None``.
     """
 
     def __init__(
@@ -66,8 +68,11 @@ class Root:
         device: torch.device,
         reshard_after_forward: bool,
         pool: BufferPool,
+        precision: MixedPrecision | None = None,
     ) -> None:
         self.units = units
+        self.input_dtype = precision.param_dtype if precision else None
+        self.output_dtype = precision.output_dtype if precision else None
         self.pool = pool
         self._unit_of = {id(g): u for u in units for g in u.groups}
         self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -98,16 +103,21 @@ class Root:
 
     # forward -------------------------------------------------------------------------
 
-    def _hook_pre_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _hook_pre_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self._pre_forward(unit)
+            if self.input_dtype is not None:
+                args, kwargs = _cast_floating((args, kwargs), self.input_dtype)
             if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:
                 self._hook_inputs(unit, (args, kwargs))
+            return args, kwargs
 
         return hook
 
     def _hook_post_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if unit is self.root and self.output_dtype is not None:
+                output = _cast_floating(output, self.output_dtype)
             return self._post_forward(unit, output)
 
         return hook
@@ -296,7 +306,7 @@ class Root:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
         for unit in self.units:
             unit.reshard()
-            unit.start_gather()
+            unit.start_gather(exact=True)
             unit.finish_gather()
             unit.use_full(track_grad=False)
         try:
@@ -316,6 +326,11 @@ class Root:
             yield
         finally:
             self.schedule.sync = previous
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor in it cast to ``dtype`` (differentiably)."""
+    return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _successors(order: list[Unit]) -> dict[int, Unit]:

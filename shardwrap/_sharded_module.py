@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._collectives import CommStats, Group, all_reduce, group_size
+from ._options import MixedPrecision
 from ._root import Root
 from ._unit import BufferPool, FlatGroup, Unit
 from ._wrap import AutoWrap, group_key, place_parameters, resolve_policy
@@ -56,6 +57,9 @@ class ShardedModule(nn.Module):
         reshard_after_forward: release each unit's gathered parameters after its forward
             (ZeRO-3, least memory) rather than keeping them until its backward (one
             all-gather fewer per unit and step).
+        mixed_precision: compute in a lower precision (see :class:`MixedPrecision`); the
+            shards, and so the optimizer, stay in the parameters' own dtype. ``None``: no
+            casts at all.
 
     Raises:
         TypeError: ``auto_wrap`` of an unsupported type.
@@ -74,6 +78,7 @@ class ShardedModule(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecision | None = None,
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
@@ -82,7 +87,12 @@ class ShardedModule(nn.Module):
         device = _check_device(module, device)
         group = _resolve_group(process_group)
         _check_same_model(module, group, device)
-        _wrap(module, policy, group, device, reshard_after_forward)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
+                "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
+            )
+        _wrap(module, policy, group, device, reshard_after_forward, mixed_precision)
         return module  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -162,9 +172,9 @@ class ShardedModule(nn.Module):
         full: dict[int, Tensor] = {}
         for unit in root.units:
             for g in unit.groups:
-                with unit.readable(g):
+                with unit.readable(g) as views:
                     if keep:
-                        for p, view in zip(g.shard_params, g.param_views()):
+                        for p, view in zip(g.shard_params, views):
                             full[id(p)] = view.to("cpu", copy=True)
         if not keep:
             return {}
@@ -235,6 +245,7 @@ def _wrap(
     group: Group,
     device: torch.device,
     reshard_after_forward: bool,
+    precision: MixedPrecision | None,
 ) -> None:
     placement = place_parameters(module, policy)
     stats = CommStats()
@@ -248,7 +259,17 @@ def _wrap(
         for entries in by_key.values():
             names = [n for n, _, _ in entries]
             originals = [p for _, p, _ in entries]
-            fg = FlatGroup(names, originals, [s for _, _, s in entries], group, device, pool)
+            dtype = originals[0].dtype
+            fg = FlatGroup(
+                names,
+                originals,
+                [s for _, _, s in entries],
+                group,
+                device,
+                pool,
+                precision.compute_dtype(dtype) if precision else None,
+                precision.gradient_dtype(dtype) if precision else None,
+            )
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
                 setattr(shard_param, _SHARD_ATTR, True)
                 for owner, attr in slots:
@@ -256,12 +277,16 @@ def _wrap(
                 _retire(p, name)
             flat_groups.append(fg)
         units.append(Unit(unit_module, index, flat_groups, stats))
+    buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():
-            if b is not None and b.device != device:
-                m._buffers[k] = b.to(device)
+            if b is None:
+                continue
+            dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
+            if b.device != device or b.dtype != dtype:
+                m._buffers[k] = b.to(device, dtype)
     control = _control_group(group, device)
-    root = Root(units, group, control, stats, device, reshard_after_forward, pool)
+    root = Root(units, group, control, stats, device, reshard_after_forward, pool, precision)
     module.__class__ = _sharded_class(type(module))
     object.__setattr__(module, _ROOT_ATTR, root)
     for unit in units[1:]:

@@ -66,8 +66,8 @@ class BufferPool:
         self.owner: dict[int, FlatGroup] = {}
         self._free: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
 
-    def take(self, group: FlatGroup) -> Tensor:
-        key = (group.layout.padded_numel, group.dtype, group.shard.device)
+    def take(self, group: FlatGroup, dtype: torch.dtype) -> Tensor:
+        key = (group.layout.padded_numel, dtype, group.shard.device)
         free = self._free.get(key)
         buf = free.pop() if free else torch.empty(key[0], dtype=key[1], device=key[2])
         self.owner[buf.data_ptr()] = group
@@ -87,6 +87,11 @@ class BufferPool:
 class FlatGroup:
     """The parameters of one unit that share a dtype and ``requires_grad``.
 
+    Three dtypes meet here: the shard's (``dtype``, the optimizer's master copy), the
+    gathered parameters' (``compute_dtype``, which forward and backward use) and the flat
+    gradient's (``grad_dtype``, in which ranks average it). Without mixed precision all three
+    are the parameters' dtype.
+
     Args:
         names: canonical name of each parameter (as ``named_parameters()`` gives it).
         params: the original, full parameters, in flat order.
@@ -95,6 +100,8 @@ class FlatGroup:
         group: process group, or ``None`` for world size 1.
         device: where the shard lives.
         pool: where the full buffer comes from while gathered.
+        compute_dtype: dtype of the gathered parameters (default: ``dtype``).
+        grad_dtype: dtype of the flat gradient and its reduction (default: ``compute_dtype``).
     """
 
     def __init__(
@@ -105,6 +112,8 @@ class FlatGroup:
         group: Group,
         device: torch.device,
         pool: BufferPool,
+        compute_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.names = names
         self.pool = pool
@@ -112,6 +121,8 @@ class FlatGroup:
         self.group = group
         self.shapes = [p.shape for p in params]
         self.dtype = params[0].dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        self.grad_dtype = grad_dtype or self.compute_dtype
         self.requires_grad = params[0].requires_grad
         self.layout = FlatLayout(tuple(p.numel() for p in params), group_size(group))
         rank = group_rank(group)
@@ -134,9 +145,9 @@ class FlatGroup:
         ]
 
         # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
-        # parameters. Its gradient is the flat gradient; the values live in a pooled buffer
-        # (1-D, padded numel) while gathered.
-        self.full: Tensor = _unbacked(self.layout.padded_numel, self.dtype, device)
+        # parameters. Its gradient is the flat gradient (grad_dtype); the values live in a
+        # pooled buffer (1-D, padded numel, compute_dtype) while gathered.
+        self.full: Tensor = _unbacked(self.layout.padded_numel, self.grad_dtype, device)
         self.full.requires_grad_(self.requires_grad)
         self._buffer: Tensor | None = None
 
@@ -153,9 +164,11 @@ class FlatGroup:
 
     # storage -------------------------------------------------------------------------
 
-    def alloc_storage(self) -> None:
+    def alloc_storage(self, dtype: torch.dtype) -> None:
+        if self._buffer is not None and self._buffer.dtype != dtype:
+            self.release()
         if self._buffer is None:
-            self._buffer = self.pool.take(self)
+            self._buffer = self.pool.take(self, dtype)
 
     @property
     def full_data(self) -> Tensor:
@@ -175,14 +188,20 @@ class FlatGroup:
 
     @property
     def is_stale(self) -> bool:
-        """True when the shard changed (an optimizer step, a load) since the last gather."""
-        return self.shard._version != self.gathered_version
+        """True when the buffer does not hold the shards for compute: it is gathered in another
+        dtype, or the shard changed (an optimizer step, a load) since the last gather."""
+        return self.shard._version != self.gathered_version or (
+            self._buffer is not None and self._buffer.dtype != self.compute_dtype
+        )
 
     # gather --------------------------------------------------------------------------
 
-    def gather(self, stats: CommStats | None) -> Pending:
-        """All-gather the shards into the full buffer (asynchronously where possible)."""
-        self.alloc_storage()
+    def gather(self, stats: CommStats | None, exact: bool = False) -> Pending:
+        """All-gather the shards into the full buffer (asynchronously where possible).
+
+        The buffer is in ``compute_dtype``, or with ``exact`` in the shards' own dtype.
+        """
+        self.alloc_storage(self.dtype if exact else self.compute_dtype)
         self.gathered_version = self.shard._version
         return all_gather(self._buffer, self.shard, self.group, stats)
 
@@ -206,8 +225,11 @@ class FlatGroup:
         return _param_views(self.full_data, self)
 
     def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
-        """The parameters' gradients laid out flat (zeros where none, and in the padding)."""
-        flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.shard.device)
+        """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
+        the padding): one copy, which also casts."""
+        flat = torch.empty(
+            self.layout.padded_numel, dtype=self.grad_dtype, device=self.shard.device
+        )
         for g, offset, n in zip(grads, self.layout.offsets, self.layout.numels):
             if g is None:
                 flat[offset : offset + n].zero_()
@@ -236,7 +258,7 @@ class FlatGroup:
         self.free_storage()
 
     def write_back(self) -> None:
-        """Copy this rank's range of the full buffer back into the shard."""
+        """Copy this rank's range of the full buffer (gathered ``exact``) back into the shard."""
         lo, hi = self.layout.shard_range(group_rank(self.group))
         with torch.no_grad():
             self.shard.copy_(self.full_data[lo:hi])
@@ -253,8 +275,10 @@ class FlatGroup:
         grad = self.full.grad
         self.full.grad = None
         if grad is None:
-            grad = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.shard.device)
-        out = torch.empty_like(self.shard)
+            grad = torch.zeros(
+                self.layout.padded_numel, dtype=self.grad_dtype, device=self.shard.device
+            )
+        out = torch.empty_like(self.shard, dtype=self.grad_dtype)
         return reduce_scatter(out, grad, self.group, stats), out, grad
 
     def accumulate(self, new: Tensor) -> None:
@@ -263,6 +287,7 @@ class FlatGroup:
         The ``.grad`` tensors are views of one flat buffer, known here only weakly: once
         ``zero_grad()`` drops them, their memory is freed.
         """
+        new = new.to(self.dtype)
         params = self.shard_params
         flat = self._grad_flat()
         if flat is not None and all(p.grad is v() for p, v in zip(params, self._grad_views)):
@@ -351,11 +376,14 @@ class Unit:
     def is_stale(self) -> bool:
         return any(g.is_stale for g in self.groups)
 
-    def start_gather(self) -> None:
-        """Issue the all-gathers; the unit is GATHERING until :meth:`finish_gather`."""
+    def start_gather(self, exact: bool = False) -> None:
+        """Issue the all-gathers; the unit is GATHERING until :meth:`finish_gather`.
+
+        With ``exact`` the buffers hold the shards' own dtype rather than the compute dtype.
+        """
         if self.state is ShardState.GATHERING:
             self.finish_gather()
-        self._pending = [g.gather(self.stats) for g in self.groups]
+        self._pending = [g.gather(self.stats, exact) for g in self.groups]
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
@@ -380,20 +408,19 @@ class Unit:
         self.state = ShardState.SHARDED
 
     @contextmanager
-    def readable(self, group: FlatGroup) -> Iterator[None]:
-        """Fill ``group``'s buffer for reading outside forward; restore the state afterwards."""
-        if self.state is ShardState.GATHERED and not group.is_stale and group.views is not None:
-            yield
-            return
-        was_sharded = self.state is ShardState.SHARDED
+    def readable(self, group: FlatGroup) -> Iterator[list[Tensor]]:
+        """Yield ``group``'s full parameters in the shards' dtype, for reading outside forward.
+
+        Gathers into a buffer of its own, leaving the unit's state as it was.
+        """
         if self.state is ShardState.GATHERING:
             self.finish_gather()
-        group.gather(self.stats).wait()
+        buffer = group.pool.take(group, group.dtype)
         try:
-            yield
+            all_gather(buffer, group.shard, group.group, self.stats).wait()
+            yield _param_views(buffer, group)
         finally:
-            if was_sharded:
-                group.free_storage()
+            group.pool.give(buffer)
 
     def register_grad_hooks(self, on_grad: Callable[[Unit, FlatGroup], None]) -> None:
         """Call ``on_grad(unit, group)`` once a group's flat gradient is complete.

@@ -39,7 +39,7 @@ import shardwrap
 import shardwrap._checkpoint
 from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, save_checkpoint
 from shardwrap._storage import SafetensorsWriter
-from shardwrap._unit import FlatGroup
+from shardwrap._unit import BufferPool, FlatGroup
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch
 
@@ -545,25 +545,25 @@ def test_export_loads_into_the_plain_model_one_group_at_a_time(
     model.register_buffer("stat", torch.arange(5.0))
     ref = copy.deepcopy(model)
     _train(ref, _sgd(ref.parameters()), None, range(2))
-    write, gather, free = SafetensorsWriter.write, FlatGroup.gather, FlatGroup.free_storage
-    live: set[int] = set()  # flat groups gathered and not yet released
+    write, take, give = SafetensorsWriter.write, BufferPool.take, BufferPool.give
+    live: set[int] = set()  # flat groups with a full buffer taken and not yet given back
     rank0_groups: set[int] = set()
     gathered: list[int] = []  # at each write (rank 0's), how many of its flat groups are gathered
 
-    def spy_gather(self: FlatGroup, *args: Any) -> Any:
-        live.add(id(self))
-        return gather(self, *args)
+    def spy_take(self: BufferPool, group: FlatGroup, *args: Any) -> Tensor:
+        live.add(id(group))
+        return take(self, group, *args)
 
-    def spy_free(self: FlatGroup) -> None:
-        live.discard(id(self))
-        free(self)
+    def spy_give(self: BufferPool, buf: Tensor) -> None:
+        live.discard(id(self.owner[buf.data_ptr()]))
+        give(self, buf)
 
     def spy_write(self: SafetensorsWriter, tensor: Tensor) -> None:
         gathered.append(len(live & rank0_groups))
         write(self, tensor)
 
-    monkeypatch.setattr(FlatGroup, "gather", spy_gather)
-    monkeypatch.setattr(FlatGroup, "free_storage", spy_free)
+    monkeypatch.setattr(BufferPool, "take", spy_take)
+    monkeypatch.setattr(BufferPool, "give", spy_give)
     monkeypatch.setattr(SafetensorsWriter, "write", spy_write)
 
     def fn(rank: int, pg: ProcessGroup) -> None:

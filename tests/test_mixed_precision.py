@@ -1,0 +1,267 @@
+"""Mixed precision: low-precision compute and gathers, full-precision shards and optimizer.
+
+The reference is the plain model in the textbook recipe: float32 master weights, a bfloat16
+working copy that runs forward and backward on each rank's slice of the batch, gradients cast
+to float32 and averaged. A sharded run must follow it step for step (it does the same
+arithmetic), and both must track plain float32 training closely.
+
+float16 adds loss scaling: ``ShardedGradScaler`` must skip a step on every rank when only one
+rank's gradient shard overflows.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
+from tests._ranks import run_ranks
+from tests.models import GPT, Block, WithBatchNorm, make_batch
+
+STEPS = 4
+BATCHES = [make_batch(seed=step, batch=8) for step in range(STEPS)]
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _gpt(tied: bool = True) -> GPT:
+    torch.manual_seed(0)
+    return GPT(tied=tied)
+
+
+def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3)
+
+
+def _mean(value: Tensor, pg: ProcessGroup | None) -> float:
+    total = value.detach().float().clone()
+    if pg is not None:
+        pg.allreduce([total]).wait()
+        total /= pg.size()
+    return total.item()
+
+
+def train_recipe(model: nn.Module, world_size: int, dtype: torch.dtype) -> tuple[list, dict]:
+    """Plain mixed precision: fp32 masters, a ``dtype`` copy per rank slice, fp32 mean grads."""
+    master = copy.deepcopy(model)
+    work = copy.deepcopy(model).to(dtype)
+    optimizer = _sgd(master.parameters())
+    losses = []
+    for inputs, targets in BATCHES:
+        grads: list[Tensor] = [torch.zeros_like(p) for p in master.parameters()]
+        step_loss = 0.0
+        for x, y in zip(inputs.chunk(world_size), targets.chunk(world_size)):
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), master.parameters()):
+                    w.copy_(m)
+            loss = work(x, y)
+            loss.backward()
+            step_loss += loss.float().item() / world_size
+            for g, w in zip(grads, work.parameters()):
+                g.add_(w.grad.float())
+                w.grad = None
+        for m, g in zip(master.parameters(), grads):
+            m.grad = g / world_size
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def train_sharded(
+    model: nn.Module, world_size: int, make_optimizer: Any, **wrap: Any
+) -> list[tuple[list[float], dict[str, Tensor]]]:
+    def fn(rank: int, pg: ProcessGroup | None) -> tuple[list[float], dict[str, Tensor]]:
+        sharded = ShardedModule(copy.deepcopy(model), process_group=pg, auto_wrap=Block, **wrap)
+        optimizer = make_optimizer(sharded.parameters())
+        losses = []
+        for inputs, targets in BATCHES:
+            loss = sharded(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(_mean(loss, pg))
+        return losses, sharded.full_state_dict()
+
+    return [fn(0, None)] if world_size == 1 else run_ranks(world_size, fn, timeout=30.0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_bf16_follows_the_plain_mixed_precision_recipe(world_size: int) -> None:
+    model = _gpt()
+    ref_losses, ref_state = train_recipe(model, world_size, torch.bfloat16)
+    for losses, state in train_sharded(model, world_size, _sgd, mixed_precision=BF16):
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+        torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=0)
+        assert all(v.dtype == torch.float32 for v in state.values())
+
+
+def test_bf16_tracks_fp32_training() -> None:
+    model = _gpt()
+    fp32 = train_sharded(model, 2, _adamw)[0][0]
+    for losses, _ in train_sharded(model, 2, _adamw, mixed_precision=BF16):
+        assert losses != fp32  # bf16 really computed in bf16
+        # bf16 keeps 8 bits of mantissa: the loss itself rounds by up to 0.4%.
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32), atol=0, rtol=1e-2)
+        assert losses[-1] < 0.8 * losses[0]
+
+
+def test_masters_stay_fp32_while_forward_sees_bf16_and_gathers_move_half_the_bytes() -> None:
+    model = _gpt(tied=False)
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, dict[str, int]]:
+        bytes_by_mode = {}
+        for name, mp in [
+            ("fp32", None),
+            ("bf16", BF16),
+            ("bf16-reduce", MixedPrecision(reduce_dtype=torch.bfloat16)),
+        ]:
+            sharded = ShardedModule(
+                copy.deepcopy(model), process_group=pg, auto_wrap=Block, mixed_precision=mp
+            )
+            qkv = sharded.blocks[1].attn.qkv
+            if mp is not None and rank == 0:
+                qkv.register_forward_pre_hook(
+                    lambda m, args: seen.append((m.weight.dtype, args[0].dtype))
+                )
+            optimizer = _adamw(sharded.parameters())
+            sharded.comm_stats.reset()
+            inputs, targets = BATCHES[0]
+            sharded(inputs.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            bytes_by_mode[name] = dict(sharded.comm_stats.bytes)
+            optimizer.step()
+            for p in sharded.parameters():
+                assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+            for state in optimizer.state.values():
+                assert state["exp_avg"].dtype == torch.float32
+            assert qkv.weight.dtype == torch.float32 and qkv.weight.dim() == 1  # the shard
+        return bytes_by_mode
+
+    for stats in run_ranks(2, fn):
+        assert stats["bf16"]["all_gather"] * 2 == stats["fp32"]["all_gather"]
+        assert stats["bf16"]["reduce_scatter"] == stats["fp32"]["reduce_scatter"]
+        assert stats["bf16-reduce"]["reduce_scatter"] * 2 == stats["fp32"]["reduce_scatter"]
+    assert seen and all(s == (torch.bfloat16, torch.bfloat16) for s in seen)
+
+
+def test_output_and_buffer_dtypes() -> None:
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    x = torch.randn(6, 13)
+
+    sharded = ShardedModule(
+        copy.deepcopy(model),
+        mixed_precision=MixedPrecision(output_dtype=torch.float32, buffer_dtype=torch.bfloat16),
+    )
+    out = sharded(x)
+    assert out.dtype == torch.float32
+    assert sharded.net[1].running_mean.dtype == torch.bfloat16
+    assert sharded.net[1].num_batches_tracked.dtype == torch.int64
+    torch.testing.assert_close(out, model(x), atol=0.1, rtol=0.05)
+
+    gpt = _gpt()
+    gpt.register_buffer("stat", torch.ones(3))
+    default = ShardedModule(gpt, mixed_precision=MixedPrecision())
+    assert default(BATCHES[0][0]).dtype == torch.bfloat16
+    assert default.stat.dtype == torch.float32
+
+
+def test_state_dict_and_gathered_read_the_fp32_masters_exactly() -> None:
+    model = _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        sharded = ShardedModule(
+            copy.deepcopy(model), process_group=pg, auto_wrap=Block, mixed_precision=BF16
+        )
+        optimizer = _adamw(sharded.parameters())
+        inputs, targets = BATCHES[0]
+        sharded(inputs.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+        optimizer.step()
+        shards = [p.detach().clone() for p in sharded.parameters()]
+        sharded(inputs, targets)  # leaves the root gathered in bf16
+        state = sharded.full_state_dict()
+        weight = state["blocks.0.mlp.0.weight"]
+        assert weight.dtype == torch.float32
+        assert not torch.equal(weight.bfloat16().float(), weight)  # not rounded to bf16
+        with sharded.gathered(writeback=True):
+            assert sharded.blocks[0].mlp[0].weight.dtype == torch.float32
+            torch.testing.assert_close(sharded.blocks[0].mlp[0].weight, weight, atol=0, rtol=0)
+        for p, before in zip(sharded.parameters(), shards):
+            assert torch.equal(p, before)  # written back bit for bit
+
+    run_ranks(2, fn)
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
+    model = _gpt()
+    fp16 = MixedPrecision(param_dtype=torch.float16)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[float]:
+        sharded = ShardedModule(
+            copy.deepcopy(model), process_group=pg, auto_wrap=Block, mixed_precision=fp16
+        )
+        optimizer = _adamw(sharded.parameters())
+        scaler = ShardedGradScaler("cpu", init_scale=1024.0, process_group=pg)
+        scales, losses = [], []
+        for step, (inputs, targets) in enumerate(BATCHES):
+            loss = sharded(inputs.chunk(2)[rank], targets.chunk(2)[rank])
+            scaler.scale(loss).backward()
+            if step == 1 and rank == 0:  # an overflow only rank 0's shard can see
+                next(p for p in sharded.parameters() if p.numel()).grad[0] = float("inf")
+            before = [p.detach().clone() for p in sharded.parameters()]
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            unchanged = all(torch.equal(p, b) for p, b in zip(sharded.parameters(), before))
+            assert unchanged == (step == 1), f"rank {rank} step {step}"
+            scales.append(scaler.get_scale())
+            losses.append(_mean(loss, pg))
+        assert scales == [1024.0, 512.0, 512.0, 512.0]
+        return losses
+
+    fp32 = train_sharded(model, 2, _adamw)[0][0]
+    for losses in run_ranks(2, fn, timeout=30.0):
+        torch.testing.assert_close(losses[:2], fp32[:2], atol=0, rtol=1e-2)
+        assert losses[-1] < 0.9 * losses[0]  # three of four steps taken
+
+
+def test_fp16_large_scale_overflows_and_backs_off() -> None:
+    model = _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> list[float]:
+        sharded = ShardedModule(
+            copy.deepcopy(model),
+            process_group=pg,
+            auto_wrap=Block,
+            mixed_precision=MixedPrecision(param_dtype=torch.float16),
+        )
+        optimizer = _sgd(sharded.parameters())
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**40, process_group=pg)
+        inputs, targets = BATCHES[0]
+        before = [p.detach().clone() for p in sharded.parameters()]
+        scaler.scale(sharded(inputs.chunk(2)[rank], targets.chunk(2)[rank])).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert all(torch.equal(p, b) for p, b in zip(sharded.parameters(), before))
+        return [scaler.get_scale()]
+
+    assert run_ranks(2, fn) == [[2.0**39], [2.0**39]]
+
+
+def test_bad_mixed_precision_arguments() -> None:
+    with pytest.raises(ValueError, match="param_dtype must be a floating-point"):
+        MixedPrecision(param_dtype=torch.int32)
+    with pytest.raises(TypeError):
+        MixedPrecision(torch.bfloat16)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="mixed_precision takes a shardwrap.MixedPrecision"):
+        ShardedModule(_gpt(), mixed_precision=torch.bfloat16)  # type: ignore[arg-type]
