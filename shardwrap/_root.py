@@ -20,12 +20,14 @@ whose shard has changed since (an optimizer step, a load) is gathered afresh.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -296,6 +298,37 @@ class Root:
         nxt = successors.get(current.index)
         if nxt is not None and nxt.state is ShardState.SHARDED:
             self.schedule.gather(nxt, backward)
+
+    # checkpointing and compilation ---------------------------------------------------
+
+    def checkpoint(self, unit: Unit) -> None:
+        """Recompute ``unit``'s activations in backward rather than keep them (non-reentrant).
+
+        The checkpoint encloses the module's ``forward``, inside the sharding hooks. By the
+        time backward recomputes it, the unit's outputs have had their gradients, so
+        pre-backward has gathered the unit: the recomputation reuses that gather.
+        """
+        forward = unit.module.forward
+
+        def recompute_or_run(*args: Any, **kwargs: Any) -> Any:
+            if self.phase is Phase.BACKWARD:
+                self._ensure_gathered(unit, backward=True)
+                unit.use_full(track_grad=True)
+            return forward(*args, **kwargs)
+
+        @functools.wraps(forward)
+        def checkpointed(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(
+                recompute_or_run, *args, use_reentrant=False, **kwargs
+            )
+
+        unit.module.forward = checkpointed
+
+    def compile(self, unit: Unit, options: dict[str, Any]) -> None:
+        """Compile ``unit``'s ``forward`` with ``torch.compile(**options)``; hooks stay outside."""
+        unit.module.forward = torch.compile(unit.module.forward, **options)
 
     # outside forward -----------------------------------------------------------------
 

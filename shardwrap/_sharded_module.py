@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._collectives import CommStats, Group, all_reduce, group_size
+from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._options import MixedPrecision
 from ._root import Root
 from ._unit import BufferPool, FlatGroup, Unit
@@ -60,12 +61,27 @@ class ShardedModule(nn.Module):
         mixed_precision: compute in a lower precision (see :class:`MixedPrecision`); the
             shards, and so the optimizer, stay in the parameters' own dtype. ``None``: no
             casts at all.
+        checkpoint_activations: recompute units' activations in backward instead of keeping
+            them (non-reentrant activation checkpointing of the unit's ``forward``, inside the
+            sharding hooks; the recomputation reuses the backward all-gather). ``True``: every
+            unit but the root; or a policy of the same forms as ``auto_wrap``, choosing among
+            the units.
+        compile: ``torch.compile`` each unit's ``forward`` (units that enclose no other unit;
+            the root and enclosing units run eagerly, so the sharding hooks stay outside every
+            compiled graph). ``True`` for the defaults, or a dict of ``torch.compile`` options.
+        param_init_fn: for a model built under ``with torch.device("meta"):``, called as
+            ``param_init_fn(module)`` on each module instead of its ``reset_parameters()``.
+            Such a model is materialised one unit at a time, each unit in full on every rank
+            from a seed rank 0 draws, then sharded: memory stays near one unit.
 
     Raises:
-        TypeError: ``auto_wrap`` of an unsupported type.
-        ValueError: a model already wrapped, parameters on several devices or on the meta
-            device, or parameter names, shapes or dtypes that differ across ranks (checked
-            with one small collective; every rank raises, naming the first difference).
+        TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision`` or
+            ``compile`` of an unsupported type.
+        ValueError: a model already wrapped, parameters on several devices, a
+            ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
+            initialiser wrote (every rank raises, naming each), or parameter names, shapes or
+            dtypes that differ across ranks (checked with one small collective; every rank
+            raises, naming the first difference).
     """
 
     _shardwrap_root: Root
@@ -79,12 +95,16 @@ class ShardedModule(nn.Module):
         device: torch.device | str | None = None,
         reshard_after_forward: bool = True,
         mixed_precision: MixedPrecision | None = None,
+        checkpoint_activations: bool | AutoWrap = False,
+        compile: bool | dict[str, Any] = False,
+        param_init_fn: ParamInitFn | None = None,
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
         _check_not_wrapped(module)
         policy = resolve_policy(module, auto_wrap)
         device = _check_device(module, device)
+        check_param_init_fn(module, param_init_fn)
         group = _resolve_group(process_group)
         _check_same_model(module, group, device)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -92,7 +112,17 @@ class ShardedModule(nn.Module):
                 f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
                 "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
             )
-        _wrap(module, policy, group, device, reshard_after_forward, mixed_precision)
+        checkpoint = _checkpoint_policy(module, policy, checkpoint_activations)
+        compile_options = _compile_options(compile)
+        _wrap(module, policy, group, device, reshard_after_forward, mixed_precision, param_init_fn)
+        root: Root = getattr(module, _ROOT_ATTR)
+        unit_modules = {id(u.module) for u in root.units}
+        for unit in root.units[1:]:
+            inner = (m for m in unit.module.modules() if m is not unit.module)
+            if compile_options is not None and not any(id(m) in unit_modules for m in inner):
+                root.compile(unit, compile_options)
+            if checkpoint(unit.module):
+                root.checkpoint(unit)
         return module  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -246,12 +276,21 @@ def _wrap(
     device: torch.device,
     reshard_after_forward: bool,
     precision: MixedPrecision | None,
+    param_init_fn: ParamInitFn | None = None,
 ) -> None:
     placement = place_parameters(module, policy)
+    materialize = None
+    if is_meta(module):
+        seed = agree_seed(group, device)
+        materialize = Materializer(module, placement.units, device, seed, param_init_fn)
     stats = CommStats()
     pool = BufferPool()
     units: list[Unit] = []
     for index, (unit_module, params) in enumerate(zip(placement.units, placement.params)):
+        if materialize is not None:
+            meta_params, params = params, materialize(index, params)
+            for name, p, _ in meta_params:
+                _retire(p, name)
         by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
         for entry in params:
             by_key.setdefault(group_key(entry[1]), []).append(entry)
@@ -356,21 +395,57 @@ def _check_device(module: nn.Module, device: torch.device | str | None) -> torch
             f"ShardedModule: parameters are on several devices ({listed}). Move the model to "
             "one device first, e.g. model.to('cpu'), and pass device= for where shards go."
         )
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            "ShardedModule: the model has parameters on the meta device, which shardwrap "
-            "cannot materialise yet. Build the model on CPU (or call "
-            "model.to_empty(device='cpu') and initialise it) before wrapping."
-        )
+    if devices and not any(d.type == "meta" for d in devices):
+        for name, b in module.named_buffers():
+            if b.is_meta:
+                raise ValueError(
+                    f"ShardedModule: buffer '{name}' is on the meta device but the parameters "
+                    "are not; build the whole model under `with torch.device('meta'):`, or "
+                    "none of it."
+                )
     if device is not None:
         return torch.device(device)
     if devices:
         only = next(iter(devices))
-        if only.type != "cpu":
+        if only.type not in ("cpu", "meta"):
             return only
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def _checkpoint_policy(
+    module: nn.Module, units: Callable[[nn.Module], bool], value: bool | AutoWrap
+) -> Callable[[nn.Module], bool]:
+    """Which units to checkpoint; a policy that selects no unit is an error, not a no-op."""
+    if value is True or value is False:
+        return lambda m: value
+    if value is None:
+        return lambda m: False
+    try:
+        selected = resolve_policy(module, value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"checkpoint_activations: {e}") from None
+    if not any(units(m) and selected(m) for m in module.modules() if m is not module):
+        raise ValueError(
+            f"checkpoint_activations={value!r} selects none of the units; it chooses among "
+            "the modules auto_wrap selects. Pass checkpoint_activations=True to checkpoint "
+            "every unit, or select a class that auto_wrap also selects."
+        )
+    return selected
+
+
+def _compile_options(value: bool | dict[str, Any]) -> dict[str, Any] | None:
+    if value is True:
+        return {}
+    if value is False or value is None:
+        return None
+    if isinstance(value, dict):
+        return dict(value)
+    raise TypeError(
+        f"compile takes True, False or a dict of torch.compile options, got {value!r}; "
+        "e.g. compile={'mode': 'max-autotune'}."
+    )
 
 
 def _resolve_group(process_group: dist.ProcessGroup | None) -> Group:

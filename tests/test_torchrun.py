@@ -35,10 +35,18 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> N
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_parity_under_torchrun(tmp_path: Path, nproc: int) -> None:
+@pytest.mark.parametrize(
+    ("nproc", "wrap"),
+    [
+        (2, {}),
+        (4, {}),
+        (2, {"compile": True, "checkpoint_activations": True}),  # inductor, real compiler
+    ],
+    ids=["2", "4", "2-compiled-checkpointed"],
+)
+def test_parity_under_torchrun(tmp_path: Path, nproc: int, wrap: dict) -> None:
     out = tmp_path / "result.json"
-    torchrun("tests/scripts/torchrun_parity.py", str(out), nproc=nproc)
+    torchrun("tests/scripts/torchrun_parity.py", str(out), json.dumps(wrap), nproc=nproc)
     result = json.loads(out.read_text())
     assert result["world_size"] == nproc
     assert result["keys_match"]

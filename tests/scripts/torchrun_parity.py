@@ -2,7 +2,9 @@
 
 Launched by tests/test_torchrun.py:
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/torchrun_parity.py OUT.json
+    torchrun --standalone --nproc_per_node=2 tests/scripts/torchrun_parity.py OUT.json [WRAP]
+
+WRAP: extra ``ShardedModule`` keyword arguments as JSON, e.g. '{"compile": true}'.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from tests.models import GPT, Block, make_batch
 STEPS = 4
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, wrap: dict) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = GPT()
     reference = copy.deepcopy(base)
-    model = ShardedModule(base, auto_wrap=Block)
+    model = ShardedModule(base, auto_wrap=Block, **wrap)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     losses, ref_losses = [], []
@@ -61,4 +63,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
