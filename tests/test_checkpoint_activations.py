@@ -109,7 +109,13 @@ def test_checkpointing_by_hand_inside_the_model_reuses_the_backward_gather() -> 
         assert ck_gathers == gathers
 
 
-def test_checkpointing_under_bf16_follows_the_mixed_precision_recipe() -> None:
+@pytest.mark.parametrize(
+    "wrap",
+    [{"checkpoint_activations": True}, {"compile": {"backend": "aot_eager"}}],
+    ids=["checkpointed", "compiled"],
+)
+def test_bf16_follows_the_mixed_precision_recipe(wrap: dict[str, Any]) -> None:
+    torch._dynamo.reset()
     model = _gpt()
     ref_losses, ref_state = train_recipe(model, 2, torch.bfloat16)
 
@@ -119,7 +125,7 @@ def test_checkpointing_under_bf16_follows_the_mixed_precision_recipe() -> None:
             process_group=pg,
             auto_wrap=Block,
             mixed_precision=MixedPrecision(),
-            checkpoint_activations=True,
+            **wrap,
         )
         optimizer = sgd(sharded.parameters())
         for inputs, targets in [make_batch(seed=step, batch=8) for step in range(4)]:
