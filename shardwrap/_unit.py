@@ -73,10 +73,11 @@ class BufferPool:
         self.owner[buf.data_ptr()] = group
         return buf
 
-    def give(self, buf: Tensor) -> None:
+    def give(self, buf: Tensor, keep: bool = True) -> None:
+        """Take ``buf`` back; with ``keep=False`` free it (a size no gather will ask for)."""
         del self.owner[buf.data_ptr()]
         free = self._free.setdefault((buf.numel(), buf.dtype, buf.device), [])
-        if self.holding and len(free) < self.keep:
+        if keep and self.holding and len(free) < self.keep:
             free.append(buf)
 
     def trim(self) -> None:
@@ -420,7 +421,7 @@ class Unit:
             all_gather(buffer, group.shard, group.group, self.stats).wait()
             yield _param_views(buffer, group)
         finally:
-            group.pool.give(buffer)
+            group.pool.give(buffer, keep=group.dtype == group.compute_dtype)
 
     def register_grad_hooks(self, on_grad: Callable[[Unit, FlatGroup], None]) -> None:
         """Call ``on_grad(unit, group)`` once a group's flat gradient is complete.

@@ -554,9 +554,9 @@ def test_export_loads_into_the_plain_model_one_group_at_a_time(
         live.add(id(group))
         return take(self, group, *args)
 
-    def spy_give(self: BufferPool, buf: Tensor) -> None:
+    def spy_give(self: BufferPool, buf: Tensor, *args: Any, **kwargs: Any) -> None:
         live.discard(id(self.owner[buf.data_ptr()]))
-        give(self, buf)
+        give(self, buf, *args, **kwargs)
 
     def spy_write(self: SafetensorsWriter, tensor: Tensor) -> None:
         gathered.append(len(live & rank0_groups))
