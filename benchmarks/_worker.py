@@ -11,6 +11,15 @@ Methods:
 - ``ddp``: ``DistributedDataParallel``.
 - ``single``: an unsharded copy per rank with no communication at all (the compute floor).
 
+Precisions (``"precision"`` in the config); every method keeps fp32 master weights and AdamW
+state, and the loss is computed in fp32 from the logits:
+
+- ``fp32``: everything in fp32.
+- ``bf16``: shardwrap with ``MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32)``,
+  FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every
+  ``fully_shard`` call, DDP and ``single`` under ``torch.autocast(dtype=bfloat16)`` around
+  forward and loss.
+
 Memory on CPU is the resident-set high-water mark above the resident set just before the
 model was built; on GPU, ``max_memory_allocated`` and ``max_memory_reserved``. Bytes per
 step count the buffers handed to collectives (all-gather output, reduce-scatter input,
@@ -30,14 +39,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.train_gpt import GPT, Block  # noqa: E402
-from shardwrap import ShardedModule  # noqa: E402
+from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
 
 METHODS = ("shardwrap", "fsdp2", "ddp", "single")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,12 @@ class Config:
     steps: int = 6
     lr: float = 1e-4
     seed: int = 0
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: bf16 compute on fp32 master weights, gradients reduced in fp32."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 def rss_mb(field: str) -> float:
@@ -71,6 +88,7 @@ class ByteCounter:
         self.bytes = 0
         self.calls = 0
         self.params = 0
+        self.paused = False
         self._saved: dict[str, Callable[..., Any]] = {}
 
     def install(self) -> None:
@@ -79,8 +97,9 @@ class ByteCounter:
             self._saved[name] = original
 
             def counted(*args: Any, **kwargs: Any) -> Any:
-                self.bytes += size(*args, *kwargs.values())
-                self.calls += 1
+                if not self.paused:
+                    self.bytes += size(*args, *kwargs.values())
+                    self.calls += 1
                 return original(*args, **kwargs)
 
             setattr(dist, name, counted)
@@ -97,16 +116,24 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
     torch.manual_seed(cfg.seed)
     model = GPT(vocab=256, width=cfg.width, heads=cfg.heads, depth=cfg.depth, context=cfg.context)
     counter.params = sum(p.numel() for p in model.parameters())
+    bf16 = cfg.precision == "bf16"
     if method == "shardwrap":
-        return ShardedModule(model.to(device), auto_wrap=Block)
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return ShardedModule(
+            model.to(device), auto_wrap=Block, mixed_precision=mixed if bf16 else None
+        )
     if method == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model.to(device), mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model.to(device), mesh=mesh, mp_policy=policy)
         return model
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -116,9 +143,7 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
         )
 
         def hook(state, bucket):  # noqa: ANN001, ANN202 (DDP inspects the real annotation)
-            buf = bucket.buffer()
-            counter.bytes += buf.numel() * buf.element_size()
-            counter.calls += 1
+            buf = bucket.buffer()  # counted by the ByteCounter's all_reduce
             buf.div_(dist.get_world_size())
             return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
 
@@ -143,6 +168,11 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
     model = build(method, cfg, device, counter)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed + rank)
+    autocast = torch.autocast(
+        device.type,
+        dtype=torch.bfloat16,
+        enabled=cfg.precision == "bf16" and method in ("ddp", "single"),
+    )
     times, losses = [], []
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
@@ -153,14 +183,18 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(tokens[:, :-1], tokens[:, 1:])
+        with autocast:
+            logits = model(tokens[:, :-1])  # (B, T, vocab), bf16 under mixed precision
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = torch.tensor(time.perf_counter() - t0)
+        counter.paused = True  # the benchmark's own reduction is not the method's traffic
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
+        counter.paused = False
         if step >= cfg.warmup:
             times.append(elapsed.item())
             losses.append(loss.item())
