@@ -108,7 +108,8 @@ def main() -> None:
         "model was built)"
         if not torch.cuda.is_available()
         else f"- budget: {args.budget_mb:.0f} MB per GPU",
-        f"- model: benchmarks/_worker.py Config with {json.dumps(config)}; fp32 AdamW",
+        f"- model: benchmarks/_worker.py Config with {json.dumps(config)}; "
+        f"{config.get('precision', 'fp32')} compute, AdamW on fp32 master weights",
         f"- command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`, "
         f"at commit {commit()}",
         "",
