@@ -177,17 +177,18 @@ def test_parameters_on_several_devices(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_meta_device_model(world_size: int) -> None:
-    with torch.device("meta"):
-        model = GPT()
+def test_meta_buffer_with_materialised_parameters(world_size: int) -> None:
+    """A model built on meta is materialised (tests/test_meta_init.py); half of one is refused."""
+    model = _gpt()
+    model.register_buffer("mask", torch.empty(16, 16, device="meta"))
     message = _error_on_rank0(
         world_size,
         ValueError,
         lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
         _copy_of(model),
     )
-    assert "meta device" in message and "yet" in message
-    assert "to_empty(device='cpu')" in message and "before wrapping" in message
+    assert "buffer 'mask' is on the meta device but the parameters are not" in message
+    assert "torch.device('meta')" in message
 
 
 # models that differ across ranks -----------------------------------------------------
