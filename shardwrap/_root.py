@@ -20,7 +20,9 @@ whose shard has changed since (an optimizer step, a load) is gathered afresh.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
@@ -92,6 +94,7 @@ class Root:
         self._backward_seen: set[int] = set()
         self._released: set[int] = set()
         self._inputs_pending: dict[int, int] = {}
+        _LIVE.add(self)
         for unit in units:
             unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
             unit.module.register_forward_hook(self._hook_post_forward(unit))
@@ -359,6 +362,24 @@ class Root:
             yield
         finally:
             self.schedule.sync = previous
+
+
+# NOTE: a model that outlives destroy_process_group() (a module-level global, say) would keep
+# its process groups, and so gloo's worker threads, alive into interpreter shutdown, where a
+# worker freeing the tensor of a finished collective can no longer take the GIL and aborts
+# the process ("terminate called without an active exception", about 1 run in 15 at two
+# ranks). Dropping the references while Python is still whole lets the groups shut down then.
+_LIVE: weakref.WeakSet[Root] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_groups_at_exit() -> None:
+    for root in list(_LIVE):
+        root.schedule.control = None
+        root.group = None
+        for unit in root.units:
+            for g in unit.groups:
+                g.group = None
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
