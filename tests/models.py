@@ -7,6 +7,8 @@ reference and for each rank (see ``tests/_ranks.py`` on why ranks must not seed 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -21,6 +23,8 @@ __all__ = [
     "LoRALinear",
     "FrozenPart",
     "make_batch",
+    "tiny_gpt2_config",
+    "tiny_llama_config",
 ]
 
 
@@ -204,3 +208,39 @@ def make_batch(seed: int, batch: int, context: int = 16, vocab: int = 67) -> tup
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab, (batch, context + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# Hugging Face transformers: tiny configurations, random weights, nothing downloaded -------
+
+HF_VOCAB = 97
+
+
+def tiny_gpt2_config() -> Any:
+    """GPT-2 (head tied to the embedding), 2 layers of width 36, no dropout."""
+    import transformers
+
+    return transformers.GPT2Config(
+        vocab_size=HF_VOCAB,
+        n_positions=32,
+        n_embd=36,
+        n_layer=2,
+        n_head=3,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+
+def tiny_llama_config() -> Any:
+    """Llama with grouped-query attention (3 heads, 1 key-value head), 2 layers of width 36."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=36,
+        intermediate_size=52,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )

@@ -28,8 +28,8 @@ from shardwrap import MixedPrecision
 from tests.test_parity import (
     HF_BATCHES,
     PROMPT,
-    HFCase,
     adamw,
+    build_hf,
     greedy,
     hf_loss,
     train_reference,
@@ -38,43 +38,13 @@ from tests.test_parity import (
 from tests.test_torchrun import torchrun
 
 
-def build(name: str) -> HFCase:
-    """The tiny configurations of ``tests/test_parity.py``, seeded."""
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    torch.manual_seed(0)
-    if name == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=97,
-            n_positions=32,
-            n_embd=36,
-            n_layer=2,
-            n_head=3,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        return HFCase(transformers.GPT2LMHeadModel(config), GPT2Block)
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=36,
-        intermediate_size=52,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    return HFCase(transformers.LlamaForCausalLM(config), LlamaDecoderLayer)
-
-
 def greedy_with_dtypes(model: nn.Module) -> tuple[Tensor, set[torch.dtype]]:
     return greedy(model), {p.dtype for p in model.parameters()}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_bf16_trains_like_fp32_and_generates_alike_on_every_rank(name: str) -> None:
-    case = build(name)
+    case = build_hf(name)
     ref = train_reference(case.model, adamw, HF_BATCHES, hf_loss)
     bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     runs = train_sharded(

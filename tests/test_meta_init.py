@@ -34,11 +34,10 @@ from torch.utils._pytree import tree_leaves
 
 from shardwrap import ShardedModule
 from tests._ranks import run_ranks
-from tests.models import GPT, Block
+from tests.models import GPT, Block, tiny_gpt2_config, tiny_llama_config
 from tests.test_parity import (
     GPT_BATCHES,
     HF_BATCHES,
-    HF_VOCAB,
     STEPS,
     _train,
     gpt_loss,
@@ -406,19 +405,10 @@ def test_optimizer_over_the_meta_parameters_fails_loudly() -> None:
 
 
 def test_hf_gpt2_initialises_with_its_init_weights_and_trains() -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    config = transformers.GPT2Config(
-        vocab_size=HF_VOCAB,
-        n_positions=32,
-        n_embd=36,
-        n_layer=2,
-        n_head=3,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    config = tiny_gpt2_config()
     meta_model = on_meta(lambda: transformers.GPT2LMHeadModel(config))
 
     def train(model: nn.Module, rank: int, pg: ProcessGroup | None) -> tuple:
@@ -462,18 +452,10 @@ def test_hf_gpt2_initialises_with_its_init_weights_and_trains() -> None:
 
 
 def test_hf_llama_rotary_buffers_recomputed_or_named() -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    config = transformers.LlamaConfig(
-        vocab_size=HF_VOCAB,
-        hidden_size=36,
-        intermediate_size=52,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    config = tiny_llama_config()
     meta_model = on_meta(lambda: transformers.LlamaForCausalLM(config))
     with pytest.raises(ValueError) as failed:
         ShardedModule(copy.deepcopy(meta_model), auto_wrap=LlamaDecoderLayer)

@@ -29,7 +29,15 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
 from tests._ranks import run_ranks
-from tests.models import GPT, Block, CausalSelfAttention, make_batch
+from tests.models import (
+    GPT,
+    HF_VOCAB,
+    Block,
+    CausalSelfAttention,
+    make_batch,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
 
 Batch = tuple[Tensor, Tensor]  # (inputs, targets), global batch first
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
@@ -232,9 +240,7 @@ def test_gpt_parity_under_every_auto_wrap_form(form: str, tied: bool) -> None:
 
 
 # Hugging Face transformers -------------------------------------------------------------
-# Guarded per test (through the fixtures), so the tests above run without transformers.
 
-HF_VOCAB = 97
 HF_BATCHES = [
     (tokens, tokens)
     for tokens in (
@@ -257,43 +263,28 @@ class HFCase:
     block: type[nn.Module]
 
 
+def build_hf(name: str) -> HFCase:
+    """GPT-2 (tied embedding and head) or Llama from the tiny configs, seeded."""
+    import transformers
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+        assert model.lm_head.weight is model.transformer.wte.weight
+        return HFCase(model, GPT2Block)
+    return HFCase(transformers.LlamaForCausalLM(tiny_llama_config()), LlamaDecoderLayer)
+
+
 @pytest.fixture(scope="module")
 def gpt2() -> HFCase:
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-    config = transformers.GPT2Config(
-        vocab_size=HF_VOCAB,
-        n_positions=32,
-        n_embd=36,
-        n_layer=2,
-        n_head=3,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    assert model.lm_head.weight is model.transformer.wte.weight
-    return HFCase(model, GPT2Block)
+    return build_hf("gpt2")
 
 
 @pytest.fixture(scope="module")
 def llama() -> HFCase:
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    config = transformers.LlamaConfig(
-        vocab_size=HF_VOCAB,
-        hidden_size=36,
-        intermediate_size=52,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return HFCase(transformers.LlamaForCausalLM(config), LlamaDecoderLayer)
+    return build_hf("llama")
 
 
 @pytest.fixture(params=["gpt2", "llama"])
