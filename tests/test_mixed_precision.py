@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
 from tests._ranks import run_ranks
-from tests.models import GPT, Block, WithBatchNorm, make_batch
+from tests.models import GPT, Block, FrozenPart, LoRALinear, WithBatchNorm, make_batch
 
 STEPS = 4
 BATCHES = [make_batch(seed=step, batch=8) for step in range(STEPS)]
@@ -50,13 +50,15 @@ def _mean(value: Tensor, pg: ProcessGroup | None) -> float:
     return total.item()
 
 
-def train_recipe(model: nn.Module, world_size: int, dtype: torch.dtype) -> tuple[list, dict]:
+def train_recipe(
+    model: nn.Module, world_size: int, dtype: torch.dtype, batches: list = BATCHES
+) -> tuple[list, dict]:
     """Plain mixed precision: fp32 masters, a ``dtype`` copy per rank slice, fp32 mean grads."""
     master = copy.deepcopy(model)
     work = copy.deepcopy(model).to(dtype)
-    optimizer = _sgd(master.parameters())
+    optimizer = _sgd(p for p in master.parameters() if p.requires_grad)
     losses = []
-    for inputs, targets in BATCHES:
+    for inputs, targets in batches:
         grads: list[Tensor] = [torch.zeros_like(p) for p in master.parameters()]
         step_loss = 0.0
         for x, y in zip(inputs.chunk(world_size), targets.chunk(world_size)):
@@ -67,10 +69,11 @@ def train_recipe(model: nn.Module, world_size: int, dtype: torch.dtype) -> tuple
             loss.backward()
             step_loss += loss.float().item() / world_size
             for g, w in zip(grads, work.parameters()):
-                g.add_(w.grad.float())
-                w.grad = None
+                if w.grad is not None:
+                    g.add_(w.grad.float())
+                    w.grad = None
         for m, g in zip(master.parameters(), grads):
-            m.grad = g / world_size
+            m.grad = g / world_size if m.requires_grad else None
         optimizer.step()
         optimizer.zero_grad()
         losses.append(step_loss)
@@ -78,13 +81,19 @@ def train_recipe(model: nn.Module, world_size: int, dtype: torch.dtype) -> tuple
 
 
 def train_sharded(
-    model: nn.Module, world_size: int, make_optimizer: Any, **wrap: Any
+    model: nn.Module,
+    world_size: int,
+    make_optimizer: Any,
+    batches: list = BATCHES,
+    auto_wrap: Any = Block,
+    **wrap: Any,
 ) -> list[tuple[list[float], dict[str, Tensor]]]:
     def fn(rank: int, pg: ProcessGroup | None) -> tuple[list[float], dict[str, Tensor]]:
-        sharded = ShardedModule(copy.deepcopy(model), process_group=pg, auto_wrap=Block, **wrap)
-        optimizer = make_optimizer(sharded.parameters())
+        sharded = ShardedModule(copy.deepcopy(model), process_group=pg, auto_wrap=auto_wrap, **wrap)
+        trainable = [p for p in sharded.parameters() if p.requires_grad]
+        optimizer = make_optimizer(trainable)
         losses = []
-        for inputs, targets in BATCHES:
+        for inputs, targets in batches:
             loss = sharded(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank])
             loss.backward()
             optimizer.step()
@@ -103,6 +112,18 @@ def test_bf16_follows_the_plain_mixed_precision_recipe(world_size: int) -> None:
         torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
         torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=0)
         assert all(v.dtype == torch.float32 for v in state.values())
+
+
+def test_frozen_parameters_under_bf16_stay_put_while_the_rest_follows_the_recipe() -> None:
+    torch.manual_seed(0)
+    model = FrozenPart()
+    batches = [make_batch(seed=step, batch=8, vocab=29) for step in range(STEPS)]
+    ref_losses, ref_state = train_recipe(model, 2, torch.bfloat16, batches)
+    runs = train_sharded(model, 2, _sgd, batches, auto_wrap=LoRALinear, mixed_precision=BF16)
+    for losses, state in runs:
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+        torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=0)
+        assert torch.equal(state["adapter.base.weight"], model.adapter.base.weight)
 
 
 def test_bf16_tracks_fp32_training() -> None:
