@@ -215,11 +215,12 @@ def make_batch(seed: int, batch: int, context: int = 16, vocab: int = 67) -> tup
 HF_VOCAB = 97
 
 
-def tiny_gpt2_config() -> Any:
-    """GPT-2 (head tied to the embedding), 2 layers of width 36, no dropout."""
+def tiny_gpt2_config(**overrides: Any) -> Any:
+    """GPT-2 (head tied to the embedding), 2 layers of width 36, no dropout; ``overrides``
+    replace or add config fields."""
     import transformers
 
-    return transformers.GPT2Config(
+    fields = dict(
         vocab_size=HF_VOCAB,
         n_positions=32,
         n_embd=36,
@@ -229,6 +230,7 @@ def tiny_gpt2_config() -> Any:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
+    return transformers.GPT2Config(**{**fields, **overrides})
 
 
 def tiny_llama_config() -> Any:

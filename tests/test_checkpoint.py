@@ -41,7 +41,7 @@ from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, s
 from shardwrap._storage import SafetensorsWriter
 from shardwrap._unit import BufferPool, FlatGroup
 from tests._ranks import run_ranks
-from tests.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch
+from tests.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch, tiny_gpt2_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8  # divisible by every world size tested
@@ -623,21 +623,10 @@ def test_sharded_export_with_index_and_load_pretrained_at_another_world_size(
 
 
 def test_export_of_a_transformers_model_loads_with_from_pretrained(tmp_path: Path) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    config = GPT2Config(
-        vocab_size=67,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    config = tiny_gpt2_config(bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     idx, _ = make_batch(0, GLOBAL_BATCH)

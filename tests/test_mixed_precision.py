@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
+from tests import test_parity as parity
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, FrozenPart, LoRALinear, WithBatchNorm, make_batch
 
@@ -80,6 +81,10 @@ def train_recipe(
     return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
+def _loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+    return model(inputs, targets).float()  # averaged across ranks in fp32, as the recipe does
+
+
 def train_sharded(
     model: nn.Module,
     world_size: int,
@@ -88,20 +93,11 @@ def train_sharded(
     auto_wrap: Any = Block,
     **wrap: Any,
 ) -> list[tuple[list[float], dict[str, Tensor]]]:
-    def fn(rank: int, pg: ProcessGroup | None) -> tuple[list[float], dict[str, Tensor]]:
-        sharded = ShardedModule(copy.deepcopy(model), process_group=pg, auto_wrap=auto_wrap, **wrap)
-        trainable = [p for p in sharded.parameters() if p.requires_grad]
-        optimizer = make_optimizer(trainable)
-        losses = []
-        for inputs, targets in batches:
-            loss = sharded(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(_mean(loss, pg))
-        return losses, sharded.full_state_dict()
-
-    return [fn(0, None)] if world_size == 1 else run_ranks(world_size, fn, timeout=30.0)
+    """Per rank: the losses and final full state of ``tests/test_parity.py``'s sharded run."""
+    runs = parity.train_sharded(
+        model, world_size, make_optimizer, batches, _loss, auto_wrap=auto_wrap, **wrap
+    )
+    return [(run.losses, run.state) for run in runs]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
