@@ -5,7 +5,8 @@ opt = torch.optim.AdamW(model.parameters())
 shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 """
 
-from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ._checkpoint import latest_checkpoint, save_checkpoint
+from ._checkpoint_load import load_checkpoint
 from ._collectives import CommStats
 from ._export import export, load_pretrained
 from ._grad_scaler import ShardedGradScaler

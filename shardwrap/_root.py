@@ -34,9 +34,11 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ._collectives import CommStats, Group
+from ._flat_group import FlatGroup
 from ._options import MixedPrecision
+from ._pool import BufferPool
 from ._schedule import Schedule
-from ._unit import BufferPool, FlatGroup, ShardState, Unit
+from ._unit import ShardState, Unit
 
 __all__ = ["Phase", "Root"]
 

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ._collectives import CommStats, Group, Pending, all_reduce, group_size
-from ._unit import FlatGroup, ShardState, Unit
+from ._flat_group import FlatGroup
+from ._unit import ShardState, Unit
 
 __all__ = ["Schedule"]
 

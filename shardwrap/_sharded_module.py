@@ -8,10 +8,8 @@ keys are those of the original model.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,18 +18,28 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._collectives import CommStats, Group, all_reduce, group_size
+from ._checks import (
+    ROOT_ATTR,
+    SHARD_ATTR,
+    UNIT_ATTR,
+    check_device,
+    check_not_wrapped,
+    check_same_model,
+    checkpoint_policy,
+    resolve_compile,
+)
+from ._collectives import CommStats, Group, all_reduce
+from ._flat_group import FlatGroup
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._options import MixedPrecision
+from ._pool import BufferPool
 from ._root import Root
-from ._unit import BufferPool, FlatGroup, Unit
+from ._unit import Unit
 from ._wrap import AutoWrap, group_key, place_parameters, resolve_policy
 
 __all__ = ["ShardedModule"]
 
-_ROOT_ATTR = "_shardwrap_root"
 _RETIRED_ATTR = "_shardwrap_retired"
-_SHARD_ATTR = "_shardwrap_shard"
 
 
 class ShardedModule(nn.Module):
@@ -101,21 +109,21 @@ class ShardedModule(nn.Module):
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
-        _check_not_wrapped(module)
+        check_not_wrapped(module)
         policy = resolve_policy(module, auto_wrap)
-        device = _check_device(module, device)
+        device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
         group = _resolve_group(process_group)
-        _check_same_model(module, group, device)
+        check_same_model(module, group, device)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
                 "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
             )
-        checkpoint = _checkpoint_policy(module, policy, checkpoint_activations)
-        compile_options = _compile_options(compile)
+        checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
+        compile_options = resolve_compile(compile)
         _wrap(module, policy, group, device, reshard_after_forward, mixed_precision, param_init_fn)
-        root: Root = getattr(module, _ROOT_ATTR)
+        root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
             inner = (m for m in unit.module.modules() if m is not unit.module)
@@ -310,7 +318,7 @@ def _wrap(
                 precision.gradient_dtype(dtype) if precision else None,
             )
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
-                setattr(shard_param, _SHARD_ATTR, True)
+                setattr(shard_param, SHARD_ATTR, True)
                 for owner, attr in slots:
                     owner._parameters[attr] = shard_param
                 _retire(p, name)
@@ -327,9 +335,9 @@ def _wrap(
     control = _control_group(group, device)
     root = Root(units, group, control, stats, device, reshard_after_forward, pool, precision)
     module.__class__ = _sharded_class(type(module))
-    object.__setattr__(module, _ROOT_ATTR, root)
+    object.__setattr__(module, ROOT_ATTR, root)
     for unit in units[1:]:
-        object.__setattr__(unit.module, "_shardwrap_unit", unit)
+        object.__setattr__(unit.module, UNIT_ATTR, unit)
     _install_optimizer_check()
 
 
@@ -369,85 +377,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 # checks ------------------------------------------------------------------------------
 
 
-def _check_not_wrapped(module: nn.Module) -> None:
-    for name, m in module.named_modules():
-        if hasattr(m, _ROOT_ATTR) or hasattr(m, "_shardwrap_unit"):
-            _already_wrapped("the model" if not name else f"its submodule '{name}'")
-    for name, p in module.named_parameters():
-        if getattr(p, _SHARD_ATTR, False):
-            _already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
-
-
-def _already_wrapped(where: str) -> None:
-    raise ValueError(
-        f"ShardedModule: {where} is already wrapped. Wrap once, at the top, and let "
-        "auto_wrap select the submodules: ShardedModule(model, auto_wrap=Block)."
-    )
-
-
-def _check_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
-    devices: dict[torch.device, str] = {}
-    for name, p in module.named_parameters():
-        devices.setdefault(p.device, name)
-    if len(devices) > 1:
-        listed = ", ".join(f"'{n}' on {d}" for d, n in devices.items())
-        raise ValueError(
-            f"ShardedModule: parameters are on several devices ({listed}). Move the model to "
-            "one device first, e.g. model.to('cpu'), and pass device= for where shards go."
-        )
-    if devices and not any(d.type == "meta" for d in devices):
-        for name, b in module.named_buffers():
-            if b.is_meta:
-                raise ValueError(
-                    f"ShardedModule: buffer '{name}' is on the meta device but the parameters "
-                    "are not; build the whole model under `with torch.device('meta'):`, or "
-                    "none of it."
-                )
-    if device is not None:
-        return torch.device(device)
-    if devices:
-        only = next(iter(devices))
-        if only.type not in ("cpu", "meta"):
-            return only
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _checkpoint_policy(
-    module: nn.Module, units: Callable[[nn.Module], bool], value: bool | AutoWrap
-) -> Callable[[nn.Module], bool]:
-    """Which units to checkpoint; a policy that selects no unit is an error, not a no-op."""
-    if value is True or value is False:
-        return lambda m: value
-    if value is None:
-        return lambda m: False
-    try:
-        selected = resolve_policy(module, value)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"checkpoint_activations: {e}") from None
-    if not any(units(m) and selected(m) for m in module.modules() if m is not module):
-        raise ValueError(
-            f"checkpoint_activations={value!r} selects none of the units; it chooses among "
-            "the modules auto_wrap selects. Pass checkpoint_activations=True to checkpoint "
-            "every unit, or select a class that auto_wrap also selects."
-        )
-    return selected
-
-
-def _compile_options(value: bool | dict[str, Any]) -> dict[str, Any] | None:
-    if value is True:
-        return {}
-    if value is False or value is None:
-        return None
-    if isinstance(value, dict):
-        return dict(value)
-    raise TypeError(
-        f"compile takes True, False or a dict of torch.compile options, got {value!r}; "
-        "e.g. compile={'mode': 'max-autotune'}."
-    )
-
-
 def _resolve_group(process_group: dist.ProcessGroup | None) -> Group:
     if process_group is not None:
         return process_group
@@ -471,38 +400,3 @@ def _control_group(group: Group, device: torch.device) -> tuple[Group, torch.dev
 
 def _rank(group: Group) -> int:
     return 0 if group is None else group.rank()
-
-
-def _signature(name: str, p: Tensor) -> int:
-    text = f"{name}|{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode()
-    return int.from_bytes(hashlib.sha1(text).digest()[:7], "little")
-
-
-def _check_same_model(module: nn.Module, group: Group, device: torch.device) -> None:
-    """One small all-reduce: every rank must hold the same parameter names, shapes and dtypes."""
-    if group_size(group) == 1:
-        return
-    named = list(module.named_parameters())
-    sigs = [_signature(n, p) for n, p in named]
-    digest = _signature("|".join(str(s) for s in sigs), torch.empty(0))
-    t = torch.tensor([len(sigs), digest, -len(sigs), -digest], dtype=torch.int64, device=device)
-    all_reduce(t, group, dist.ReduceOp.MIN).wait()
-    lo_n, lo_d, hi_n, hi_d = t.tolist()
-    if lo_n == -hi_n and lo_d == -hi_d:
-        return
-    longest = -hi_n
-    padded = sigs + [-1] * (longest - len(sigs))
-    t = torch.tensor(padded + [-s for s in padded], dtype=torch.int64, device=device)
-    all_reduce(t, group, dist.ReduceOp.MIN).wait()
-    values = t.tolist()
-    first = next(i for i in range(longest) if values[i] != -values[longest + i])
-    if first < len(named):
-        name, p = named[first]
-        here = f"parameter #{first} '{name}' with shape {tuple(p.shape)} and dtype {p.dtype}"
-    else:
-        here = f"no parameter #{first} (this rank has only {len(named)})"
-    raise ValueError(
-        f"ShardedModule: the model differs across ranks; rank {group.rank()} has {here}, "
-        "which differs on another rank. Build the same model on every rank (same config, "
-        "same code path) before wrapping."
-    )

@@ -36,10 +36,11 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 import shardwrap
-import shardwrap._checkpoint
+import shardwrap._checkpoint_load
 from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, save_checkpoint
+from shardwrap._flat_group import FlatGroup
+from shardwrap._pool import BufferPool
 from shardwrap._storage import SafetensorsWriter
-from shardwrap._unit import BufferPool, FlatGroup
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch, tiny_gpt2_config
 
@@ -274,13 +275,13 @@ def test_each_rank_opens_only_the_files_holding_its_pieces(
     """Same world size and policy: rank r reads rank r's file and no other."""
     _saved(2, tmp_path / "ckpt", _gpt(), make_opt=_adamw)
     opened: list[tuple[str, str]] = []
-    real = shardwrap._checkpoint.safe_open
+    real = shardwrap._checkpoint_load.safe_open
 
     def spy(path: Path, framework: str) -> Any:
         opened.append((threading.current_thread().name, Path(path).name))
         return real(path, framework=framework)
 
-    monkeypatch.setattr(shardwrap._checkpoint, "safe_open", spy)
+    monkeypatch.setattr(shardwrap._checkpoint_load, "safe_open", spy)
     other = _gpt(seed=1)
 
     def fn(rank: int, pg: ProcessGroup) -> None:

@@ -1,0 +1,313 @@
+"""Loading a sharded checkpoint: validate everything, then read only the bytes this rank needs.
+
+The folder's layout is described in :mod:`shardwrap._checkpoint`. Each rank intersects its own
+pieces (for its world size and policy) with the saved element ranges and reads only those
+bytes, memory-mapped. Every check runs on every rank before anything is written into the model
+or the optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from ._checkpoint import (
+    BUFFERS,
+    FORMAT,
+    METADATA,
+    OPTIMIZER,
+    VERSION,
+    Param,
+    extra_file,
+    few,
+    flat_params,
+    names_by_id,
+    persistent_buffers,
+    resolve_folder,
+    wrapped_root,
+)
+from ._collectives import group_rank
+from ._storage import agree
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load a checkpoint saved by :func:`save_checkpoint` at any world size and policy.
+
+    Each rank reads only the element ranges its own shards hold, memory-mapped. Everything
+    is validated on every rank before anything is modified, so a failed load leaves the
+    model and optimizer as they were. Call on every rank.
+
+    Args:
+        path: a checkpoint folder, or a folder whose ``latest`` pointer names one.
+        model: the model, wrapped with :class:`ShardedModule` at any world size and
+            ``auto_wrap``; parameter dtypes may differ from the saved ones (values are cast).
+        optimizer: an optimizer of the saved class over ``model.parameters()``, grouped into
+            the same parameter groups by name (the order within a group is free); its
+            state and hyperparameters are replaced. ``None`` loads the model alone.
+
+    Returns:
+        The ``**extra`` this rank saved; a rank beyond the saving world size gets rank 0's.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``, or a missing file.
+        ValueError: a truncated or corrupt file; a model whose parameter or buffer names or
+            shapes differ (all differences named); an optimizer of another class or with
+            other parameter groups, or one given for a checkpoint saved without.
+    """
+    root = wrapped_root(model, "load_checkpoint")
+    params = flat_params(root)
+    with ExitStack() as files:
+        loader: _Loader | None = None
+
+        def prepare() -> int:
+            nonlocal loader
+            loader = _Loader(Path(path), model, params, optimizer, group_rank(root.group), files)
+            return 0
+
+        agree(root.group, root.device, "load_checkpoint", prepare)
+        assert loader is not None
+        loader.apply()
+        return loader.extra
+
+
+Read = tuple[str, int, int, int]  # file, saved piece's start, overlap [lo, hi) in the parameter
+
+
+class _Loader:
+    """One rank's view of a checkpoint, validated on construction; :meth:`apply` loads it."""
+
+    def __init__(
+        self,
+        path: Path,
+        model: nn.Module,
+        params: list[Param],
+        optimizer: torch.optim.Optimizer | None,
+        rank: int,
+        stack: ExitStack,
+    ) -> None:
+        self.folder = resolve_folder(path)
+        self.meta = _read_metadata(self.folder)
+        self.params = params
+        self.buffers = persistent_buffers(model, params)
+        self.optimizer = optimizer
+        self._stack = stack
+        self._handles: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}
+        self._names = names_by_id(model)
+        self._check_model()
+        self.saved_optimizer = self._check_optimizer() if optimizer is not None else None
+        self.reads = {p.name: self._plan_reads(p) for p in params}
+        if self.buffers:
+            self._open(BUFFERS)
+            missing = [k for k in self.buffers if k not in self._keys[BUFFERS]]
+            if missing:
+                raise ValueError(
+                    f"load_checkpoint: {self.folder / BUFFERS} lacks buffers {few(missing)}"
+                )
+        saved_world = self.meta["world_size"]
+        self.extra = self._load_pt(extra_file(rank if rank < saved_world else 0), sized=False)
+
+    # validation ----------------------------------------------------------------------
+
+    def _check_model(self) -> None:
+        saved, saved_buffers = self.meta["params"], self.meta["buffers"]
+        own = {p.name: p.shape for p in self.params}
+        own_buffers = {k: tuple(v.shape) for k, v in self.buffers.items()}
+        problems = []
+        for kind, mine, theirs in (
+            ("parameters", own, saved),
+            ("buffers", own_buffers, saved_buffers),
+        ):
+            missing = [n for n in mine if n not in theirs]
+            unexpected = [n for n in theirs if n not in mine]
+            shapes = [
+                f"'{n}': checkpoint {tuple(theirs[n]['shape'])}, model {mine[n]}"
+                for n in mine
+                if n in theirs and tuple(theirs[n]["shape"]) != mine[n]
+            ]
+            if missing:
+                problems.append(f"{kind} missing from the checkpoint: {few(missing)}")
+            if unexpected:
+                problems.append(f"{kind} not in the model: {few(unexpected)}")
+            if shapes:
+                problems.append(f"{kind} of another shape: {few(shapes, quote=False)}")
+        if problems:
+            raise ValueError(
+                f"load_checkpoint: {self.folder} does not match the model; "
+                + "; ".join(problems)
+                + ". Build the model with the configuration it was saved with."
+            )
+        for name, entry in saved.items():
+            at = 0
+            for _, start, stop in sorted(entry["pieces"], key=lambda piece: piece[1]):
+                if start != at:
+                    break
+                at = stop
+            numel = 1
+            for s in entry["shape"]:
+                numel *= s
+            if at != numel:
+                raise ValueError(
+                    f"load_checkpoint: {self.folder / METADATA} is corrupt: pieces of '{name}'"
+                )
+
+    def _check_optimizer(self) -> dict[str, Any]:
+        assert self.optimizer is not None
+        if self.meta["optimizer"] is None:
+            raise ValueError(
+                f"load_checkpoint: {self.folder} was saved without an optimizer; pass "
+                "optimizer=None to load the model alone"
+            )
+        saved = self._load_pt(OPTIMIZER, sized=True)
+        cls = type(self.optimizer).__name__
+        if saved["class"] != cls:
+            raise ValueError(
+                f"load_checkpoint: optimizer mismatch: the checkpoint holds {saved['class']} "
+                f"state, got {cls}"
+            )
+        if any(id(p) not in self._names for g in self.optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "load_checkpoint: the optimizer holds a parameter that is not one of the model's"
+            )
+        current = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+        groups = saved["param_groups"]
+        if len(groups) != len(current):
+            raise ValueError(
+                f"load_checkpoint: optimizer mismatch: the checkpoint has {len(groups)} parameter "
+                f"groups, the optimizer {len(current)}"
+            )
+        for j, (mine, theirs) in enumerate(zip(current, groups)):
+            if set(mine) != set(theirs["params"]):
+                raise ValueError(
+                    f"load_checkpoint: optimizer mismatch in parameter group {j}: only in the "
+                    f"checkpoint {few(sorted(set(theirs['params']) - set(mine)))}, only in the "
+                    f"optimizer {few(sorted(set(mine) - set(theirs['params'])))}"
+                )
+        return saved
+
+    def _open(self, file: str) -> Any:
+        """A memory-mapped handle on ``file``, checked against its recorded size."""
+        if file not in self._handles:
+            path = self._sized(file)
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
+            except Exception as e:
+                raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
+            self._keys[file] = set(self._handles[file].keys())
+        return self._handles[file]
+
+    def _sized(self, file: str) -> Path:
+        path = self.folder / file
+        if not path.is_file():
+            raise FileNotFoundError(f"load_checkpoint: {path} is missing")
+        size, expected = path.stat().st_size, self.meta["files"].get(file)
+        if size != expected:
+            raise ValueError(
+                f"load_checkpoint: {path} is {size} bytes, the checkpoint recorded {expected}: "
+                "truncated or overwritten"
+            )
+        return path
+
+    def _load_pt(self, file: str, sized: bool) -> Any:
+        path = self._sized(file) if sized else self.folder / file
+        if not path.is_file():
+            raise FileNotFoundError(f"load_checkpoint: {path} is missing")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"load_checkpoint: cannot read {path}: {e}") from e
+
+    def _plan_reads(self, p: Param) -> list[Read]:
+        """The saved ranges overlapping this rank's piece of ``p``, their headers checked."""
+        piece = p.group.pieces[p.index]
+        keys = [f"model/{p.name}"]
+        if self.optimizer is not None:
+            keys += [
+                f"optim/{k}/{p.name}" for k in self.meta["optimizer"]["state_keys"].get(p.name, [])
+            ]
+        reads = []
+        for file, start, stop in self.meta["params"][p.name]["pieces"]:
+            lo, hi = max(piece.start, start), min(piece.stop, stop)
+            if lo >= hi:
+                continue
+            handle = self._open(file)
+            for key in keys:
+                if key not in self._keys[file] or handle.get_slice(key).get_shape() != [
+                    stop - start
+                ]:
+                    raise ValueError(
+                        f"load_checkpoint: {self.folder / file} lacks '{key}' of "
+                        f"{stop - start} elements"
+                    )
+            reads.append((file, start, lo, hi))
+        return reads
+
+    # loading -------------------------------------------------------------------------
+
+    def _read(self, key: str, p: Param, out: Tensor) -> None:
+        """Fill ``out`` (this rank's piece of ``p``) with the saved tensor ``key``."""
+        first = p.group.pieces[p.index].start
+        for file, start, lo, hi in self.reads[p.name]:
+            out[lo - first : hi - first].copy_(
+                self._open(file).get_slice(key)[lo - start : hi - start]
+            )
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                self._read(f"model/{p.name}", p, p.shard)
+            for k, v in self.buffers.items():
+                v.copy_(self._open(BUFFERS).get_tensor(k))
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._optimizer_state_dict())
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's own ``state_dict`` format, for the current parameters' pieces."""
+        assert self.optimizer is not None and self.saved_optimizer is not None
+        by_name = {p.name: p for p in self.params}
+        keys, scalars = self.meta["optimizer"]["state_keys"], self.saved_optimizer["state"]
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for group, saved in zip(self.optimizer.param_groups, self.saved_optimizer["param_groups"]):
+            ids = []
+            for param in group["params"]:
+                name = self._names[id(param)]
+                if name in keys or name in scalars:
+                    p = by_name[name]
+                    entry: dict[str, Any] = dict(scalars.get(name, {}))
+                    for key in keys.get(name, []):
+                        entry[key] = torch.empty_like(p.shard, requires_grad=False)
+                        self._read(f"optim/{key}/{name}", p, entry[key])
+                    state[index] = entry
+                ids.append(index)
+                index += 1
+            hyper = {k: v for k, v in saved.items() if k != "params"}
+            groups.append({**hyper, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+
+def _read_metadata(folder: Path) -> dict[str, Any]:
+    path = folder / METADATA
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"load_checkpoint: {path} is not a shardwrap checkpoint's metadata")
+    if meta.get("version") != VERSION:
+        raise ValueError(
+            f"load_checkpoint: {path} has format version {meta.get('version')}; this "
+            f"shardwrap reads {VERSION}"
+        )
+    return meta

@@ -1,0 +1,304 @@
+"""One flat buffer: the parameters of a unit that share a dtype and ``requires_grad``.
+
+Design note. A flat group keeps this rank's 1/N shard of a padded flat buffer; the
+optimizer sees one ``nn.Parameter`` per original parameter, a 1-D view of that shard.
+Those shard parameters stay registered in the modules at all times, so ``parameters()``,
+``state_dict()`` and an optimizer built after wrapping always see shards.
+
+While gathered, the full flat buffer (a pooled tensor, given back on release) is split into
+views shaped like the original parameters, and the views shadow the registered parameters
+through each module's instance ``__dict__``: ``module.weight`` returns the full view,
+``module._parameters`` keeps the shard. Autograd accumulates the gradients of all views into
+the group's one leaf, ``full``, whose ``.grad`` is then reduce-scattered straight from the
+flat layout.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._collectives import (
+    CommStats,
+    Group,
+    Pending,
+    all_gather,
+    group_rank,
+    group_size,
+    reduce_scatter,
+)
+from ._layout import FlatLayout, LocalPiece
+from ._pool import BufferPool
+
+__all__ = ["FlatGroup", "Slot", "views_of"]
+
+Slot = tuple[nn.Module, str]
+
+
+class FlatGroup:
+    """The parameters of one unit that share a dtype and ``requires_grad``.
+
+    Three dtypes meet here: the shard's (``dtype``, the optimizer's master copy), the
+    gathered parameters' (``compute_dtype``, which forward and backward use) and the flat
+    gradient's (``grad_dtype``, in which ranks average it). Without mixed precision all three
+    are the parameters' dtype.
+
+    Args:
+        names: canonical name of each parameter (as ``named_parameters()`` gives it).
+        params: the original, full parameters, in flat order.
+        slots: for each parameter, every ``(module, attribute)`` that holds it (several for
+            tied parameters).
+        group: process group, or ``None`` for world size 1.
+        device: where the shard lives.
+        pool: where the full buffer comes from while gathered.
+        compute_dtype: dtype of the gathered parameters (default: ``dtype``).
+        grad_dtype: dtype of the flat gradient and its reduction (default: ``compute_dtype``).
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        slots: list[list[Slot]],
+        group: Group,
+        device: torch.device,
+        pool: BufferPool,
+        compute_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.names = names
+        self.pool = pool
+        self.slots = slots
+        self.group = group
+        self.shapes = [p.shape for p in params]
+        self.dtype = params[0].dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        self.grad_dtype = grad_dtype or self.compute_dtype
+        self.requires_grad = params[0].requires_grad
+        self.layout = FlatLayout(tuple(p.numel() for p in params), group_size(group))
+        rank = group_rank(group)
+        self.pieces: tuple[LocalPiece, ...] = self.layout.local_pieces(rank)
+
+        lo, hi = self.layout.shard_range(rank)
+        self.shard: Tensor = torch.zeros(hi - lo, dtype=self.dtype, device=device)  # 1-D, padded/N
+        with torch.no_grad():
+            for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
+                a, b = max(lo, offset), min(hi, offset + n)
+                if a < b:
+                    self.shard[a - lo : b - lo].copy_(
+                        p.detach().reshape(-1)[a - offset : b - offset]
+                    )
+        self.shard_params = [
+            nn.Parameter(
+                self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad
+            )
+            for pc in self.pieces
+        ]
+
+        # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
+        # parameters. Its gradient is the flat gradient (grad_dtype); the values live in a
+        # pooled buffer (1-D, padded numel, compute_dtype) while gathered.
+        self.full: Tensor = _unbacked(self.layout.padded_numel, self.grad_dtype, device)
+        self.full.requires_grad_(self.requires_grad)
+        self._buffer: Tensor | None = None
+
+        self.views: list[Tensor] | None = None
+        self.views_track_grad = False
+        # Differentiable uses of the views whose backward has not run; at zero, backward is
+        # done reading the gathered parameters (their gradients are not yet one flat tensor).
+        self.splits_pending = 0
+        self.on_views_done: Callable[[FlatGroup], None] | None = None
+        self.gathered_version = -1
+        # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
+        self._grad_flat: Callable[[], Tensor | None] = _dead_ref
+        self._grad_views: list[Callable[[], Tensor | None]] = []
+
+    # storage -------------------------------------------------------------------------
+
+    def alloc_storage(self, dtype: torch.dtype) -> None:
+        if self._buffer is not None and self._buffer.dtype != dtype:
+            self.release()
+        if self._buffer is None:
+            self._buffer = self.pool.take(self, dtype)
+
+    @property
+    def full_data(self) -> Tensor:
+        """The gathered flat buffer, outside autograd (only while gathered)."""
+        if self._buffer is None:
+            raise RuntimeError(f"flat group {self.names[:2]}... is not gathered")
+        return self._buffer
+
+    @property
+    def is_allocated(self) -> bool:
+        return self._buffer is not None
+
+    def free_storage(self) -> None:
+        if self._buffer is not None:
+            self.pool.give(self._buffer)
+            self._buffer = None
+
+    @property
+    def is_stale(self) -> bool:
+        """True when the buffer does not hold the shards for compute: it is gathered in another
+        dtype, or the shard changed (an optimizer step, a load) since the last gather."""
+        return self.shard._version != self.gathered_version or (
+            self._buffer is not None and self._buffer.dtype != self.compute_dtype
+        )
+
+    # gather --------------------------------------------------------------------------
+
+    def gather(self, stats: CommStats | None, exact: bool = False) -> Pending:
+        """All-gather the shards into the full buffer (asynchronously where possible).
+
+        The buffer is in ``compute_dtype``, or with ``exact`` in the shards' own dtype.
+        """
+        self.alloc_storage(self.dtype if exact else self.compute_dtype)
+        self.gathered_version = self.shard._version
+        return all_gather(self._buffer, self.shard, self.group, stats)
+
+    def make_views(self, track_grad: bool) -> None:
+        """Shape the gathered buffer into the parameters and shadow the shard params with them."""
+        track_grad = track_grad and self.requires_grad
+        if self.views is not None and self.views_track_grad == track_grad:
+            return
+        if track_grad:
+            self.splits_pending += 1
+            self.views = list(_FullParams.apply(self.full, self._buffer, self))
+        else:
+            self.views = self.param_views()
+        self.views_track_grad = track_grad
+        for view, slots in zip(self.views, self.slots):
+            for module, attr in slots:
+                module.__dict__[attr] = view
+
+    def param_views(self) -> list[Tensor]:
+        """The gathered buffer shaped into the parameters, outside autograd."""
+        return views_of(self.full_data, self)
+
+    def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
+        """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
+        the padding): one copy, which also casts."""
+        flat = torch.empty(
+            self.layout.padded_numel, dtype=self.grad_dtype, device=self.shard.device
+        )
+        for g, offset, n in zip(grads, self.layout.offsets, self.layout.numels):
+            if g is None:
+                flat[offset : offset + n].zero_()
+            else:
+                flat[offset : offset + n].copy_(g.reshape(-1))
+        flat[self.layout.numel :].zero_()
+        return flat
+
+    def views_backward_done(self) -> None:
+        """One autograd use of the views has its gradients: at the last, release the buffer."""
+        self.splits_pending -= 1
+        if self.splits_pending == 0 and self.on_views_done is not None:
+            self.on_views_done(self)
+
+    def drop_views(self) -> None:
+        if self.views is None:
+            return
+        self.views = None
+        for slots in self.slots:
+            for module, attr in slots:
+                module.__dict__.pop(attr, None)
+
+    def release(self) -> None:
+        """Drop the views and give the buffer back to the pool."""
+        self.drop_views()
+        self.free_storage()
+
+    def write_back(self) -> None:
+        """Copy this rank's range of the full buffer (gathered ``exact``) back into the shard."""
+        lo, hi = self.layout.shard_range(group_rank(self.group))
+        with torch.no_grad():
+            self.shard.copy_(self.full_data[lo:hi])
+
+    # gradients -----------------------------------------------------------------------
+
+    def reduce_grad(self, stats: CommStats | None) -> tuple[Pending, Tensor, Tensor]:
+        """Start reduce-scattering the flat gradient (zeros if none).
+
+        Returns the collective in flight, its output (this rank's averaged shard) and its
+        input, which must stay alive until the collective completes. Pass the output to
+        :meth:`accumulate` once done.
+        """
+        grad = self.full.grad
+        self.full.grad = None
+        if grad is None:
+            grad = torch.zeros(
+                self.layout.padded_numel, dtype=self.grad_dtype, device=self.shard.device
+            )
+        out = torch.empty_like(self.shard, dtype=self.grad_dtype)
+        return reduce_scatter(out, grad, self.group, stats), out, grad
+
+    def accumulate(self, new: Tensor) -> None:
+        """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
+
+        The ``.grad`` tensors are views of one flat buffer, known here only weakly: once
+        ``zero_grad()`` drops them, their memory is freed.
+        """
+        new = new.to(self.dtype)
+        params = self.shard_params
+        flat = self._grad_flat()
+        if flat is not None and all(p.grad is v() for p, v in zip(params, self._grad_views)):
+            flat.add_(new)
+        elif all(p.grad is None for p in params):
+            views = [new[pc.shard_offset : pc.shard_offset + pc.numel] for pc in self.pieces]
+            for p, v in zip(params, views):
+                p.grad = v
+            self._grad_flat = weakref.ref(new)
+            self._grad_views = [weakref.ref(v) for v in views]
+        else:
+            for p, pc in zip(params, self.pieces):
+                piece = new[pc.shard_offset : pc.shard_offset + pc.numel]
+                if p.grad is None:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.add_(piece)
+            self._grad_flat, self._grad_views = _dead_ref, []
+
+
+def _dead_ref() -> None:
+    return None
+
+
+def _unbacked(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D leaf of ``numel`` elements over one element of memory (stride 0).
+
+    Only its size, dtype and gradient matter; autograd still takes a contiguous gradient
+    returned for it as ``.grad`` without copying.
+    """
+    return torch.empty_strided((numel,), (0,), dtype=dtype, device=device)
+
+
+def views_of(buffer: Tensor, group: FlatGroup) -> list[Tensor]:
+    return [
+        buffer[offset : offset + n].view(shape)
+        for offset, n, shape in zip(group.layout.offsets, group.layout.numels, group.shapes)
+    ]
+
+
+class _FullParams(torch.autograd.Function):
+    """The full parameters as views of a gathered buffer, differentiable as the group's leaf.
+
+    Forward shapes the buffer into the parameters; backward lays their gradients out flat
+    as the gradient of ``full``, the group's one leaf, so that however many forwards used
+    the group, one accumulator sums them. Backward is also the moment autograd stops
+    reading the parameters: the buffer is released before the flat gradient is allocated.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, full: Tensor, buffer: Tensor, group: FlatGroup) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return tuple(views_of(buffer, group))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+        group: FlatGroup = ctx.group
+        group.views_backward_done()
+        return group.flat_grad(grads), None, None
