@@ -34,9 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._collectives import group_rank, group_size
-from ._flat_group import FlatGroup
-from ._root import Phase, Root
+from ._root import Param, Phase, Root
 from ._storage import (
     LATEST,
     Entry,
@@ -59,23 +57,6 @@ BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
 
 
-@dataclass(frozen=True)
-class Param:
-    """One parameter as this rank holds it: its flat group and its index in it."""
-
-    name: str
-    group: FlatGroup
-    index: int
-
-    @property
-    def shard(self) -> nn.Parameter:  # 1-D, this rank's piece (possibly empty)
-        return self.group.shard_params[self.index]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.group.shapes[self.index])
-
-
 def wrapped_root(model: nn.Module, caller: str) -> Root:
     root = getattr(model, "_shardwrap_root", None)
     if not isinstance(root, Root):
@@ -85,12 +66,6 @@ def wrapped_root(model: nn.Module, caller: str) -> Root:
     if root.phase is not Phase.IDLE:
         raise RuntimeError(f"{caller} cannot run during forward or backward")
     return root
-
-
-def flat_params(root: Root) -> list[Param]:
-    return [
-        Param(name, g, i) for u in root.units for g in u.groups for i, name in enumerate(g.names)
-    ]
 
 
 def persistent_buffers(model: nn.Module, params: list[Param]) -> dict[str, Tensor]:
@@ -229,9 +204,9 @@ def save_checkpoint(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     target = Path(path)
-    group, device = root.group, root.device
-    rank, world = group_rank(group), group_size(group)
-    params = flat_params(root)
+    mesh = root.mesh
+    rank, world = mesh.shard_rank, mesh.shard_size
+    params = root.params
     tmp = partial_path(target)
     opt_plan: _OptimizerPlan | None = None
 
@@ -273,9 +248,9 @@ def save_checkpoint(
                 _prune(target.parent, keep_last)
         return 0
 
-    agree(group, device, "save_checkpoint", prepare)
-    sizes = agree(group, device, "save_checkpoint", write_rank_files)
-    agree(group, device, "save_checkpoint", lambda: finish(sizes))
+    agree(mesh.control, mesh.control_device, "save_checkpoint", prepare)
+    sizes = agree(mesh.control, mesh.control_device, "save_checkpoint", write_rank_files)
+    agree(mesh.control, mesh.control_device, "save_checkpoint", lambda: finish(sizes))
     return target
 
 

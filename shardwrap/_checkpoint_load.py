@@ -23,16 +23,14 @@ from ._checkpoint import (
     METADATA,
     OPTIMIZER,
     VERSION,
-    Param,
     extra_file,
     few,
-    flat_params,
     names_by_id,
     persistent_buffers,
     resolve_folder,
     wrapped_root,
 )
-from ._collectives import group_rank
+from ._root import Param
 from ._storage import agree
 
 __all__ = ["load_checkpoint"]
@@ -65,16 +63,16 @@ def load_checkpoint(
             other parameter groups, or one given for a checkpoint saved without.
     """
     root = wrapped_root(model, "load_checkpoint")
-    params = flat_params(root)
+    params = root.params
     with ExitStack() as files:
         loader: _Loader | None = None
 
         def prepare() -> int:
             nonlocal loader
-            loader = _Loader(Path(path), model, params, optimizer, group_rank(root.group), files)
+            loader = _Loader(Path(path), model, params, optimizer, root.mesh.rank, files)
             return 0
 
-        agree(root.group, root.device, "load_checkpoint", prepare)
+        agree(root.mesh.control, root.mesh.control_device, "load_checkpoint", prepare)
         assert loader is not None
         loader.apply()
         return loader.extra

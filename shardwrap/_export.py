@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from ._checkpoint import Param, few, flat_params, persistent_buffers, wrapped_root
-from ._collectives import group_rank
+from ._checkpoint import few, persistent_buffers, wrapped_root
+from ._root import Param
 from ._storage import (
     Entry,
     SafetensorsWriter,
@@ -158,8 +158,8 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
     root = wrapped_root(model, "export")
     limit = _parse_size(max_shard_size)
     target, tmp = Path(path), partial_path(Path(path))
-    rank = group_rank(root.group)
-    params = flat_params(root)
+    rank = root.mesh.rank
+    params = root.params
     state = nn.Module.state_dict(model, keep_vars=True)
     bad = [k for k, v in state.items() if not isinstance(v, Tensor)]
     if bad:
@@ -221,9 +221,9 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
             commit_folder(tmp, target)
         return 0
 
-    agree(root.group, root.device, "export", prepare)
-    agree(root.group, root.device, "export", write)
-    agree(root.group, root.device, "export", finish)
+    agree(root.mesh.control, root.mesh.control_device, "export", prepare)
+    agree(root.mesh.control, root.mesh.control_device, "export", write)
+    agree(root.mesh.control, root.mesh.control_device, "export", finish)
     return target
 
 
@@ -283,7 +283,7 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
     """
     root = wrapped_root(model, "load_pretrained")
     folder = Path(path)
-    params = flat_params(root)
+    params = root.params
     buffers = persistent_buffers(model, params)
     state = nn.Module.state_dict(model, keep_vars=True)
     with ExitStack() as stack:
@@ -319,7 +319,7 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                 )
             return 0
 
-        agree(root.group, root.device, "load_pretrained", prepare)
+        agree(root.mesh.control, root.mesh.control_device, "load_pretrained", prepare)
         with torch.no_grad():
             for p in params:
                 piece = p.group.pieces[p.index]

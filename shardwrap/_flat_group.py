@@ -22,16 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._collectives import (
-    CommStats,
-    Group,
-    Pending,
-    all_gather,
-    group_rank,
-    group_size,
-    reduce_scatter,
-)
+from ._collectives import CommStats, Pending, all_gather
 from ._layout import FlatLayout, LocalPiece
+from ._mesh import Mesh
 from ._pool import BufferPool
 
 __all__ = ["FlatGroup", "Slot", "views_of"]
@@ -52,8 +45,7 @@ class FlatGroup:
         params: the original, full parameters, in flat order.
         slots: for each parameter, every ``(module, attribute)`` that holds it (several for
             tied parameters).
-        group: process group, or ``None`` for world size 1.
-        device: where the shard lives.
+        mesh: the model's groups and device; the layout splits over its shard group.
         pool: where the full buffer comes from while gathered.
         compute_dtype: dtype of the gathered parameters (default: ``dtype``).
         grad_dtype: dtype of the flat gradient and its reduction (default: ``compute_dtype``).
@@ -64,8 +56,7 @@ class FlatGroup:
         names: list[str],
         params: list[nn.Parameter],
         slots: list[list[Slot]],
-        group: Group,
-        device: torch.device,
+        mesh: Mesh,
         pool: BufferPool,
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
@@ -73,14 +64,15 @@ class FlatGroup:
         self.names = names
         self.pool = pool
         self.slots = slots
-        self.group = group
+        self.mesh = mesh
+        device = mesh.device
         self.shapes = [p.shape for p in params]
         self.dtype = params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype
         self.grad_dtype = grad_dtype or self.compute_dtype
         self.requires_grad = params[0].requires_grad
-        self.layout = FlatLayout(tuple(p.numel() for p in params), group_size(group))
-        rank = group_rank(group)
+        self.layout = FlatLayout(tuple(p.numel() for p in params), mesh.shard_size)
+        rank = mesh.shard_rank
         self.pieces: tuple[LocalPiece, ...] = self.layout.local_pieces(rank)
 
         lo, hi = self.layout.shard_range(rank)
@@ -158,7 +150,7 @@ class FlatGroup:
         """
         self.alloc_storage(self.dtype if exact else self.compute_dtype)
         self.gathered_version = self.shard._version
-        return all_gather(self._buffer, self.shard, self.group, stats)
+        return all_gather(self._buffer, self.shard, self.mesh.shard, stats)
 
     def make_views(self, track_grad: bool) -> None:
         """Shape the gathered buffer into the parameters and shadow the shard params with them."""
@@ -214,27 +206,22 @@ class FlatGroup:
 
     def write_back(self) -> None:
         """Copy this rank's range of the full buffer (gathered ``exact``) back into the shard."""
-        lo, hi = self.layout.shard_range(group_rank(self.group))
+        lo, hi = self.layout.shard_range(self.mesh.shard_rank)
         with torch.no_grad():
             self.shard.copy_(self.full_data[lo:hi])
 
     # gradients -----------------------------------------------------------------------
 
-    def reduce_grad(self, stats: CommStats | None) -> tuple[Pending, Tensor, Tensor]:
-        """Start reduce-scattering the flat gradient (zeros if none).
-
-        Returns the collective in flight, its output (this rank's averaged shard) and its
-        input, which must stay alive until the collective completes. Pass the output to
-        :meth:`accumulate` once done.
-        """
+    def take_grad(self) -> Tensor:
+        """Take the flat gradient (1-D, padded numel, ``grad_dtype``) out of the leaf, for
+        reduction; zeros where this rank produced none."""
         grad = self.full.grad
         self.full.grad = None
         if grad is None:
             grad = torch.zeros(
                 self.layout.padded_numel, dtype=self.grad_dtype, device=self.shard.device
             )
-        out = torch.empty_like(self.shard, dtype=self.grad_dtype)
-        return reduce_scatter(out, grad, self.group, stats), out, grad
+        return grad
 
     def accumulate(self, new: Tensor) -> None:
         """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).

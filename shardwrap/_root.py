@@ -13,9 +13,13 @@ unit starts, the next one's all-gather is issued so that it overlaps this unit's
 Collectives go through :class:`~shardwrap._schedule.Schedule`, which keeps every rank's
 sequence identical.
 
-The root unit is not resharded after forward (backward needs it first), nor after a
-``no_grad`` forward, so decoding loops do not re-gather it on every call; a gathered unit
-whose shard has changed since (an optimizer step, a load) is gathered afresh.
+When a gathered buffer is released is the strategy's decision (``_strategy.py``); the hooks
+here ask it at each point. The root unit is not resharded after forward (backward needs it
+first), nor after a ``no_grad`` forward, so decoding loops do not re-gather it on every call;
+a gathered unit whose shard has changed since (an optimizer step, a load) is gathered afresh.
+
+The root also holds the model's index of parameters: which flat group and slot hold each
+original parameter, built once here and read by state dicts, checkpoints and export.
 """
 
 from __future__ import annotations
@@ -33,14 +37,33 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ._collectives import CommStats, Group
+from ._collectives import CommStats
 from ._flat_group import FlatGroup
+from ._mesh import Mesh
 from ._options import MixedPrecision
 from ._pool import BufferPool
+from ._reduce import Reductions
 from ._schedule import Schedule
+from ._strategy import Strategy
 from ._unit import ShardState, Unit
 
-__all__ = ["Phase", "Root"]
+__all__ = ["Param", "Phase", "Root"]
+
+
+class Param(NamedTuple):
+    """One original parameter as this rank holds it: its flat group and its index in it."""
+
+    name: str
+    group: FlatGroup
+    index: int
+
+    @property
+    def shard(self) -> nn.Parameter:  # 1-D, this rank's piece (possibly empty)
+        return self.group.shard_params[self.index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.group.shapes[self.index])
 
 
 class Phase(Enum):
@@ -54,13 +77,9 @@ class Root:
 
     Args:
         units: all units in pre-order; ``units[0]`` wraps the root module.
-        group: process group, or ``None`` for world size 1.
-        control: the group for handshakes (see :class:`~shardwrap._schedule.Schedule`), with
-            the device its tensors live on.
+        mesh: the groups and device of the model.
         stats: collective counters.
-        device: the device of the shards.
-        reshard_after_forward: release each non-root unit's gathered parameters after its
-            forward (ZeRO-3) rather than keeping them until its backward.
+        strategy: when gathered buffers are released and reductions run.
         pool: the buffers units gather into.
         precision: mixed-precision casts of inputs and outputs, or ``None``.
     """
@@ -68,11 +87,9 @@ class Root:
     def __init__(
         self,
         units: list[Unit],
-        group: Group,
-        control: tuple[Group, torch.device],
+        mesh: Mesh,
         stats: CommStats,
-        device: torch.device,
-        reshard_after_forward: bool,
+        strategy: Strategy,
         pool: BufferPool,
         precision: MixedPrecision | None = None,
     ) -> None:
@@ -83,11 +100,16 @@ class Root:
         self._unit_of = {id(g): u for u in units for g in u.groups}
         self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
         self._saving_owner: Unit | None = None
-        self.group = group
+        self.mesh = mesh
         self.stats = stats
-        self.device = device
-        self.reshard_after_forward = reshard_after_forward
-        self.schedule = Schedule(units, control[0], stats, control[1])
+        self.strategy = strategy
+        self.params = [
+            Param(name, g, i) for u in units for g in u.groups for i, name in enumerate(g.names)
+        ]
+        self.param_of = {id(p.shard): p for p in self.params}  # keyed by id(shard parameter)
+        order = [g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable]
+        self.reductions = Reductions(order, mesh, stats, defer=strategy.defer_reductions)
+        self.schedule = Schedule(units, mesh, stats, self.reductions)
         self.phase = Phase.IDLE
         self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
@@ -154,15 +176,15 @@ class Root:
         if unit is self._saving_owner:
             self._stop_saving()
         grad = torch.is_grad_enabled()
+        release = self.strategy.release_after_forward(grad_enabled=grad)
         # The unit that ran last in forward runs first in backward: keep it gathered.
         last = self._forward_last if grad else None
-        if unit is not self.root and unit is not last and (self.reshard_after_forward or not grad):
+        if unit is not self.root and unit is not last and release:
             unit.reshard()
         if grad:
             self._hook_outputs(unit, output)
         if unit is self.root:
             last = self._recording[-1] if grad else None
-            release = self.reshard_after_forward or not grad
             for u in self.units[1:]:
                 if u.state is not ShardState.SHARDED and u is not last and release:
                     u.reshard()
@@ -255,18 +277,25 @@ class Root:
         buffers fewer alive at that moment.
         """
         if self.phase is Phase.BACKWARD:
-            group.release()
+            self._release_after_backward(group)
             # The reduction in flight is almost always done by now; landing it first means
             # its flat gradient is freed before this group's is allocated.
-            self.schedule.drain()
+            self.reductions.drain()
 
     def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
         if self.phase is not Phase.BACKWARD:
             self._start_backward()
-        group.release()
+        self._release_after_backward(group)
         self._released.add(id(group))
         self._maybe_release(unit)
         self.schedule.grad_ready(group)
+
+    def _release_after_backward(self, group: FlatGroup) -> None:
+        """Backward no longer reads ``group``: drop its views (and buffer, if the strategy says)."""
+        if self.strategy.release_after_backward:
+            group.release()
+        else:
+            group.drop_views()
 
     def _maybe_release(self, unit: Unit) -> None:
         """Reshard ``unit`` once backward no longer needs any of its groups."""
@@ -275,12 +304,18 @@ class Root:
         if self._inputs_pending.get(unit.index, 0) > 0:
             return
         if all(id(g) in self._released for g in unit.trainable):
+            self._release_unit_after_backward(unit)
+
+    def _release_unit_after_backward(self, unit: Unit) -> None:
+        if self.strategy.release_after_backward:
             unit.reshard()
+        else:
+            unit.drop_views()
 
     def _end_backward(self) -> None:
         for unit in self.units:
             if unit.state is not ShardState.SHARDED:
-                unit.reshard()
+                self._release_unit_after_backward(unit)
         self.schedule.finish_backward()
         self._inputs_pending.clear()
         for unit in self.units:
@@ -359,11 +394,11 @@ class Root:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction; gradients accumulate unsharded until sync resumes."""
-        previous, self.schedule.sync = self.schedule.sync, False
+        previous, self.reductions.sync = self.reductions.sync, False
         try:
             yield
         finally:
-            self.schedule.sync = previous
+            self.reductions.sync = previous
 
 
 # NOTE: a model that outlives destroy_process_group() (a module-level global, say) would keep
@@ -377,11 +412,7 @@ _LIVE: weakref.WeakSet[Root] = weakref.WeakSet()
 @atexit.register
 def _release_groups_at_exit() -> None:
     for root in list(_LIVE):
-        root.schedule.control = None
-        root.group = None
-        for unit in root.units:
-            for g in unit.groups:
-                g.group = None
+        root.mesh.release()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -15,10 +15,9 @@ handshake: one all-reduce (MIN) of a few integers. Each rank puts in
 
 All ranks then gather the unit with the smallest priority (those that wanted something
 else serve the request and ask again), and issue the reduce-scatters that every rank has
-ready. Reduce-scatters go in one canonical order, reverse unit index, which is also the
-usual order in which backward completes, so on the common path nothing waits. A rank that
-never used a unit sends zeros for it at the end of backward; a group no rank used keeps a
-``None`` gradient, as in plain PyTorch.
+ready. The reductions themselves, their canonical order and how many are in flight belong to
+the reduction pipeline (``_reduce.py``). A rank that never used a unit sends zeros for it at
+the end of backward.
 
 With world size 1 there is nobody to agree with: gathers and reductions go straight out.
 """
@@ -28,15 +27,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._collectives import CommStats, Group, Pending, all_reduce, group_size
+from ._collectives import CommStats, all_reduce
 from ._flat_group import FlatGroup
+from ._mesh import Mesh
+from ._reduce import Reductions
 from ._unit import ShardState, Unit
 
 __all__ = ["Schedule"]
-
-# Each reduction in flight holds a unit's full-size flat gradient. One overlaps the next
-# unit's backward (a reduction takes less time than a unit's backward) at the least memory.
-MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 class Schedule:
@@ -44,37 +41,27 @@ class Schedule:
 
     Args:
         units: every unit of the model; ``units[i].index == i``.
-        control: the group that carries handshakes (``None`` for world size 1). Ideally a
-            group of its own over the same ranks, so that a handshake never queues behind
-            bulk transfers; the data group itself works too.
+        mesh: the model's groups; handshakes run on its control group, ideally a group of its
+            own over the same ranks, so that a handshake never queues behind bulk transfers.
         stats: collective counters shared by the whole model.
-        device: where the handshake tensor lives (the control group backend's device).
+        reductions: the model's reduction pipeline.
     """
 
     def __init__(
-        self, units: list[Unit], control: Group, stats: CommStats, device: torch.device
+        self, units: list[Unit], mesh: Mesh, stats: CommStats, reductions: Reductions
     ) -> None:
         self.units = units
-        self.control = control
-        self.world = group_size(control)
+        self.mesh = mesh
         self.stats = stats
-        self.device = device
+        self.reductions = reductions
         n = len(units)
         self.end_forward_priority = 2 * n
         self.end_backward_priority = 2 * n + 1
-        self.reduce_order: list[FlatGroup] = [
-            g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable
-        ]
-        self._position = {id(g): i for i, g in enumerate(self.reduce_order)}
-        self.sync = True
-        self._reset_backward()
+        self._used_anywhere: list[bool] = []
 
-    def _reset_backward(self) -> None:
-        self._ready = [False] * len(self.reduce_order)
-        self._used = [False] * len(self.reduce_order)
-        self._issued = 0
-        self._pending: list[tuple[int, Pending, torch.Tensor, torch.Tensor]] = []
-        self._landed: list[tuple[int, torch.Tensor]] = []  # reduced shard gradients, 1-D padded/N
+    @property
+    def world(self) -> int:
+        return self.mesh.world_size
 
     # gathers -------------------------------------------------------------------------
 
@@ -91,13 +78,14 @@ class Schedule:
             self._negotiate(self.end_forward_priority)
 
     def _negotiate(self, want: int) -> None:
+        reductions = self.reductions
         while True:
-            ready = self._ready_prefix()
-            t = torch.tensor([want, ready] + [-int(u) for u in self._used], dtype=torch.int64)
-            t = t.to(self.device)
-            all_reduce(t, self.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
+            ready = reductions.ready_prefix()
+            t = torch.tensor([want, ready] + [-int(u) for u in reductions.used], dtype=torch.int64)
+            t = t.to(self.mesh.control_device)
+            all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
             agreed, ready, *neg_used = t.tolist()
-            self._issue_reductions(ready)
+            reductions.issue(ready)
             if agreed == want:
                 self._used_anywhere = [u < 0 for u in neg_used]
                 return
@@ -121,51 +109,17 @@ class Schedule:
     # reductions ----------------------------------------------------------------------
 
     def grad_ready(self, group: FlatGroup) -> None:
-        """Note that ``group``'s flat gradient for this backward is complete."""
-        i = self._position[id(group)]
-        self._ready[i] = self._used[i] = True
+        """Note that ``group``'s flat gradient is complete; reduce what every rank has ready."""
+        self.reductions.grad_ready(group)
         if self.world == 1:
-            self._issue_reductions(self._ready_prefix())
-
-    def _ready_prefix(self) -> int:
-        if not self.sync:
-            return len(self.reduce_order)
-        n = self._issued
-        while n < len(self._ready) and self._ready[n]:
-            n += 1
-        return n
-
-    def _issue_reductions(self, upto: int) -> None:
-        if not self.sync:
-            return
-        for i in range(self._issued, upto):
-            while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
-                self._complete_oldest()
-            self._pending.append((i, *self.reduce_order[i].reduce_grad(self.stats)))
-        self._issued = max(self._issued, upto)
-
-    def drain(self) -> None:
-        """Land every reduction in flight, freeing the full-size gradients they hold."""
-        while self._pending:
-            self._complete_oldest()
-
-    def _complete_oldest(self) -> None:
-        """Wait for the oldest reduction and land it, freeing its full-size gradient."""
-        i, work, out, _grad = self._pending.pop(0)
-        work.wait()
-        self._landed.append((i, out))
+            self.reductions.issue(self.reductions.ready_prefix())
 
     def finish_backward(self) -> None:
         """End of backward: reduce what is left (zeros where unused) and wait for all of it."""
-        self._ready = [True] * len(self.reduce_order)
-        self._used_anywhere = list(self._used)
+        reductions = self.reductions
+        self._used_anywhere = reductions.close()
         if self.world > 1:
             self._negotiate(self.end_backward_priority)
         else:
-            self._issue_reductions(len(self.reduce_order))
-        while self._pending:
-            self._complete_oldest()
-        for i, out in self._landed:
-            if self._used_anywhere[i]:
-                self.reduce_order[i].accumulate(out)
-        self._reset_backward()
+            reductions.issue(reductions.ready_prefix())
+        reductions.finish(self._used_anywhere)

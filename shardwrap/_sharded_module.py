@@ -8,7 +8,6 @@ keys are those of the original model.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -16,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._checks import (
     ROOT_ATTR,
@@ -28,18 +26,18 @@ from ._checks import (
     checkpoint_policy,
     resolve_compile,
 )
-from ._collectives import CommStats, Group, all_reduce
+from ._collectives import CommStats, all_reduce
 from ._flat_group import FlatGroup
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
+from ._mesh import Mesh, resolve_mesh
 from ._options import MixedPrecision
 from ._pool import BufferPool
 from ._root import Root
+from ._strategy import Strategy
 from ._unit import Unit
 from ._wrap import AutoWrap, group_key, place_parameters, resolve_policy
 
 __all__ = ["ShardedModule"]
-
-_RETIRED_ATTR = "_shardwrap_retired"
 
 
 class ShardedModule(nn.Module):
@@ -113,8 +111,8 @@ class ShardedModule(nn.Module):
         policy = resolve_policy(module, auto_wrap)
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
-        group = _resolve_group(process_group)
-        check_same_model(module, group, device)
+        mesh = resolve_mesh(process_group, device)
+        check_same_model(module, mesh.control, mesh.control_device)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
@@ -122,7 +120,8 @@ class ShardedModule(nn.Module):
             )
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
-        _wrap(module, policy, group, device, reshard_after_forward, mixed_precision, param_init_fn)
+        strategy = Strategy(reshard_after_forward=reshard_after_forward)
+        _wrap(module, policy, mesh, strategy, mixed_precision, param_init_fn)
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
@@ -181,13 +180,13 @@ class ShardedModule(nn.Module):
             )
             local = torch.linalg.vector_norm(norms, norm_type)
         else:
-            local = torch.zeros((), dtype=torch.float32, device=root.device)
+            local = torch.zeros((), dtype=torch.float32, device=root.mesh.device)
         if norm_type == float("inf"):
-            all_reduce(local, root.group, dist.ReduceOp.MAX, root.stats).wait()
+            all_reduce(local, root.mesh.shard, dist.ReduceOp.MAX, root.stats).wait()
             total = local
         else:
             local = local.pow(norm_type)
-            all_reduce(local, root.group, dist.ReduceOp.SUM, root.stats).wait()
+            all_reduce(local, root.mesh.shard, dist.ReduceOp.SUM, root.stats).wait()
             total = local.pow(1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
@@ -206,7 +205,7 @@ class ShardedModule(nn.Module):
         must call it; with ``rank0_only`` the other ranks get an empty dict.
         """
         root = self._shardwrap_root
-        keep = not rank0_only or _rank(root.group) == 0
+        keep = not rank0_only or root.mesh.rank == 0
         full: dict[int, Tensor] = {}
         for unit in root.units:
             for g in unit.groups:
@@ -238,15 +237,10 @@ class ShardedModule(nn.Module):
                 "Pass the state dict of the same model class and configuration "
                 "(model.full_state_dict() or the unwrapped model's state_dict())."
             )
-        index = {
-            id(p): (g, i)
-            for u in root.units
-            for g in u.groups
-            for i, p in enumerate(g.shard_params)
-        }
+        index = root.param_of
         wrong = []
         for k, v in own.items():
-            shape = index[id(v)][0].shapes[index[id(v)][1]] if id(v) in index else v.shape
+            shape = index[id(v)].shape if id(v) in index else v.shape
             if tuple(state_dict[k].shape) != tuple(shape):
                 wrong.append(f"{k}: expected {tuple(shape)}, got {tuple(state_dict[k].shape)}")
         if wrong:
@@ -259,8 +253,8 @@ class ShardedModule(nn.Module):
                 done.add(id(v))
                 value = state_dict[k].to(v.device)
                 if id(v) in index:
-                    g, i = index[id(v)]
-                    pc = g.pieces[i]
+                    param = index[id(v)]
+                    pc = param.group.pieces[param.index]
                     v.copy_(value.reshape(-1)[pc.start : pc.stop])
                 else:
                     v.copy_(value)
@@ -280,16 +274,16 @@ def _sharded_class(cls: type) -> type:
 def _wrap(
     module: nn.Module,
     policy: Any,
-    group: Group,
-    device: torch.device,
-    reshard_after_forward: bool,
+    mesh: Mesh,
+    strategy: Strategy,
     precision: MixedPrecision | None,
     param_init_fn: ParamInitFn | None = None,
 ) -> None:
+    device = mesh.device
     placement = place_parameters(module, policy)
     materialize = None
     if is_meta(module):
-        seed = agree_seed(group, device)
+        seed = agree_seed(mesh.control, mesh.control_device)
         materialize = Materializer(module, placement.units, device, seed, param_init_fn)
     stats = CommStats()
     pool = BufferPool()
@@ -311,8 +305,7 @@ def _wrap(
                 names,
                 originals,
                 [s for _, _, s in entries],
-                group,
-                device,
+                mesh,
                 pool,
                 precision.compute_dtype(dtype) if precision else None,
                 precision.gradient_dtype(dtype) if precision else None,
@@ -332,71 +325,61 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    control = _control_group(group, device)
-    root = Root(units, group, control, stats, device, reshard_after_forward, pool, precision)
+    root = Root(units, mesh, stats, strategy, pool, precision)
     module.__class__ = _sharded_class(type(module))
     object.__setattr__(module, ROOT_ATTR, root)
     for unit in units[1:]:
         object.__setattr__(unit.module, UNIT_ATTR, unit)
-    _install_optimizer_check()
+
+
+# retired parameters ------------------------------------------------------------------
 
 
 def _retire(p: nn.Parameter, name: str) -> None:
-    """Free an original parameter and mark it, so an optimizer still holding it fails loudly."""
-    setattr(p, _RETIRED_ATTR, name)
+    """Free an original parameter, so that an optimizer still holding it fails loudly.
+
+    The parameter's class becomes one whose ``.grad`` is always present and raises on any
+    use: every optimizer reads the gradients of the parameters it steps, so an optimizer
+    built before wrapping raises at its first ``step()``, naming the parameter, rather than
+    silently never training the model. Nothing is registered outside the parameter.
+    """
     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    trap = torch.Tensor._make_subclass(_StaleGrad, torch.empty(0, dtype=p.dtype, device=p.device))
+    trap._shardwrap_name = name
+    object.__setattr__(p, "_shardwrap_stale_grad", trap)
+    p.__class__ = _retired_class(type(p))
 
 
-_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-_hook_installed = False
+class _StaleGrad(Tensor):
+    """The gradient of a retired parameter: any use raises, naming the parameter."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        trap = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _StaleGrad))
+        raise RuntimeError(
+            f"shardwrap: this optimizer holds parameter '{trap._shardwrap_name}' from before "
+            "the model was wrapped; those parameters no longer train the model. Build the "
+            "optimizer after wrapping: opt = torch.optim.AdamW(model.parameters())."
+        )
 
 
-def _install_optimizer_check() -> None:
-    global _hook_installed
-    if not _hook_installed:
-        register_optimizer_step_pre_hook(_check_optimizer)
-        _hook_installed = True
+def _stale_grad(self: nn.Parameter) -> Tensor:
+    return self._shardwrap_stale_grad
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _checked.get(optimizer) == count:
-        return
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            name = getattr(p, _RETIRED_ATTR, None)
-            if name is not None:
-                raise RuntimeError(
-                    f"shardwrap: this optimizer holds parameter '{name}' from before the model "
-                    "was wrapped; those parameters no longer train the model. Build the "
-                    "optimizer after wrapping: opt = torch.optim.AdamW(model.parameters())."
-                )
-    _checked[optimizer] = count
+def _ignore_grad(self: nn.Parameter, value: Tensor | None) -> None:
+    """``zero_grad()`` sets ``None``: the trap stays."""
+
+
+_RETIRED_CLASSES: dict[type, type] = {}
+
+
+def _retired_class(cls: type) -> type:
+    if cls not in _RETIRED_CLASSES:
+        _RETIRED_CLASSES[cls] = type(
+            f"Retired{cls.__name__}", (cls,), {"grad": property(_stale_grad, _ignore_grad)}
+        )
+    return _RETIRED_CLASSES[cls]
 
 
 # checks ------------------------------------------------------------------------------
-
-
-def _resolve_group(process_group: dist.ProcessGroup | None) -> Group:
-    if process_group is not None:
-        return process_group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
-
-
-def _control_group(group: Group, device: torch.device) -> tuple[Group, torch.device]:
-    """The group for handshakes: a CPU gloo group of its own when sharding over the default group.
-
-    NOTE: gloo runs a group's collectives FIFO on two worker threads, so a handshake on the
-    data group waits behind in-flight 50 MB transfers (0.8 s of a 5 s step on the 101M GPT);
-    on CUDA it would also sync the device. Creating a group is collective over the default
-    group, which every rank reaches here. For a user-given group the handshakes share it.
-    """
-    if group is not None and dist.is_initialized() and group is dist.group.WORLD:
-        return dist.new_group(backend="gloo"), torch.device("cpu")
-    return group, device
-
-
-def _rank(group: Group) -> int:
-    return 0 if group is None else group.rank()

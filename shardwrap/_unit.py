@@ -75,6 +75,11 @@ class Unit:
         for g in self.groups:
             g.make_views(track_grad)
 
+    def drop_views(self) -> None:
+        """Let the module's attributes fall back to the shards, keeping the gathered buffers."""
+        for g in self.groups:
+            g.drop_views()
+
     def reshard(self) -> None:
         """Release the full buffers; the module's attributes fall back to the shards."""
         if self.state is ShardState.GATHERING:
@@ -93,7 +98,7 @@ class Unit:
             self.finish_gather()
         buffer = group.pool.take(group, group.dtype)
         try:
-            all_gather(buffer, group.shard, group.group, self.stats).wait()
+            all_gather(buffer, group.shard, group.mesh.shard, self.stats).wait()
             yield views_of(buffer, group)
         finally:
             group.pool.give(buffer, keep=group.dtype == group.compute_dtype)

@@ -1,0 +1,144 @@
+"""The groups one sharded model communicates over, and its compute device.
+
+Design note. Three groups carry every collective, and this object is the only place that
+holds them:
+
+- ``shard``: the ranks that split each flat buffer; its size is the layout's world size.
+  All-gathers and reduce-scatters run on it.
+- ``replicate``: for hybrid sharding, the ranks that hold the same shard (one per shard
+  group). After a gradient is reduce-scattered within the shard group it is averaged across
+  this group, so every replica steps identically. ``None`` without hybrid sharding.
+- ``control``: spans every rank of the model; the agreed order of collectives, the
+  all-ranks agreements of saves and loads, the global gradient norm. A CPU gloo group of its
+  own when the model spans the default group (see :func:`resolve_mesh`).
+
+``None`` for every group is world size 1: no process group at all, the same code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import Group, group_rank, group_size
+
+__all__ = ["Mesh", "resolve_mesh"]
+
+
+@dataclass(eq=False)
+class Mesh:
+    """The groups of one sharded model and the device its shards live on.
+
+    Build one to shard over groups made by hand; ``ShardedModule`` builds it from a
+    ``process_group`` or a ``DeviceMesh`` otherwise.
+
+    Attributes:
+        shard: ranks that split each flat buffer (``None``: one rank).
+        replicate: ranks holding the same shard, across which gradients are averaged after
+            the reduce-scatter (hybrid sharding); ``None`` when every rank holds its own shard.
+        control: a group spanning every rank of ``shard`` x ``replicate``, for handshakes and
+            agreements; ``None`` means ``shard`` (which must then span every rank).
+        control_device: where the control group's tensors live (``cpu`` for gloo).
+        device: where shards live and compute runs; ``None`` until resolved.
+    """
+
+    shard: Group = None
+    replicate: Group = None
+    control: Group = None
+    control_device: torch.device | None = None
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if self.control is None and self.replicate is not None:
+            raise ValueError(
+                "Mesh.control: hybrid sharding needs a control group spanning every rank; "
+                "pass Mesh(shard=..., replicate=..., control=<group of all ranks>)."
+            )
+        if self.control is None:
+            self.control = self.shard
+        if self.control is not None and group_size(self.control) != self.world_size:
+            raise ValueError(
+                f"Mesh.control spans {group_size(self.control)} ranks but the mesh has "
+                f"{self.world_size} (shard {self.shard_size} x replicate {self.replicate_size}); "
+                "pass a control group over every rank of the mesh."
+            )
+
+    @property
+    def shard_rank(self) -> int:
+        return group_rank(self.shard)
+
+    @property
+    def shard_size(self) -> int:
+        return group_size(self.shard)
+
+    @property
+    def replicate_rank(self) -> int:
+        return group_rank(self.replicate)
+
+    @property
+    def replicate_size(self) -> int:
+        return group_size(self.replicate)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among all ranks of the mesh (the control group's rank)."""
+        return group_rank(self.control)
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its shard's files: one replica does, the first."""
+        return self.replicate_rank == 0
+
+    def release(self) -> None:
+        """Drop every group reference (at interpreter exit; see ``_root``)."""
+        self.shard = self.replicate = self.control = None
+
+
+def resolve_mesh(process_group: dist.ProcessGroup | Mesh | None, device: torch.device) -> Mesh:
+    """The mesh for ``ShardedModule(process_group=...)``, with its compute device set.
+
+    Accepts ``None`` (the default group when ``torch.distributed`` is initialised, else world
+    size 1), a ``ProcessGroup``, or a :class:`Mesh`.
+    """
+    if isinstance(process_group, Mesh):
+        mesh = process_group
+        if mesh.control_device is None:
+            mesh.control_device = device
+    else:
+        group = _default_group(process_group)
+        control, control_device = _control_group(group, device)
+        mesh = Mesh(shard=group, control=control, control_device=control_device)
+    mesh.device = device
+    return mesh
+
+
+def _default_group(process_group: dist.ProcessGroup | None) -> Group:
+    if process_group is not None:
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "process_group takes a ProcessGroup or a shardwrap.Mesh, got "
+                f"{type(process_group).__name__}."
+            )
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _control_group(group: Group, device: torch.device) -> tuple[Group, torch.device]:
+    """The group for handshakes: a CPU gloo group of its own when sharding over the default group.
+
+    NOTE: gloo runs a group's collectives FIFO on two worker threads, so a handshake on the
+    data group waits behind in-flight 50 MB transfers (0.8 s of a 5 s step on the 101M GPT);
+    on CUDA it would also sync the device. Creating a group is collective over the default
+    group, which every rank reaches here. For a user-given group the handshakes share it.
+    """
+    if group is not None and dist.is_initialized() and group is dist.group.WORLD:
+        return dist.new_group(backend="gloo"), torch.device("cpu")
+    return group, device
