@@ -1,5 +1,6 @@
 # make test: build .venv (once per change to pyproject.toml or this file), then run the suite.
 # make demo: the same .venv, then train a small GPT under torchrun (see examples/train_gpt.py).
+# make bench: the same .venv plus the `bench` extra (DeepSpeed), then benchmarks/compare.py.
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,24 +15,38 @@ TORCH_PIP_FLAGS ?=
 # The demo's ranks; extra flags for it go in DEMO_ARGS, e.g. make demo DEMO_ARGS='--steps 100'.
 NPROC ?= 2
 DEMO_ARGS ?=
+# Flags for compare.py, e.g. make bench BENCH_ARGS='--rounds 1 --precision bf16'.
+BENCH_ARGS ?=
+BENCH_STAMP := $(VENV)/.bench-stamp
 
 export OMP_NUM_THREADS := 1
 
-.PHONY: test demo
+.PHONY: test demo bench
 
-# Lint, then two tiers: in-process tests on one worker (threads as ranks), then the torchrun
-# runs, two at a time (each spends most of its time launching processes). Any failure fails.
+# Lint, then two tiers: in-process tests on one worker (threads as ranks), at ZeRO stage 3 and
+# again at stages 1 and 2 (leaving out stage 3's own lifetime tests), then the torchrun runs, two
+# at a time (each spends most of its time launching processes). Any failure fails.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not process"
+	$(BIN)/pytest -m "not process and not stage3" --stage 2 -q
+	$(BIN)/pytest -m "not process and not stage3" --stage 1 -q
 	$(BIN)/pytest -m process -n 2
 
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py $(DEMO_ARGS)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/compare.py $(BENCH_ARGS)
 
 # One environment for both: the process tier runs the demo, so tests need its extra too.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(TORCH_PIP_FLAGS) '$(TORCH)'
 	$(BIN)/pip install -e '.[test,demo]'
+	touch $@
+
+# The test suite never needs DeepSpeed: it is installed only for the benchmark.
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[bench]'
 	touch $@

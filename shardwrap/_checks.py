@@ -110,24 +110,39 @@ def resolve_compile(value: bool | dict[str, Any]) -> dict[str, Any] | None:
     )
 
 
-def signature(name: str, p: Tensor) -> int:
+def _signature(name: str, p: Tensor) -> int:
     text = f"{name}|{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode()
     return int.from_bytes(hashlib.sha1(text).digest()[:7], "little")
 
 
-def check_same_model(module: nn.Module, group: Group, device: torch.device) -> None:
-    """One small all-reduce: every rank must hold the same parameter names, shapes and dtypes."""
+def check_same_model(
+    module: nn.Module, group: Group, device: torch.device, options: dict[str, int]
+) -> None:
+    """One small all-reduce: every rank must hold the same parameter names, shapes and dtypes,
+    and pass the same ``options`` (integers, such as the stage)."""
     if group_size(group) == 1:
         return
     named = list(module.named_parameters())
-    sigs = [signature(n, p) for n, p in named]
-    digest = signature("|".join(str(s) for s in sigs), torch.empty(0))
-    t = torch.tensor([len(sigs), digest, -len(sigs), -digest], dtype=torch.int64, device=device)
+    sigs = [_signature(n, p) for n, p in named]
+    digest = _signature("|".join(str(s) for s in sigs), torch.empty(0))
+    values = list(options.values())
+    t = torch.tensor(
+        [len(sigs), digest, *values, -len(sigs), -digest, *(-v for v in values)],
+        dtype=torch.int64,
+        device=device,
+    )
     all_reduce(t, group, dist.ReduceOp.MIN).wait()
-    lo_n, lo_d, hi_n, hi_d = t.tolist()
-    if lo_n == -hi_n and lo_d == -hi_d:
+    low, high = t.tolist()[: len(t) // 2], [-v for v in t.tolist()[len(t) // 2 :]]
+    for (name, mine), lo, hi in zip(options.items(), low[2:], high[2:]):
+        if lo != hi:
+            raise ValueError(
+                f"ShardedModule: ranks passed different {name}: this rank (rank "
+                f"{group.rank()}) passed {mine}, others between {lo} and {hi}. Pass the same "
+                "arguments on every rank."
+            )
+    if low[:2] == high[:2]:
         return
-    longest = -hi_n
+    longest = high[0]
     padded = sigs + [-1] * (longest - len(sigs))
     t = torch.tensor(padded + [-s for s in padded], dtype=torch.int64, device=device)
     all_reduce(t, group, dist.ReduceOp.MIN).wait()

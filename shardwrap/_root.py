@@ -262,6 +262,9 @@ class Root:
             return
         self._backward_seen.add(unit.index)
         self._recording.append(unit)
+        strategy = self.strategy
+        if not strategy.gathers_in_backward and not strategy.defer_reductions:
+            self.schedule.offer_reductions()
         self._ensure_gathered(unit, backward=True)
         if unit.index in self._backward_next:
             self._prefetch(self._backward_next, unit, backward=True)
@@ -336,7 +339,7 @@ class Root:
 
     def _prefetch(self, successors: dict[int, Unit], current: Unit, backward: bool) -> None:
         nxt = successors.get(current.index)
-        if nxt is not None and nxt.state is ShardState.SHARDED:
+        if nxt is not None and (nxt.state is ShardState.SHARDED or nxt.is_stale):
             self.schedule.gather(nxt, backward)
 
     # checkpointing and compilation ---------------------------------------------------

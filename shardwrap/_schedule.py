@@ -9,7 +9,9 @@ Here each rank, before it gathers a unit that is not already gathered, takes par
 handshake: one all-reduce (MIN) of a few integers. Each rank puts in
 
 1. the priority of what it wants next: a unit's index in forward, its reverse index in
-   backward, or an end-of-phase marker (which sorts last);
+   backward, nothing but the reductions ready so far (when backward gathers nothing, as at
+   stage 2, this keeps reductions overlapping backward), or an end-of-phase marker (which
+   sorts last);
 2. how many reduce-scatters, in the canonical order, it has gradients ready for;
 3. in backward, for every trainable flat group, whether it used the group at all.
 
@@ -55,8 +57,9 @@ class Schedule:
         self.stats = stats
         self.reductions = reductions
         n = len(units)
-        self.end_forward_priority = 2 * n
-        self.end_backward_priority = 2 * n + 1
+        self.reduce_only_priority = 2 * n
+        self.end_forward_priority = 2 * n + 1
+        self.end_backward_priority = 2 * n + 2
         self._used_anywhere: list[bool] = []
 
     @property
@@ -71,6 +74,11 @@ class Schedule:
             n = len(self.units)
             self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
         unit.start_gather()
+
+    def offer_reductions(self) -> None:
+        """Issue the reductions every rank has ready, gathering nothing (one handshake)."""
+        if self.world > 1:
+            self._negotiate(self.reduce_only_priority)
 
     def end_forward(self) -> None:
         """Serve peers' remaining gathers of this forward before moving on."""
@@ -98,6 +106,8 @@ class Schedule:
             self._serve(agreed)
 
     def _serve(self, priority: int) -> None:
+        if priority == self.reduce_only_priority:
+            return
         n = len(self.units)
         unit = self.units[priority if priority < n else 2 * n - 1 - priority]
         was_sharded = unit.state is ShardState.SHARDED

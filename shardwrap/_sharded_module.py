@@ -41,7 +41,7 @@ __all__ = ["ShardedModule"]
 
 
 class ShardedModule(nn.Module):
-    """Shard a model's parameters across ranks, ZeRO-3 style, keeping the model's identity.
+    """Shard a model's training state across ranks (ZeRO stage 1, 2 or 3), keeping its identity.
 
     Every submodule that ``auto_wrap`` selects becomes a *unit*; the root holds the
     parameters no unit took. Each unit keeps a flat, padded 1/N shard of its parameters,
@@ -61,9 +61,15 @@ class ShardedModule(nn.Module):
             ``torch.distributed`` is initialised, else world size 1 (no launcher needed).
         device: where shards live. Defaults to ``cuda:$LOCAL_RANK`` with NCCL, else the
             parameters' device.
-        reshard_after_forward: release each unit's gathered parameters after its forward
-            (ZeRO-3, least memory) rather than keeping them until its backward (one
-            all-gather fewer per unit and step).
+        stage: the ZeRO stage. 3 (default): parameters, gradients and optimizer state are
+            all sharded; each unit is gathered for its forward and again for its backward.
+            2: full parameters are kept between steps (gathered once per step, after the
+            optimizer changed the shards), gradients are reduce-scattered per unit in
+            backward. 1: as 2, but gradients stay full until the end of backward and are
+            reduced then. The optimizer steps on 1/N shards at every stage.
+        reshard_after_forward: stage 3 only. ``True`` (default): release each unit's gathered
+            parameters after its forward (least memory); ``False``: keep them until its
+            backward (one all-gather fewer per unit and step).
         mixed_precision: compute in a lower precision (see :class:`MixedPrecision`); the
             shards, and so the optimizer, stay in the parameters' own dtype. ``None``: no
             casts at all.
@@ -83,6 +89,8 @@ class ShardedModule(nn.Module):
     Raises:
         TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision`` or
             ``compile`` of an unsupported type.
+        ValueError: a ``stage`` other than 1, 2 or 3, ``reshard_after_forward`` given with
+            a stage other than 3, or ranks that passed different stages.
         ValueError: a model already wrapped, parameters on several devices, a
             ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
             initialiser wrote (every rank raises, naming each), or parameter names, shapes or
@@ -99,7 +107,8 @@ class ShardedModule(nn.Module):
         auto_wrap: AutoWrap = None,
         process_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
-        reshard_after_forward: bool = True,
+        stage: int = 3,
+        reshard_after_forward: bool | None = None,
         mixed_precision: MixedPrecision | None = None,
         checkpoint_activations: bool | AutoWrap = False,
         compile: bool | dict[str, Any] = False,
@@ -111,8 +120,9 @@ class ShardedModule(nn.Module):
         policy = resolve_policy(module, auto_wrap)
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
+        strategy = _strategy(stage, reshard_after_forward)
         mesh = resolve_mesh(process_group, device)
-        check_same_model(module, mesh.control, mesh.control_device)
+        check_same_model(module, mesh.control, mesh.control_device, {"stage": stage})
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
@@ -120,7 +130,6 @@ class ShardedModule(nn.Module):
             )
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
-        strategy = Strategy(reshard_after_forward=reshard_after_forward)
         _wrap(module, policy, mesh, strategy, mixed_precision, param_init_fn)
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
@@ -330,6 +339,15 @@ def _wrap(
     object.__setattr__(module, ROOT_ATTR, root)
     for unit in units[1:]:
         object.__setattr__(unit.module, UNIT_ATTR, unit)
+
+
+def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:
+    if reshard_after_forward is not None and stage in (1, 2):
+        raise ValueError(
+            f"reshard_after_forward is a stage-3 option; stage {stage} keeps the full "
+            "parameters between steps. Drop reshard_after_forward, or pass stage=3."
+        )
+    return Strategy(stage=stage, reshard_after_forward=reshard_after_forward is not False)
 
 
 # retired parameters ------------------------------------------------------------------

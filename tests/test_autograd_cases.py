@@ -265,9 +265,13 @@ def test_branch_run_by_some_ranks_all_or_none(world_size: int, set_to_none: bool
         _assert_close(got, want)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize(
+    "reshard_after_forward", [None, pytest.param(False, marks=pytest.mark.stage3)]
+)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_module_called_twice_in_one_forward(world_size: int, reshard_after_forward: bool) -> None:
+def test_module_called_twice_in_one_forward(
+    world_size: int, reshard_after_forward: bool | None
+) -> None:
     """``shared_block`` runs twice per forward; both uses' gradients reach its shard."""
     plan = [[True] * world_size, [r % 2 == 0 for r in range(world_size)], [True] * world_size]
     data = _branchy_data(world_size, plan, seed=3)
@@ -358,7 +362,8 @@ def test_greedy_decoding_between_training_steps(world_size: int) -> None:
             assert root.stats.calls.get("reduce_scatter", 0) == reductions  # no backward ran
             for g, p in zip(grads, m.parameters(), strict=True):
                 assert (g is None and p.grad is None) or torch.equal(g, p.grad)
-            assert all(u.state is ShardState.SHARDED for u in root.units[1:])
+            if root.strategy.stage == 3:
+                assert all(u.state is ShardState.SHARDED for u in root.units[1:])
 
         train(m, opt, batches[0], rank)
         decode()

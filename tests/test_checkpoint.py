@@ -538,6 +538,7 @@ def test_optimizer_state_that_is_not_elementwise_is_refused_before_writing(tmp_p
 # export ------------------------------------------------------------------------------
 
 
+@pytest.mark.stage3
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_export_loads_into_the_plain_model_one_group_at_a_time(
     tmp_path: Path, world_size: int, monkeypatch: pytest.MonkeyPatch

@@ -28,11 +28,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from shardwrap import ShardedModule
+from tests._memory import StorageTracker
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, tiny_gpt2_config, tiny_llama_config
 from tests.test_parity import (
@@ -265,34 +263,6 @@ def test_meta_initialised_model_trains_like_plain_model_with_its_weights(
 
 
 # memory ------------------------------------------------------------------------------
-
-
-class StorageTracker(TorchDispatchMode):
-    """Tracks every storage that an op's outputs live in, and the peak of their live bytes.
-
-    Storages are held through weak references, so a storage counts while anything (a
-    parameter, a view, a leaked reference) keeps it alive. Live bytes only grow when a new
-    storage appears, so the peak is measured then.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def live(self) -> int:
-        return sum(n for ref, n in self.storages.values() if not ref.expired())
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and not t.is_meta:
-                storage = t.untyped_storage()
-                known = self.storages.get(storage._cdata)
-                if known is None or known[0].expired():
-                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-                    self.peak = max(self.peak, self.live())
-        return out
 
 
 def test_materialisation_holds_about_one_unit_at_a_time() -> None:

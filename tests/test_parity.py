@@ -209,6 +209,7 @@ def test_other_elementwise_optimizers_run_unchanged(name: str) -> None:
     assert_parity(build_gpt(False), 2, ELEMENTWISE[name], GPT_BATCHES, gpt_loss, auto_wrap=Block)
 
 
+@pytest.mark.stage3
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gpt_parity_without_reshard_after_forward(tied: bool) -> None:
     model = build_gpt(tied)
