@@ -10,11 +10,13 @@ from ._checkpoint_load import load_checkpoint
 from ._collectives import CommStats
 from ._export import export, load_pretrained
 from ._grad_scaler import ShardedGradScaler
+from ._mesh import Mesh
 from ._options import MixedPrecision
 from ._sharded_module import ShardedModule
 
 __all__ = [
     "CommStats",
+    "Mesh",
     "MixedPrecision",
     "ShardedGradScaler",
     "ShardedModule",

@@ -5,7 +5,9 @@ wrote it: every tensor is keyed by the parameter's original (canonical) name and
 element range ``[start, stop)`` of the flattened parameter. Rank ``r`` writes the pieces its
 shards hold, with no collective beyond three small agreements (see
 :func:`~shardwrap._storage.agree`); rank 0 adds the metadata, which it computes from the
-flat layouts without asking anyone. A loading rank intersects its own pieces (for its world
+flat layouts without asking anyone. With hybrid sharding the first replica writes the shard
+files and every other replica writes only its ``extra``: a checkpoint is written once, and
+loads at any mesh. A loading rank intersects its own pieces (for its world
 size and policy) with the saved ranges and reads only those bytes, memory-mapped. A folder::
 
     metadata.json                     names, full shapes, dtypes, which file holds which range
@@ -214,11 +216,21 @@ def save_checkpoint(
         nonlocal opt_plan
         if optimizer is not None:
             opt_plan = _plan_optimizer(model, optimizer)
-        if rank == 0:
+        if mesh.rank == 0:
             begin_folder(target)
         return 0
 
     def write_rank_files() -> int:
+        """Write this rank's extra, and its shard's file if it is the shard's writing replica.
+
+        Returns ``1 + size * world + shard rank`` for a writer, ``0`` for anyone else, so one
+        agreement tells rank 0 every shard file's size.
+        """
+        buffer = io.BytesIO()
+        torch.save(extra, buffer)
+        write_file(tmp / extra_file(mesh.rank), buffer.getvalue())
+        if not mesh.writes:
+            return 0
         entries: list[Entry] = []
         tensors: list[Tensor] = []
         for p in params:
@@ -233,14 +245,14 @@ def save_checkpoint(
             for t in tensors:
                 w.write(t)
             size = w.close()
-        buffer = io.BytesIO()
-        torch.save(extra, buffer)
-        write_file(tmp / extra_file(rank), buffer.getvalue())
-        return size
+        return 1 + size * world + rank
 
-    def finish(sizes: list[int]) -> int:
-        if rank == 0:
-            metadata = _metadata(model, params, opt_plan, sizes, tmp)
+    def finish(codes: list[int]) -> int:
+        if mesh.rank == 0:
+            sizes = [0] * world
+            for code in (c - 1 for c in codes if c > 0):
+                sizes[code % world] = code // world
+            metadata = _metadata(model, params, opt_plan, sizes, mesh.world_size, tmp)
             write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
             commit_folder(tmp, target)
             write_latest(target.parent, target.name)
@@ -249,8 +261,8 @@ def save_checkpoint(
         return 0
 
     agree(mesh.control, mesh.control_device, "save_checkpoint", prepare)
-    sizes = agree(mesh.control, mesh.control_device, "save_checkpoint", write_rank_files)
-    agree(mesh.control, mesh.control_device, "save_checkpoint", lambda: finish(sizes))
+    codes = agree(mesh.control, mesh.control_device, "save_checkpoint", write_rank_files)
+    agree(mesh.control, mesh.control_device, "save_checkpoint", lambda: finish(codes))
     return target
 
 
@@ -259,6 +271,7 @@ def _metadata(
     params: list[Param],
     opt_plan: _OptimizerPlan | None,
     rank_sizes: list[int],
+    ranks: int,
     tmp: Path,
 ) -> dict[str, Any]:
     """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0)."""
@@ -293,6 +306,7 @@ def _metadata(
         "version": VERSION,
         "saved_at_ns": time.time_ns(),
         "world_size": world,
+        "ranks": ranks,
         "files": files,
         "params": entries,
         "buffers": {

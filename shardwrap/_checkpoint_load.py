@@ -112,8 +112,8 @@ class _Loader:
                 raise ValueError(
                     f"load_checkpoint: {self.folder / BUFFERS} lacks buffers {few(missing)}"
                 )
-        saved_world = self.meta["world_size"]
-        self.extra = self._load_pt(extra_file(rank if rank < saved_world else 0), sized=False)
+        saved_ranks = self.meta.get("ranks", self.meta["world_size"])
+        self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
 
     # validation ----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import Group, group_rank, group_size
 
@@ -104,12 +105,15 @@ def resolve_mesh(process_group: dist.ProcessGroup | Mesh | None, device: torch.d
     """The mesh for ``ShardedModule(process_group=...)``, with its compute device set.
 
     Accepts ``None`` (the default group when ``torch.distributed`` is initialised, else world
-    size 1), a ``ProcessGroup``, or a :class:`Mesh`.
+    size 1), a ``ProcessGroup``, a ``DeviceMesh`` (1-D, or 2-D with dimensions
+    ``("replicate", "shard")`` for hybrid sharding), or a :class:`Mesh`.
     """
     if isinstance(process_group, Mesh):
         mesh = process_group
         if mesh.control_device is None:
             mesh.control_device = device
+    elif isinstance(process_group, DeviceMesh):
+        mesh = _from_device_mesh(process_group)
     else:
         group = _default_group(process_group)
         control, control_device = _control_group(group, device)
@@ -118,12 +122,38 @@ def resolve_mesh(process_group: dist.ProcessGroup | Mesh | None, device: torch.d
     return mesh
 
 
+def _from_device_mesh(device_mesh: DeviceMesh) -> Mesh:
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if device_mesh.ndim == 1:
+        group = device_mesh.get_group()
+        control, control_device = _control_group(group, torch.device(device_mesh.device_type))
+        return Mesh(shard=group, control=control, control_device=control_device)
+    if device_mesh.ndim != 2 or names != ("replicate", "shard"):
+        raise ValueError(
+            "process_group: a DeviceMesh for hybrid sharding must be 2-D with dimensions "
+            f'("replicate", "shard"), got {device_mesh.ndim}-D with names {names or None}; e.g. '
+            'init_device_mesh("cuda", (nodes, gpus_per_node), '
+            'mesh_dim_names=("replicate", "shard")).'
+        )
+    if device_mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(
+            f"process_group: the DeviceMesh spans {device_mesh.mesh.numel()} of "
+            f"{dist.get_world_size()} ranks; shard over a mesh of every rank."
+        )
+    return Mesh(
+        shard=device_mesh.get_group("shard"),
+        replicate=device_mesh.get_group("replicate"),
+        control=dist.new_group(backend="gloo"),
+        control_device=torch.device("cpu"),
+    )
+
+
 def _default_group(process_group: dist.ProcessGroup | None) -> Group:
     if process_group is not None:
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
-                "process_group takes a ProcessGroup or a shardwrap.Mesh, got "
-                f"{type(process_group).__name__}."
+                "process_group takes a ProcessGroup, a DeviceMesh with dimensions "
+                f'("replicate", "shard") or a shardwrap.Mesh, got {type(process_group).__name__}.'
             )
         return process_group
     if dist.is_available() and dist.is_initialized():

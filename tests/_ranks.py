@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed import ProcessGroup
 
-__all__ = ["make_gloo_group", "run_ranks"]
+__all__ = ["make_gloo_group", "run_ranks", "subgroup"]
 
 T = TypeVar("T")
 
@@ -71,6 +71,23 @@ def make_gloo_group(
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     return pg
+
+
+# The store of each run, by the run's id (the first part of its groups' names): subgroup()
+# rendezvous through it.
+_STORES: dict[str, dist.Store] = {}
+
+
+def subgroup(pg: ProcessGroup, ranks: list[int], name: str) -> ProcessGroup:
+    """A gloo group over ``ranks`` (ranks of ``pg``, which must include this one).
+
+    Every rank in ``ranks`` must call it with the same ``ranks`` and ``name``; ``name`` tells
+    apart the groups one rank makes.
+    """
+    base = _STORES[pg.group_name.split("/")[0]]
+    store = dist.PrefixStore(f"{name}/{'-'.join(map(str, ranks))}", base)
+    store.set_timeout(base.timeout)
+    return make_gloo_group(store, ranks.index(pg.rank()), len(ranks), base.timeout)
 
 
 @dataclass
@@ -162,6 +179,7 @@ def run_ranks(
     store.set_timeout(collective_timeout)
     run: _Run[T] = _Run()
     run_id = uuid.uuid4().hex
+    _STORES[run_id] = store
     threads = [
         threading.Thread(
             target=_rank_main,
@@ -176,6 +194,7 @@ def run_ranks(
     deadline = time.monotonic() + timeout
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
+    del _STORES[run_id]
     frames = sys._current_frames()
     hung = {
         rank: "".join(traceback.format_stack(frames[thread.ident]))

@@ -4,7 +4,10 @@ Launched by tests/test_torchrun.py:
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/torchrun_parity.py OUT.json [WRAP]
 
-WRAP: extra ``ShardedModule`` keyword arguments as JSON, e.g. '{"compile": true}'.
+WRAP: extra ``ShardedModule`` keyword arguments as JSON, e.g. '{"compile": true}'. The key
+``"hybrid": [R, S]`` shards over a ``DeviceMesh`` of R replicas of S ranks, dimensions
+``("replicate", "shard")``; the script first checks that a mesh with its dimensions swapped is
+refused, and records the error.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from shardwrap import ShardedModule
 from tests.models import GPT, Block, make_batch
@@ -28,6 +32,17 @@ def main(out_path: str, wrap: dict) -> None:
     torch.manual_seed(0)
     base = GPT()
     reference = copy.deepcopy(base)
+    refused = None
+    if "hybrid" in wrap:
+        shape = tuple(wrap.pop("hybrid"))
+        try:
+            swapped = init_device_mesh("cpu", shape, mesh_dim_names=("shard", "replicate"))
+            ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=swapped)
+        except ValueError as e:
+            refused = str(e)
+        wrap["process_group"] = init_device_mesh(
+            "cpu", shape, mesh_dim_names=("replicate", "shard")
+        )
     model = ShardedModule(base, auto_wrap=Block, **wrap)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -56,6 +71,7 @@ def main(out_path: str, wrap: dict) -> None:
             "reference_losses": ref_losses,
             "max_param_diff": diff,
             "keys_match": list(full) == list(ref_sd),
+            "refused": refused,
         }
         with open(out_path, "w") as f:
             json.dump(result, f)
