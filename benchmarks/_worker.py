@@ -1,15 +1,26 @@
-"""One benchmark run: build the GPT, wrap it with one method, train, measure.
+"""One benchmark run: build the model, wrap it with one method, train, measure.
 
 Runs under torchrun (one process per rank); rank 0 prints one JSON line with the result.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/_worker.py shardwrap '{"width": 1024}'
+    torchrun --standalone --nproc_per_node=2 benchmarks/_worker.py shardwrap-s3 '{"width": 1024}'
 
-Methods:
+Methods (every one trains with the same ``torch.optim.AdamW``):
 
-- ``shardwrap``: ``ShardedModule(model, auto_wrap=Block)``.
-- ``fsdp2``: PyTorch's ``fully_shard`` on every block, then on the root.
+- ``shardwrap-s1``, ``shardwrap-s2``, ``shardwrap-s3``: ``ShardedModule(model,
+  auto_wrap=Block, stage=s)``; ``shardwrap`` is ``shardwrap-s3``.
+- ``fsdp2``: PyTorch's ``fully_shard`` on every block, then on the root;
+  ``fsdp2-noreshard``: the same with ``reshard_after_forward=False``.
 - ``ddp``: ``DistributedDataParallel``.
 - ``single``: an unsharded copy per rank with no communication at all (the compute floor).
+- ``deepspeed-s1``, ``deepspeed-s2``, ``deepspeed-s3``: DeepSpeed ZeRO at that stage, the
+  AdamW passed in as its client optimizer, gradient clipping off (DeepSpeed's default clips at
+  1.0). On CPU its ``cpu`` accelerator (``DS_ACCELERATOR=cpu``) over gloo; needs the ``bench``
+  extra.
+
+Models (``"model"`` in the config): ``gpt``, the GPT of ``examples/train_gpt.py``, or ``t5``,
+Hugging Face's ``T5ForConditionalGeneration`` (``depth`` encoder and ``depth`` decoder blocks,
+the block ``T5Block``, no dropout) fed each sequence as both encoder and decoder input. Both
+read bytes (vocabulary 256) and train next-byte prediction.
 
 Precisions (``"precision"`` in the config); every method keeps fp32 master weights and AdamW
 state, and the loss is computed in fp32 from the logits:
@@ -18,12 +29,13 @@ state, and the loss is computed in fp32 from the logits:
 - ``bf16``: shardwrap with ``MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32)``,
   FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every
   ``fully_shard`` call, DDP and ``single`` under ``torch.autocast(dtype=bfloat16)`` around
-  forward and loss.
+  forward and loss, DeepSpeed with ``bf16`` enabled and ``communication_data_type`` fp32.
 
 Memory on CPU is the resident-set high-water mark above the resident set just before the
-model was built; on GPU, ``max_memory_allocated`` and ``max_memory_reserved``. Bytes per
-step count the buffers handed to collectives (all-gather output, reduce-scatter input,
-all-reduce tensor), the same convention for every method.
+model was built (after the process group is set up and the method's library imported; what
+wrapping imports lazily counts, for every method alike); on GPU, ``max_memory_allocated``. Bytes
+per step count the buffers handed to collectives (all-gather output, reduce-scatter input,
+all-reduce, reduce and broadcast tensor), the same convention for every method.
 """
 
 from __future__ import annotations
@@ -40,14 +52,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.train_gpt import GPT, Block  # noqa: E402
 from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
 
-METHODS = ("shardwrap", "fsdp2", "ddp", "single")
+METHODS = (
+    "shardwrap-s1",
+    "shardwrap-s2",
+    "shardwrap-s3",
+    "fsdp2",
+    "fsdp2-noreshard",
+    "ddp",
+    "single",
+    "deepspeed-s1",
+    "deepspeed-s2",
+    "deepspeed-s3",
+)
+ALIASES = {"shardwrap": "shardwrap-s3"}
+MODELS = ("gpt", "t5")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -55,6 +80,8 @@ PRECISIONS = ("fp32", "bf16")
 class Config:
     """What every method trains; defaults are the issue's reference configuration."""
 
+    model: str = "gpt"
+    """``gpt`` or ``t5`` (see the module docstring)."""
     depth: int = 8
     width: int = 1024
     heads: int = 16
@@ -68,8 +95,20 @@ class Config:
     """``fp32``, or ``bf16``: bf16 compute on fp32 master weights, gradients reduced in fp32."""
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+
+@dataclass
+class Trainer:
+    """A wrapped model and the two calls of a training step after its forward."""
+
+    model: nn.Module
+    backward: Callable[[Tensor], None]
+    step: Callable[[], None]
+    """The optimizer step, gradients zeroed afterwards."""
 
 
 def rss_mb(field: str) -> float:
@@ -107,22 +146,73 @@ class ByteCounter:
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         wrap("all_gather_single", lambda out, *a: nbytes(out))
         wrap("all_gather_into_tensor", lambda out, *a: nbytes(out))
+        wrap("all_gather", lambda outs, *a: sum(map(nbytes, outs)))
         wrap("reduce_scatter_single", lambda out, inp, *a: nbytes(inp))
         wrap("reduce_scatter_tensor", lambda out, inp, *a: nbytes(inp))
+        wrap("reduce_scatter", lambda out, inputs, *a: sum(map(nbytes, inputs)))
         wrap("all_reduce", lambda t, *a: nbytes(t))
+        wrap("reduce", lambda t, *a: nbytes(t))
+        wrap("broadcast", lambda t, *a: nbytes(t))
 
 
-def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) -> nn.Module:
+def make_model(cfg: Config) -> tuple[nn.Module, type[nn.Module]]:
+    """The model, built on CPU from ``cfg.seed``, and its block class."""
     torch.manual_seed(cfg.seed)
-    model = GPT(vocab=256, width=cfg.width, heads=cfg.heads, depth=cfg.depth, context=cfg.context)
+    if cfg.model == "gpt":
+        model = GPT(
+            vocab=256, width=cfg.width, heads=cfg.heads, depth=cfg.depth, context=cfg.context
+        )
+        return model, Block
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    t5 = T5Config(
+        vocab_size=256,
+        d_model=cfg.width,
+        d_kv=cfg.width // cfg.heads,
+        d_ff=4 * cfg.width,
+        num_layers=cfg.depth,
+        num_heads=cfg.heads,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return T5ForConditionalGeneration(t5), T5Block
+
+
+def logits_of(model: nn.Module, cfg: Config, inputs: Tensor) -> Tensor:
+    """(B, T) byte ids to (B, T, 256) logits."""
+    if cfg.model == "t5":
+        return model(input_ids=inputs, decoder_input_ids=inputs).logits
+    return model(inputs)
+
+
+def plain(model: nn.Module, cfg: Config) -> Trainer:
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    return Trainer(model, Tensor.backward, step)
+
+
+def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) -> Trainer:
+    model, block = make_model(cfg)
     counter.params = sum(p.numel() for p in model.parameters())
     bf16 = cfg.precision == "bf16"
-    if method == "shardwrap":
+    if method.startswith("shardwrap-s"):
+        stage = int(method[-1])
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return ShardedModule(
-            model.to(device), auto_wrap=Block, mixed_precision=mixed if bf16 else None
+        wrapped = ShardedModule(
+            model.to(device),
+            auto_wrap=block,
+            mixed_precision=mixed if bf16 else None,
+            # Stage 3 without the keyword: A/B runs also benchmark commits from before it.
+            **({} if stage == 3 else {"stage": stage}),
         )
-    if method == "fsdp2":
+        return plain(wrapped, cfg)
+    if method in ("fsdp2", "fsdp2-noreshard"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -131,10 +221,12 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
         )
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model.to(device), mesh=mesh, mp_policy=policy)
-        return model
+        reshard = method == "fsdp2"
+        for module in model.modules():
+            if isinstance(module, block):
+                fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model.to(device), mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        return plain(model, cfg)
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -148,10 +240,37 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
             return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
 
         ddp.register_comm_hook(None, hook)
-        return ddp
+        return plain(ddp, cfg)
     if method == "single":
-        return model.to(device)
+        return plain(model.to(device), cfg)
+    if method.startswith("deepspeed-s"):
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(
+            model=model.to(device),
+            optimizer=torch.optim.AdamW(model.parameters(), lr=cfg.lr),
+            config={
+                "train_micro_batch_size_per_gpu": cfg.batch,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": int(method[-1])},
+                "zero_allow_untested_optimizer": True,
+                "bf16": {"enabled": bf16},
+                **({"communication_data_type": "fp32"} if bf16 else {}),
+            },
+        )
+        return Trainer(engine, engine.backward, engine.step)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def setup_deepspeed() -> None:
+    """Import DeepSpeed and attach it to the process group, before memory is measured."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # falls back to gloo without oneCCL
+    os.environ.setdefault("MAX_JOBS", "1")  # its first run compiles a communication op
+    import deepspeed
+
+    deepspeed.init_distributed(dist.get_backend())
 
 
 def run(method: str, cfg: Config) -> dict[str, Any]:
@@ -162,11 +281,15 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         else torch.device("cpu")
     )
     counter = ByteCounter()
-    counter.install()
+    counter.install()  # before DeepSpeed, which keeps references to some collectives
+    if method.startswith("deepspeed-s"):
+        setup_deepspeed()
+    if cfg.model == "t5":
+        import transformers  # noqa: F401 (library code is no method's memory)
     dist.barrier()
     rss_before = rss_mb("VmRSS")
-    model = build(method, cfg, device, counter)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    trainer = build(method, cfg, device, counter)
+    model = trainer.model
     gen = torch.Generator().manual_seed(cfg.seed + rank)
     autocast = torch.autocast(
         device.type,
@@ -177,28 +300,27 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
             counter.bytes = counter.calls = 0
-            if method == "shardwrap":
+            if method.startswith("shardwrap"):
                 model.comm_stats.reset()
         tokens = torch.randint(256, (cfg.batch, cfg.context + 1), generator=gen).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with autocast:
-            logits = model(tokens[:, :-1])  # (B, T, vocab), bf16 under mixed precision
+            logits = logits_of(model, cfg, tokens[:, :-1])  # (B, T, 256), bf16 under bf16
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        trainer.backward(loss)
+        trainer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = torch.tensor(time.perf_counter() - t0)
         counter.paused = True  # the benchmark's own reduction is not the method's traffic
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
         counter.paused = False
+        losses.append(loss.item())
         if step >= cfg.warmup:
             times.append(elapsed.item())
-            losses.append(loss.item())
-    if method == "shardwrap":
+    if method.startswith("shardwrap"):
         comm_bytes = sum(model.comm_stats.bytes.values())
         comm_calls = sum(model.comm_stats.calls.values())
     else:
@@ -218,13 +340,14 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         "peak_mb_per_rank": peak.item(),
         "comm_bytes_per_step": comm_bytes / cfg.steps,
         "comm_calls_per_step": comm_calls / cfg.steps,
+        "losses": losses,
         "final_loss": losses[-1],
         "config": asdict(cfg),
     }
 
 
 def main() -> None:
-    method = sys.argv[1]
+    method = ALIASES.get(sys.argv[1], sys.argv[1])
     cfg = Config(**json.loads(sys.argv[2])) if len(sys.argv) > 2 else Config()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     result = run(method, cfg)

@@ -1,13 +1,16 @@
 """The largest per-rank batch each method trains within a per-rank memory budget.
 
     python benchmarks/max_batch.py --budget-mb 2048
-    python benchmarks/max_batch.py --methods shardwrap ddp --config '{"width": 512}' --budget-mb 800
+    python benchmarks/max_batch.py --methods shardwrap-s3 ddp --config '{"width": 512}' \
+        --budget-mb 800
 
 The shape of the ZeRO paper's table (DeepSpeed's row against DDP's): for every method, the
 per-rank batch is doubled until a run exceeds the budget, then bisected; each trial is a
 fresh ``torchrun`` launch of ``benchmarks/_worker.py`` (one warm-up and two timed steps). The
 budget is CPU resident memory above the level before the model was built, or
-``max_memory_allocated`` on GPU. Output: ``benchmarks/results/max_batch_<hardware>_<date>.md``.
+``max_memory_allocated`` on GPU. The methods are ``compare.py``'s; by default DDP, shardwrap
+at each stage, FSDP2 and DeepSpeed at each stage (skipped, with a notice, where DeepSpeed is not
+installed). Output: ``benchmarks/results/max_batch_<hardware>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compare import HERE, METHODS, commit, hardware, run_once
+from compare import (
+    ALIASES,
+    DEEPSPEED,
+    HERE,
+    INSTALL_HINT,
+    METHODS,
+    commit,
+    deepspeed_installed,
+    deepspeed_version,
+    hardware,
+    run_once,
+    select_methods,
+)
+
+DEFAULT = ("ddp", "shardwrap-s1", "shardwrap-s2", "shardwrap-s3", "fsdp2", *DEEPSPEED)
 
 
 def fits(
@@ -80,7 +97,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--methods", nargs="+", default=["shardwrap", "fsdp2", "ddp"], choices=METHODS
+        "--methods", nargs="+", choices=[*METHODS, *ALIASES], help=f"default: {' '.join(DEFAULT)}"
     )
     parser.add_argument("--budget-mb", type=float, required=True)
     parser.add_argument("--nproc", type=int, default=2)
@@ -90,9 +107,12 @@ def main() -> None:
     )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
+    methods, skipped = select_methods(args.methods, DEFAULT, deepspeed_installed())
+    if skipped:
+        print(f"DeepSpeed is not installed ({INSTALL_HINT}): skipping {', '.join(skipped)}")
     config = json.loads(args.config)
     found = {}
-    for method in args.methods:
+    for method in methods:
         trials = search(method, config, args.budget_mb, args.nproc, args.limit)
         best = max((t for t in trials if t["fits"]), key=lambda t: t["batch"], default=None)
         found[method] = {"best": best, "trials": trials}
@@ -103,13 +123,14 @@ def main() -> None:
         f"- date: {datetime.date.today().isoformat()}",
         f"- hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
-        f"torch {torch.__version__}, {args.nproc} ranks",
+        f"torch {torch.__version__}, {deepspeed_version()}, {args.nproc} ranks",
         f"- budget: {args.budget_mb:.0f} MB per rank (resident memory above the level before the "
         "model was built)"
         if not torch.cuda.is_available()
         else f"- budget: {args.budget_mb:.0f} MB per GPU",
         f"- model: benchmarks/_worker.py Config with {json.dumps(config)}; "
         f"{config.get('precision', 'fp32')} compute, AdamW on fp32 master weights",
+        *([f"- skipped, DeepSpeed not installed: {', '.join(skipped)}"] if skipped else []),
         f"- command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`, "
         f"at commit {commit()}",
         "",
