@@ -36,6 +36,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.hooks import RemovableHandle
 
 from ._collectives import CommStats
 from ._flat_group import FlatGroup
@@ -99,7 +100,10 @@ class Root:
         self.pool = pool
         self._unit_of = {id(g): u for u in units for g in u.groups}
         self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._saving_owner: Unit | None = None
+        self._saving_owner: Unit | nn.Module | None = None
+        self._called_alone: dict[int, list[Unit]] = {}  # id(module) -> units its call gathered
+        self._inside_gathered = False  # gathered() exposes exact full parameters: leave them be
+        self._call_hooks: dict[int, list[RemovableHandle]] = {}  # id(module) -> its call hooks
         self.mesh = mesh
         self.stats = stats
         self.strategy = strategy
@@ -125,6 +129,7 @@ class Root:
             unit.register_grad_hooks(self._on_grad)
             for g in unit.trainable:
                 g.on_views_done = self._on_views_done
+        self._hook_parameter_owners()
 
     @property
     def root(self) -> Unit:
@@ -169,6 +174,67 @@ class Root:
         self._ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
         self._prefetch(self._forward_next, unit, backward=False)
+
+    # modules called on their own -----------------------------------------------------
+
+    def _hook_parameter_owners(self) -> None:
+        """Let any module that holds parameters run on its own, outside its unit's forward.
+
+        ``generate()`` calls a model's encoder by itself, users call ``get_input_embeddings()``
+        or an inner ``model.model``: the module's parameters then belong to a unit whose forward
+        is not running. Each module holding a unit's parameters (other than the unit's own
+        module, whose hooks gather it) gets hooks that gather the unit first, agreed across
+        ranks like any gather, and release it after, as the strategy says. Inside the unit's
+        forward the unit is already gathered and the hooks do nothing.
+        """
+        owners: dict[int, tuple[nn.Module, list[Unit]]] = {}
+        for unit in self.units:
+            for g in unit.groups:
+                for slots in g.slots:
+                    for module, _ in slots:
+                        if module is not unit.module:
+                            entry = owners.setdefault(id(module), (module, []))
+                            if unit not in entry[1]:
+                                entry[1].append(unit)
+        for module, units in owners.values():
+            self._call_hooks[id(module)] = [
+                module.register_forward_pre_hook(self._hook_pre_call(units)),
+                module.register_forward_hook(self._hook_post_call(units)),
+            ]
+
+    def _hook_pre_call(self, units: list[Unit]) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            grad = torch.is_grad_enabled()
+            if self._inside_gathered or all(_ready(u, grad) for u in units):
+                return
+            if grad and self._saving_owner is None:
+                self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saving.__enter__()
+                self._saving_owner = module
+            gathered = []
+            for unit in units:
+                if unit.state is not ShardState.GATHERED or unit.is_stale:
+                    gathered.append(unit)
+                if not _ready(unit, grad):
+                    self._ensure_gathered(unit, backward=self.phase is Phase.BACKWARD)
+                    unit.use_full(grad)
+            self._called_alone[id(module)] = gathered
+
+        return hook
+
+    def _hook_post_call(self, units: list[Unit]) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            gathered = self._called_alone.pop(id(module), None)
+            if gathered is None:
+                return
+            if module is self._saving_owner:
+                self._stop_saving()
+            release = self.strategy.release_after_forward(grad_enabled=torch.is_grad_enabled())
+            for unit in gathered:
+                if unit is not self.root and release and self.phase is Phase.IDLE:
+                    unit.reshard()
+
+        return hook
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if self.phase is Phase.BACKWARD:
@@ -370,7 +436,14 @@ class Root:
         unit.module.forward = checkpointed
 
     def compile(self, unit: Unit, options: dict[str, Any]) -> None:
-        """Compile ``unit``'s ``forward`` with ``torch.compile(**options)``; hooks stay outside."""
+        """Compile ``unit``'s ``forward`` with ``torch.compile(**options)``; hooks stay outside.
+
+        The modules inside lose their own-call hooks, which would break the graph at every
+        module: within a compiled unit only the unit as a whole may be called.
+        """
+        for module in unit.module.modules():
+            for handle in self._call_hooks.pop(id(module), []):
+                handle.remove()
         unit.module.forward = torch.compile(unit.module.forward, **options)
 
     # outside forward -----------------------------------------------------------------
@@ -385,9 +458,11 @@ class Root:
             unit.start_gather(exact=True)
             unit.finish_gather()
             unit.use_full(track_grad=False)
+        self._inside_gathered = True
         try:
             yield
         finally:
+            self._inside_gathered = False
             for unit in self.units:
                 if writeback:
                     for g in unit.groups:
@@ -421,6 +496,19 @@ def _release_groups_at_exit() -> None:
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with every floating-point tensor in it cast to ``dtype`` (differentiably)."""
     return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _ready(unit: Unit, grad: bool) -> bool:
+    """Whether ``unit``'s module attributes are its current full parameters, as ``grad`` needs
+    (views that track gradients serve a ``no_grad`` call as well)."""
+    return (
+        unit.state is ShardState.GATHERED
+        and not unit.is_stale
+        and all(
+            g.views is not None and (g.views_track_grad or not (grad and g.requires_grad))
+            for g in unit.groups
+        )
+    )
 
 
 def _successors(order: list[Unit]) -> dict[int, Unit]:

@@ -246,3 +246,23 @@ def tiny_llama_config() -> Any:
         num_key_value_heads=1,
         max_position_embeddings=32,
     )
+
+
+def tiny_t5_config() -> Any:
+    """T5 encoder-decoder, 2 + 2 layers of width 32, no dropout; the encoder, the decoder and the
+    head share one embedding (``tie_word_embeddings``, T5's default)."""
+    import transformers
+
+    return transformers.T5Config(
+        vocab_size=HF_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
