@@ -90,12 +90,14 @@ def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None
     """Gather every rank's ``shard`` into ``out`` (1-D, ``world_size * shard.numel()``).
 
     When ``out`` has another dtype, this rank's shard is cast straight into its own slot of
-    ``out``, which then serves as the gather's input: the cast is the only copy.
+    ``out``, which then serves as the gather's input: the cast is the only copy. A shard that
+    already is its slot of ``out`` is not copied.
     """
     if stats is not None:
         stats.add("all_gather", shard.numel() * out.element_size() * group_size(group))
     if group is None:
-        out.copy_(shard)
+        if out.data_ptr() != shard.data_ptr() or out.dtype != shard.dtype:
+            out.copy_(shard)
         return Pending(None)
     if shard.dtype != out.dtype:
         n = shard.numel()

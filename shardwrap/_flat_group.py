@@ -49,6 +49,10 @@ class FlatGroup:
         pool: where the full buffer comes from while gathered.
         compute_dtype: dtype of the gathered parameters (default: ``dtype``).
         grad_dtype: dtype of the flat gradient and its reduction (default: ``compute_dtype``).
+        resident: keep the full buffer for good, with the shard as this rank's slice of it
+            (stages 1 and 2, when the parameters compute in the shards' dtype): the full
+            parameters then cost no memory beyond the shard's own, and a gather only fills
+            the other ranks' slices.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class FlatGroup:
         pool: BufferPool,
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
+        resident: bool = False,
     ) -> None:
         self.names = names
         self.pool = pool
@@ -76,7 +81,14 @@ class FlatGroup:
         self.pieces: tuple[LocalPiece, ...] = self.layout.local_pieces(rank)
 
         lo, hi = self.layout.shard_range(rank)
-        self.shard: Tensor = torch.zeros(hi - lo, dtype=self.dtype, device=device)  # 1-D, padded/N
+        # 1-D, padded numel, compute_dtype: the full buffer kept for good (resident groups only).
+        self._resident: Tensor | None = None
+        if resident and self.compute_dtype == self.dtype:
+            self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
+            pool.owner[self._resident.data_ptr()] = self
+            self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N
+        else:
+            self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=device)
         with torch.no_grad():
             for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
                 a, b = max(lo, offset), min(hi, offset + n)
@@ -111,11 +123,18 @@ class FlatGroup:
 
     # storage -------------------------------------------------------------------------
 
-    def alloc_storage(self, dtype: torch.dtype) -> None:
-        if self._buffer is not None and self._buffer.dtype != dtype:
+    def alloc_storage(self, dtype: torch.dtype, apart: bool = False) -> None:
+        """Give the group a full buffer of ``dtype``: its resident one where it has one, unless
+        ``apart`` asks for a buffer whose edits cannot reach the shard."""
+        resident = self._resident if not apart and dtype == self.dtype else None
+        wanted = (resident is not None, dtype)
+        if (
+            self._buffer is not None
+            and (self._buffer is self._resident, self._buffer.dtype) != wanted
+        ):
             self.release()
         if self._buffer is None:
-            self._buffer = self.pool.take(self, dtype)
+            self._buffer = resident if resident is not None else self.pool.take(self, dtype)
 
     @property
     def full_data(self) -> Tensor:
@@ -129,9 +148,9 @@ class FlatGroup:
         return self._buffer is not None
 
     def free_storage(self) -> None:
-        if self._buffer is not None:
+        if self._buffer is not None and self._buffer is not self._resident:
             self.pool.give(self._buffer)
-            self._buffer = None
+        self._buffer = None
 
     @property
     def is_stale(self) -> bool:
@@ -148,7 +167,7 @@ class FlatGroup:
 
         The buffer is in ``compute_dtype``, or with ``exact`` in the shards' own dtype.
         """
-        self.alloc_storage(self.dtype if exact else self.compute_dtype)
+        self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.gathered_version = self.shard._version
         return all_gather(self._buffer, self.shard, self.mesh.shard, stats)
 

@@ -318,6 +318,7 @@ def _wrap(
                 pool,
                 precision.compute_dtype(dtype) if precision else None,
                 precision.gradient_dtype(dtype) if precision else None,
+                resident=strategy.keeps_params,
             )
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
                 setattr(shard_param, SHARD_ATTR, True)

@@ -64,6 +64,12 @@ class Strategy:
         return self.stage == 3 and (self.reshard_after_forward or not grad_enabled)
 
     @property
+    def keeps_params(self) -> bool:
+        """Whether full parameters persist between steps (stages 1 and 2): a group that computes
+        in its shards' dtype then keeps its full buffer for good, the shard a slice of it."""
+        return self.stage in (1, 2)
+
+    @property
     def release_after_backward(self) -> bool:
         """Whether a unit's gathered parameters go once backward no longer reads them."""
         return self.stage == 3

@@ -66,6 +66,9 @@ class Unit:
         for p in self._pending:
             p.wait()
         self._pending = []
+        for g in self.groups:
+            # A gather into a buffer the shard is a slice of may count as writing the shard.
+            g.gathered_version = g.shard._version
         self.state = ShardState.GATHERED
 
     def use_full(self, track_grad: bool) -> None:

@@ -265,6 +265,7 @@ def test_meta_initialised_model_trains_like_plain_model_with_its_weights(
 # memory ------------------------------------------------------------------------------
 
 
+@pytest.mark.stage3
 def test_materialisation_holds_about_one_unit_at_a_time() -> None:
     """Every tensor allocated while wrapping is tracked: at its peak, a rank holds the shards
     kept so far plus one unit's full parameters, never the whole model."""

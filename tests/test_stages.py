@@ -5,8 +5,8 @@ runs at stages 1 and 2 as well as 3 (``pytest --stage N``, see ``tests/conftest.
 file proves what distinguishes the stages:
 
 - memory by allocation tracking (every storage each rank creates, from wrapping on): between
-  steps a rank holds its 1/N shards and 1/N optimizer state, plus at stages 1 and 2 the full
-  parameters, to the element; at stage 1 the full gradients of every unit are alive together
+  steps a rank holds 1/N optimizer state and its 1/N shards, which at stages 1 and 2 are slices
+  of the full parameters it keeps, to the element; at stage 1 the full gradients of every unit are alive together
   at the end of backward, at stage 2 they are not;
 - communication: stages 1 and 2 gather each unit once per step (DDP's bytes: one gather and one
   reduce-scatter of the model), stage 3 also in backward;
@@ -154,11 +154,13 @@ def test_each_stage_holds_what_its_row_of_the_table_says(world_size: int) -> Non
         for rank, r in enumerate(ranks):
             # AdamW: two moments shaped like this rank's piece of each parameter, and a step.
             assert r["optimizer"] == 2 * 4 * r["params"] + 4 * r["n_params"], (stage, rank)
-            sharded = r["shards"] + r["optimizer"] + r["leaves"]
-            full = r["full"] if stage in (1, 2) else 0
-            assert r["held"] == sharded + full, (
+            # Stages 1 and 2 keep the full parameters, the shard a slice of them; stage 3
+            # keeps the shard alone.
+            params = r["full"] if stage in (1, 2) else r["shards"]
+            expected = params + r["optimizer"] + r["leaves"]
+            assert r["held"] == expected, (
                 f"stage {stage}, rank {rank}: holds {r['held']} bytes between steps, expected "
-                f"shards + optimizer state {sharded}" + (f" + full parameters {full}" * bool(full))
+                f"parameters {params} + optimizer state {r['optimizer']} + leaves {r['leaves']}"
             )
             assert r["shards"] * world_size == r["full"]  # 1/N of the padded flat buffers
     for rank in range(world_size):
