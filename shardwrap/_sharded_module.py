@@ -35,7 +35,13 @@ from ._pool import BufferPool
 from ._root import Root
 from ._strategy import Strategy
 from ._unit import Unit
-from ._wrap import AutoWrap, group_key, place_parameters, resolve_policy
+from ._wrap import (
+    AutoWrap,
+    check_selects_something,
+    group_key,
+    place_parameters,
+    resolve_policy,
+)
 
 __all__ = ["ShardedModule"]
 
@@ -89,7 +95,8 @@ class ShardedModule(nn.Module):
     Raises:
         TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision`` or
             ``compile`` of an unsupported type.
-        ValueError: a ``stage`` other than 1, 2 or 3, ``reshard_after_forward`` given with
+        ValueError: an ``auto_wrap`` that selects no submodule (naming the classes the model
+            has), a ``stage`` other than 1, 2 or 3, ``reshard_after_forward`` given with
             a stage other than 3, or ranks that passed different stages.
         ValueError: a model already wrapped, parameters on several devices, a
             ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
@@ -118,6 +125,7 @@ class ShardedModule(nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
         check_not_wrapped(module)
         policy = resolve_policy(module, auto_wrap)
+        check_selects_something(module, policy, auto_wrap)
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)

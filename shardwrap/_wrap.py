@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["AutoWrap", "Placement", "place_parameters", "resolve_policy"]
+__all__ = [
+    "AutoWrap",
+    "Placement",
+    "check_selects_something",
+    "place_parameters",
+    "resolve_policy",
+]
 
 AutoWrap = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | int | None
 
@@ -49,6 +55,38 @@ def resolve_policy(root: nn.Module, auto_wrap: AutoWrap) -> Callable[[nn.Module]
     if callable(auto_wrap):
         return auto_wrap
     raise TypeError(_bad_policy(auto_wrap))
+
+
+def check_selects_something(
+    root: nn.Module, policy: Callable[[nn.Module], bool], auto_wrap: AutoWrap
+) -> None:
+    """A policy that selects no submodule would make the whole model one unit: refuse it.
+
+    Raises:
+        ValueError: naming the module classes the model does contain, most frequent first.
+    """
+    if auto_wrap is None or any(policy(m) for m in root.modules() if m is not root):
+        return
+    counts: dict[str, int] = {}
+    for m in root.modules():
+        if m is not root and has_forward(m) and any(True for _ in m.parameters()):
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    present = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    listed = ", ".join(f"{name} (x{n})" for name, n in present) or "no submodule with parameters"
+    raise ValueError(
+        f"auto_wrap={_describe(auto_wrap)} selects no submodule of {type(root).__name__}: the "
+        f"whole model would be one unit, gathered whole (no memory saving). It contains {listed}. "
+        "Pass the class of its repeated block, e.g. auto_wrap=TransformerBlock, or "
+        "auto_wrap=None to make it one unit on purpose."
+    )
+
+
+def _describe(auto_wrap: AutoWrap) -> str:
+    if isinstance(auto_wrap, type):
+        return auto_wrap.__name__
+    if isinstance(auto_wrap, tuple):
+        return "(" + ", ".join(getattr(c, "__name__", repr(c)) for c in auto_wrap) + ")"
+    return repr(auto_wrap)
 
 
 def _bad_policy(value: object) -> str:

@@ -278,3 +278,16 @@ def test_parameter_count_policy_skips_containers() -> None:
     assert all(not isinstance(u.module, nn.ModuleList) for u in sharded._shardwrap_root.units)
     idx, targets = make_batch(0, 2)
     assert sharded(idx, targets).item() == pytest.approx(reference(idx, targets).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "auto_wrap", [nn.Conv2d, (nn.Conv1d, nn.GRU), lambda m: False, 10**9], ids=str
+)
+def test_auto_wrap_that_selects_nothing_names_the_classes_the_model_has(auto_wrap: Any) -> None:
+    """Wrapping the whole model as one unit by accident would save no memory: refuse it."""
+    with pytest.raises(ValueError, match="selects no submodule of GPT") as raised:
+        ShardedModule(GPT(), auto_wrap=auto_wrap)
+    message = str(raised.value)
+    assert "Block (x3)" in message and "Linear (x13)" in message
+    assert "auto_wrap=None to make it one unit on purpose" in message
+    ShardedModule(GPT(), auto_wrap=None)  # on purpose: fine

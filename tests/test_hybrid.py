@@ -27,24 +27,10 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from shardwrap import Mesh, ShardedModule, load_checkpoint, save_checkpoint
+from tests._hybrid import SHARD, hybrid_mesh
 from tests._ranks import run_ranks, subgroup
 from tests.models import GPT, Block
 from tests.test_parity import GPT_BATCHES, STEPS, adamw, gpt_loss, sgd
-
-SHARD = 2  # ranks per shard group; world size 4 makes two replicas
-
-
-def hybrid_mesh(pg: ProcessGroup, shard: int = SHARD) -> Mesh:
-    """Shard groups of consecutive ranks, replicate groups across them."""
-    world, rank = pg.size(), pg.rank()
-    first = rank - rank % shard
-    shard_ranks = list(range(first, first + shard))
-    replicate_ranks = list(range(rank % shard, world, shard))
-    return Mesh(
-        shard=subgroup(pg, shard_ranks, "shard"),
-        replicate=subgroup(pg, replicate_ranks, "replicate"),
-        control=pg,
-    )
 
 
 def _slice(t: Tensor, rank: int, world: int) -> Tensor:

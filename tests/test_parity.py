@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
+from tests._hybrid import hybrid_mesh
 from tests._ranks import run_ranks
 from tests.models import (
     GPT,
@@ -112,15 +113,18 @@ def train_sharded(
     batches: list[Batch],
     loss_fn: LossFn,
     finish: Finish | None = None,
+    hybrid: bool = False,
     **wrap: Any,
 ) -> list[Trained]:
     """Train a ``ShardedModule`` deep copy of ``model`` on every rank; one result per rank.
 
     World size 1 runs on this thread with no process group, the documented degenerate case.
+    With ``hybrid`` the ranks form shard groups of two, replicated (``tests/_hybrid.py``).
     """
 
     def fn(rank: int, pg: ProcessGroup | None) -> Trained:
-        sharded = ShardedModule(copy.deepcopy(model), process_group=pg, **wrap)
+        group = hybrid_mesh(pg) if hybrid else pg
+        sharded = ShardedModule(copy.deepcopy(model), process_group=group, **wrap)
         losses = _train(sharded, rank, world_size, pg, make_optimizer, batches, loss_fn)
         state = sharded.full_state_dict()
         return Trained(losses, state, finish(sharded) if finish else None)
@@ -135,6 +139,7 @@ def assert_parity(
     batches: list[Batch],
     loss_fn: LossFn,
     finish: Finish | None = None,
+    hybrid: bool = False,
     **wrap: Any,
 ) -> tuple[Trained, list[Trained]]:
     """Train reference and sharded copies; assert loss parity, and parameter parity for SGD.
@@ -144,7 +149,9 @@ def assert_parity(
     ref = train_reference(model, make_optimizer, batches, loss_fn, finish)
     moved = max((ref.state[k] - v).abs().max().item() for k, v in model.state_dict().items())
     assert moved > 1e-3, "the reference did not train; parity would prove nothing"
-    runs = train_sharded(model, world_size, make_optimizer, batches, loss_fn, finish, **wrap)
+    runs = train_sharded(
+        model, world_size, make_optimizer, batches, loss_fn, finish, hybrid=hybrid, **wrap
+    )
     for rank, run in enumerate(runs):
         torch.testing.assert_close(
             torch.tensor(run.losses),
@@ -334,5 +341,23 @@ def test_hf_greedy_generate_matches_after_training(hf_case: HFCase) -> None:
         hf_case.model, 2, sgd, HF_BATCHES, hf_loss, finish=greedy, auto_wrap=hf_case.block
     )
     assert ref.finished.shape == (PROMPT.shape[0], PROMPT.shape[1] + 6)
+    for run in runs:
+        torch.testing.assert_close(run.finished, ref.finished, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hf_hybrid_2x2_trains_and_generates(hf_case: HFCase, stage: int) -> None:
+    """Hybrid sharding (two shard groups of two ranks) on GPT-2 and Llama, at every stage."""
+    ref, runs = assert_parity(
+        hf_case.model,
+        4,
+        sgd,
+        HF_BATCHES,
+        hf_loss,
+        finish=greedy,
+        hybrid=True,
+        auto_wrap=hf_case.block,
+        stage=stage,
+    )
     for run in runs:
         torch.testing.assert_close(run.finished, ref.finished, atol=0, rtol=0)

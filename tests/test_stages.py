@@ -6,8 +6,8 @@ file proves what distinguishes the stages:
 
 - memory by allocation tracking (every storage each rank creates, from wrapping on): between
   steps a rank holds 1/N optimizer state and its 1/N shards, which at stages 1 and 2 are slices
-  of the full parameters it keeps, to the element; at stage 1 the full gradients of every unit are alive together
-  at the end of backward, at stage 2 they are not;
+  of the full parameters it keeps, to the element; at stage 1 the full gradients of every unit
+  are alive together at the end of backward, at stage 2 they are not;
 - communication: stages 1 and 2 gather each unit once per step (DDP's bytes: one gather and one
   reduce-scatter of the model), stage 3 also in backward;
 - SGD parameter parity and AdamW loss parity at each stage on GPT and on Hugging Face GPT-2,
