@@ -33,9 +33,12 @@ state, and the loss is computed in fp32 from the logits:
 
 Memory on CPU is the resident-set high-water mark above the resident set just before the
 model was built (after the process group is set up and the method's library imported; what
-wrapping imports lazily counts, for every method alike); on GPU, ``max_memory_allocated``. Bytes
-per step count the buffers handed to collectives (all-gather output, reduce-scatter input,
-all-reduce, reduce and broadcast tensor), the same convention for every method.
+wrapping imports lazily counts, for every method alike); on GPU, ``max_memory_allocated``.
+``build_peak_mb_per_rank`` is the same peak taken when wrapping has ended, before the first
+step: where it equals ``peak_mb_per_rank``, building the unsharded model and wrapping it set the
+peak, not training. Bytes per step count the buffers handed to collectives (all-gather output,
+reduce-scatter input, all-reduce, reduce and broadcast tensor), the same convention for every
+method.
 """
 
 from __future__ import annotations
@@ -118,6 +121,13 @@ def rss_mb(field: str) -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+def peak_mb(device: torch.device, rss_before: float) -> float:
+    """This rank's peak memory so far (see the module docstring), in MB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return rss_mb("VmHWM") - rss_before
 
 
 class ByteCounter:
@@ -289,6 +299,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
     dist.barrier()
     rss_before = rss_mb("VmRSS")
     trainer = build(method, cfg, device, counter)
+    built = peak_mb(device, rss_before)
     model = trainer.model
     gen = torch.Generator().manual_seed(cfg.seed + rank)
     autocast = torch.autocast(
@@ -325,9 +336,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         comm_calls = sum(model.comm_stats.calls.values())
     else:
         comm_bytes, comm_calls = counter.bytes, counter.calls
-    peak = torch.tensor(rss_mb("VmHWM") - rss_before)
-    if device.type == "cuda":
-        peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20)
+    peak = torch.tensor([peak_mb(device, rss_before), built])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {
         "method": method,
@@ -337,7 +346,8 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         "step_s": statistics.median(times),
         "step_times": times,
         "tokens_per_s_per_rank": cfg.batch * cfg.context / statistics.median(times),
-        "peak_mb_per_rank": peak.item(),
+        "peak_mb_per_rank": peak[0].item(),
+        "build_peak_mb_per_rank": peak[1].item(),
         "comm_bytes_per_step": comm_bytes / cfg.steps,
         "comm_calls_per_step": comm_calls / cfg.steps,
         "losses": losses,

@@ -6,11 +6,16 @@ The process test trains a tiny configuration; timings are not checked (this mach
 only that every output file exists and holds what the report promises, that every method trains
 like DDP (same per-step losses), and that bf16 really ran in mixed precision (shardwrap and FSDP2
 gather bf16 bytes; every loss moves, slightly). The test suite never needs DeepSpeed.
-Run: ``pytest tests/test_benchmarks.py`` (``-m process`` for the end-to-end run only).
+
+``benchmarks/scaling.py``: its parameter count is the example GPT's, its predictions are the
+README's stage formulas, and its report from a made-up result set judges every cell against
+them and names a likely reason for each miss; (process tier) one tiny cell end to end.
+Run: ``pytest tests/test_benchmarks.py`` (``-m process`` for the end-to-end runs only).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -25,12 +30,23 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = {"width": 32, "depth": 2, "heads": 2, "context": 16, "warmup": 1}
 
 
-def load_compare() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compare", ROOT / "benchmarks" / "compare.py")
+def load_benchmark(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def load_compare() -> ModuleType:
+    return load_benchmark("compare")
+
+
+@pytest.fixture
+def scaling(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare as a script does
+    return load_benchmark("scaling")
 
 
 def test_target_lines_judge_each_precision_against_its_own_references() -> None:
@@ -139,4 +155,100 @@ def test_compare_runs_fp32_and_bf16_and_writes_markdown_json_and_png(tmp_path: P
             assert f"| {method} | {precision} |" in table
         assert f"\n- {precision}, shardwrap-s3 vs fsdp2: step time " in table
     assert "time vs FSDP2" in table and "memory vs FSDP2" in table
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_scaling_counts_the_example_gpts_parameters_and_its_sizes_land_near_their_names(
+    scaling: ModuleType,
+) -> None:
+    from examples.train_gpt import GPT
+
+    size = scaling.size_arg("48x3x4")
+    model = GPT(width=48, depth=3, heads=4, context=16)
+    assert scaling.gpt_params(size, 16) == sum(p.numel() for p in model.parameters())
+    for name, target in (("25m", 25e6), ("100m", 100e6), ("400m", 400e6)):
+        assert abs(scaling.gpt_params(scaling.size_arg(name), 64) / target - 1) < 0.05, name
+    for bad in ("1b", "48x3", "48x3x5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            scaling.size_arg(bad)
+
+
+def test_scaling_predicts_the_readmes_fp32_adamw_bytes_per_stage(scaling: ModuleType) -> None:
+    psi = 1000
+    assert [scaling.formula(s) for s in (1, 2, 3)] == ["8Ψ + 12Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"]
+    assert [scaling.predicted_bytes(s, psi, 1) for s in (1, 2, 3)] == [20_000, 16_000, 16_000]
+    assert [scaling.predicted_bytes(s, psi, 4) for s in (1, 2, 3)] == [11_000, 7_000, 4_000]
+
+
+def test_scaling_report_judges_every_cell_and_gives_a_reason_for_each_miss(
+    scaling: ModuleType, tmp_path: Path
+) -> None:
+    size = scaling.size_arg("64x2x2")
+    config = {"precision": "fp32", "batch": 2, "context": 16, "warmup": 1, "steps": 2}
+    psi = 10_000_000  # the rows take Ψ from the worker's result
+
+    def row(stage: int, world: int, ratio: float, build: float, fixed: float | None) -> dict:
+        predicted = scaling.predicted_bytes(stage, psi, world) / 2**20
+        result = {
+            "params": psi,
+            "world_size": world,
+            "step_s": 0.5 * world + stage,
+            "peak_mb_per_rank": ratio * predicted,
+            "build_peak_mb_per_rank": build * ratio * predicted,
+        }
+        return scaling.summarize(size, stage, result, None if fixed is None else fixed * predicted)
+
+    rows = [
+        row(1, 2, 1.15, 0.3, 0.1),  # above, within net of the fixed cost
+        row(1, 4, 1.00, 0.3, None),  # within, no fixed cost measured
+        row(2, 1, 1.05, 0.3, 0.1),  # within
+        row(2, 2, 0.85, 0.3, 0.1),  # below
+        row(3, 1, 1.08, 0.2, 0.1),  # within
+        row(3, 2, 1.30, 0.5, 0.1),  # above, in training
+        row(3, 4, 1.60, 1.0, 0.1),  # set while building
+    ]
+    assert [r["within"] for r in rows] == [False, True, True, False, True, False, False]
+    assert [r["net_within"] for r in rows] == [True, None, True, False, True, False, False]
+    assert rows[6]["ratio"] == pytest.approx(1.6) and rows[6]["net_ratio"] == pytest.approx(1.5)
+    failed = [{"size": "64x2x2", "stage": 1, "world_size": 1, "error": "timed out after 9 s"}]
+    fixed = {1: 91.0, 2: 92.0}
+    report = scaling.markdown(rows, failed, [size], fixed, config, "python scaling.py -x")
+    assert f"Ψ = {scaling.gpt_params(size, 16):,} parameters" in report
+    assert "`python scaling.py -x`" in report and "91 MB at N=1, 92 MB at N=2" in report
+    assert "| 16Ψ/N | 1.60 | NO | 1.50 | NO |" in report
+    assert "| 4Ψ + 12Ψ/N | 1.05 | yes | 0.95 | yes |" in report
+    assert "| 8Ψ + 12Ψ/N | 1.00 | yes | - | - |" in report
+    assert "| 2 | 2 | 3.00 | 1.20 |" in report  # stage 2, N=2: step time 1.2x that at N=1
+    assert "3 of 7 cells within 10% of their stage's formula as measured" in report
+    assert "- 64x2x2, stage 1, N=2: 1.15x, " in report and "net of it, 1.05x." in report
+    assert "- 64x2x2, stage 2, N=2: 0.85x, below the formula" in report
+    assert "- 64x2x2, stage 3, N=2: 1.30x, " in report and "gathered working set" in report
+    assert "- 64x2x2, stage 3, N=4: 1.60x, the peak was set before training" in report
+    assert "Net of the fixed cost, 3 of 6 cells are within 10%." in report
+    assert "- 64x2x2, stage 1, N=1: timed out after 9 s" in report
+    scaling.plot(rows, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.process
+def test_scaling_runs_one_tiny_cell_and_writes_markdown_json_and_png(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "benchmarks/scaling.py",
+        *("--sizes", "32x2x2", "--world-sizes", "2", "--stages", "2"),
+        *("--steps", "1", "--context", "16", "--out-dir", str(tmp_path)),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("scaling_*.md")
+    (js,) = tmp_path.glob("scaling_*.json")
+    (png,) = tmp_path.glob("scaling_*.png")
+    report = json.loads(js.read_text())
+    (row,) = report["rows"]
+    assert (row["size"], row["stage"], row["world_size"]) == ("32x2x2", 2, 2)
+    assert row["params"] == report["sizes"]["32x2x2"]["params"]
+    assert 0 < row["build_peak_mb"] <= row["peak_mb"] and row["step_s"] > 0
+    assert report["failed"] == []
+    assert "| 32x2x2 | " in md.read_text()
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
