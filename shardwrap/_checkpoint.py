@@ -44,6 +44,7 @@ from ._storage import (
     agree,
     begin_folder,
     commit_folder,
+    is_plain_name,
     partial_path,
     remove_folder,
     write_file,
@@ -97,7 +98,13 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     pointer = Path(folder) / LATEST
     if not pointer.is_file():
         return None
-    return Path(folder) / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not is_plain_name(name):
+        raise ValueError(
+            f"{pointer} names {name!r}, not a checkpoint inside {folder}: a latest pointer "
+            "holds the name of a folder beside it. Rewrite it or delete it."
+        )
+    return Path(folder) / name
 
 
 def resolve_folder(path: Path) -> Path:
@@ -199,6 +206,8 @@ def save_checkpoint(
         ``path``, as a ``Path``.
 
     Raises:
+        TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
+            its key; raised on every rank before anything is written.
         ValueError: optimizer state that is not elementwise, or an optimizer parameter that
             is not the model's; raised on every rank before anything is written.
     """
@@ -212,8 +221,11 @@ def save_checkpoint(
     tmp = partial_path(target)
     opt_plan: _OptimizerPlan | None = None
 
+    extra_bytes = b""
+
     def prepare() -> int:
-        nonlocal opt_plan
+        nonlocal opt_plan, extra_bytes
+        extra_bytes = _extra_bytes(extra)
         if optimizer is not None:
             opt_plan = _plan_optimizer(model, optimizer)
         if mesh.rank == 0:
@@ -226,9 +238,7 @@ def save_checkpoint(
         Returns ``1 + size * world + shard rank`` for a writer, ``0`` for anyone else, so one
         agreement tells rank 0 every shard file's size.
         """
-        buffer = io.BytesIO()
-        torch.save(extra, buffer)
-        write_file(tmp / extra_file(mesh.rank), buffer.getvalue())
+        write_file(tmp / extra_file(mesh.rank), extra_bytes)
         if not mesh.writes:
             return 0
         entries: list[Entry] = []
@@ -252,12 +262,13 @@ def save_checkpoint(
             sizes = [0] * world
             for code in (c - 1 for c in codes if c > 0):
                 sizes[code % world] = code // world
-            metadata = _metadata(model, params, opt_plan, sizes, mesh.world_size, tmp)
+            sequence = 1 + max((n for n, _, _ in _completed(target.parent)), default=0)
+            metadata = _metadata(model, params, opt_plan, sizes, mesh.world_size, sequence, tmp)
             write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
             commit_folder(tmp, target)
             write_latest(target.parent, target.name)
             if keep_last is not None:
-                _prune(target.parent, keep_last)
+                _prune(target.parent, keep_last, target)
         return 0
 
     agree(mesh.control, mesh.control_device, "save_checkpoint", prepare)
@@ -266,12 +277,63 @@ def save_checkpoint(
     return target
 
 
+def _extra_bytes(extra: dict[str, Any]) -> bytes:
+    """``extra`` serialised, once checked that ``load_checkpoint`` will read it back.
+
+    Raises:
+        TypeError: naming each key whose value ``torch.load(weights_only=True)`` refuses.
+    """
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    if not _loads_back(buffer.getvalue()):
+        refused = []
+        for key, value in extra.items():
+            leaf = _refused_leaf(value)
+            if leaf is not None:
+                refused.append(
+                    f"'{key}' (holds a {type(leaf).__module__}.{type(leaf).__qualname__})"
+                )
+        raise TypeError(
+            f"save_checkpoint: extra {', '.join(refused)} would not load back: "
+            "load_checkpoint reads with torch.load(weights_only=True), which takes tensors, "
+            "numbers, strings, and lists, tuples and dicts of them. Convert first, e.g. "
+            "vars(args) for an argparse.Namespace, torch.from_numpy(a) or a.tolist() for a "
+            "numpy array, and for numpy's RNG state its tuple with the array as a list."
+        ) from None
+    return buffer.getvalue()
+
+
+def _loads_back(data: bytes) -> bool:
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:  # any refusal: what is refused is found by _refused_leaf
+        return False
+    return True
+
+
+def _refused_leaf(value: Any) -> Any | None:
+    """The first value inside ``value`` that ``torch.load(weights_only=True)`` refuses."""
+    children: Any = ()
+    if isinstance(value, dict):
+        children = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        children = value
+    for child in children:
+        leaf = _refused_leaf(child)
+        if leaf is not None:
+            return leaf
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return None if _loads_back(buffer.getvalue()) else value
+
+
 def _metadata(
     model: nn.Module,
     params: list[Param],
     opt_plan: _OptimizerPlan | None,
     rank_sizes: list[int],
     ranks: int,
+    sequence: int,
     tmp: Path,
 ) -> dict[str, Any]:
     """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0)."""
@@ -305,6 +367,7 @@ def _metadata(
         "format": FORMAT,
         "version": VERSION,
         "saved_at_ns": time.time_ns(),
+        "sequence": sequence,
         "world_size": world,
         "ranks": ranks,
         "files": files,
@@ -316,22 +379,36 @@ def _metadata(
     }
 
 
-def _prune(folder: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and leftovers (rank 0)."""
+def _completed(folder: Path) -> list[tuple[int, int, Path]]:
+    """The complete checkpoints in ``folder``: (save sequence, save time, path), oldest first.
+
+    Order is the sequence each save took as it completed; the clock only orders checkpoints
+    written before saves were numbered, all of which come first.
+    """
     found = []
-    for child in folder.iterdir():
-        if child.name.startswith(".") and child.name.endswith((".partial", ".deleting", ".old")):
-            shutil.rmtree(child)
-            continue
+    for child in folder.iterdir() if folder.is_dir() else ():
         try:
             meta = json.loads((child / METADATA).read_text())
         except (OSError, ValueError):
             continue
-        if meta.get("format") == FORMAT:
-            found.append((meta["saved_at_ns"], child))
-    found.sort(reverse=True)
-    for _, child in found[keep_last:]:
-        remove_folder(child)
+        if isinstance(meta, dict) and meta.get("format") == FORMAT:
+            sequence, saved = meta.get("sequence", 0), meta.get("saved_at_ns", 0)
+            if isinstance(sequence, int) and isinstance(saved, int):
+                found.append((sequence, saved, child))
+    return sorted(found)
+
+
+def _prune(folder: Path, keep_last: int, newest: Path) -> None:
+    """Delete all but the last ``keep_last`` completed checkpoints, and leftovers (rank 0).
+
+    ``newest``, the save just completed and what ``latest`` names, is never deleted.
+    """
+    for child in folder.iterdir():
+        if child.name.startswith(".") and child.name.endswith((".partial", ".deleting", ".old")):
+            shutil.rmtree(child)
+    done = [path for _, _, path in _completed(folder) if path != newest]
+    for path in done[: max(0, len(done) - (keep_last - 1))]:
+        remove_folder(path)
 
 
 def few(items: list[str], limit: int = 8, quote: bool = True) -> str:

@@ -31,7 +31,7 @@ from ._checkpoint import (
     wrapped_root,
 )
 from ._root import Param
-from ._storage import agree
+from ._storage import agree, is_plain_name
 
 __all__ = ["load_checkpoint"]
 
@@ -308,4 +308,70 @@ def _read_metadata(folder: Path) -> dict[str, Any]:
             f"load_checkpoint: {path} has format version {meta.get('version')}; this "
             f"shardwrap reads {VERSION}"
         )
+    problem = _metadata_problem(meta)
+    if problem is not None:
+        raise ValueError(f"load_checkpoint: {path} is malformed: {problem}")
     return meta
+
+
+def _metadata_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the structure of a checkpoint's metadata, or ``None``.
+
+    Every file it names must be a plain name inside the checkpoint's folder.
+    """
+
+    def bad_int(v: object, least: int = 0) -> bool:
+        return not isinstance(v, int) or isinstance(v, bool) or v < least
+
+    def bad_file(v: object) -> bool:
+        return not is_plain_name(v)
+
+    def bad_shape(v: object) -> bool:
+        return not isinstance(v, list) or any(bad_int(d) for d in v)
+
+    for key in ("world_size", "files", "params", "buffers", "optimizer"):
+        if key not in meta:
+            return f'it lacks the "{key}" entry'
+    if bad_int(meta["world_size"], 1) or bad_int(meta.get("ranks", 1), 1):
+        return '"world_size" and "ranks" must be positive integers'
+    files = meta["files"]
+    if not isinstance(files, dict) or any(bad_file(f) or bad_int(n) for f, n in files.items()):
+        return '"files" must map plain file names inside the folder to sizes in bytes'
+    params = meta["params"]
+    if not isinstance(params, dict):
+        return '"params" must map parameter names to their entries'
+    for name, entry in params.items():
+        if not isinstance(entry, dict) or bad_shape(entry.get("shape")):
+            return f'parameter "{name}" needs a "shape" (a list of sizes)'
+        if not isinstance(entry.get("dtype"), str):
+            return f'parameter "{name}" needs a "dtype" name'
+        pieces = entry.get("pieces")
+        if not isinstance(pieces, list) or any(
+            not isinstance(pc, list)
+            or len(pc) != 3
+            or bad_file(pc[0])
+            or bad_int(pc[1])
+            or bad_int(pc[2], pc[1] if isinstance(pc[1], int) else 0)
+            for pc in pieces
+        ):
+            return (
+                f'parameter "{name}": "pieces" must be a list of [file, start, stop], the file '
+                "a plain name inside the folder"
+            )
+    buffers = meta["buffers"]
+    if not isinstance(buffers, dict) or any(
+        not isinstance(b, dict) or bad_shape(b.get("shape")) or not isinstance(b.get("dtype"), str)
+        for b in buffers.values()
+    ):
+        return '"buffers" must map buffer names to their "shape" and "dtype"'
+    optimizer = meta["optimizer"]
+    if optimizer is not None and (
+        not isinstance(optimizer, dict)
+        or not isinstance(optimizer.get("state_keys"), dict)
+        or any(
+            not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
+            for keys in optimizer["state_keys"].values()
+        )
+    ):
+        return '"optimizer" must be null or hold "state_keys": parameter name to key names'
+    return None

@@ -34,6 +34,7 @@ from ._storage import (
     begin_folder,
     commit_folder,
     fsync_path,
+    is_plain_name,
     partial_path,
     tensor_nbytes,
     write_file,
@@ -246,6 +247,12 @@ def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[
             where = json.loads((folder / INDEX).read_text())["weight_map"]
         except (ValueError, KeyError) as e:
             raise ValueError(f"load_pretrained: {folder / INDEX} is corrupt: {e!r}") from e
+        outside = sorted({str(f) for f in where.values() if not is_plain_name(f)})
+        if outside:
+            raise ValueError(
+                f"load_pretrained: {folder / INDEX} names files outside {folder}: {outside}; "
+                "an index names weight files beside it"
+            )
         return where, {f: _open(stack, folder / f) for f in sorted(set(where.values()))}
     if not (folder / WEIGHTS).is_file():
         raise FileNotFoundError(f"load_pretrained: {folder} holds neither {INDEX} nor {WEIGHTS}")

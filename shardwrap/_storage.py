@@ -41,6 +41,7 @@ __all__ = [
     "begin_folder",
     "commit_folder",
     "fsync_path",
+    "is_plain_name",
     "partial_path",
     "remove_folder",
     "tensor_nbytes",
@@ -153,6 +154,21 @@ class SafetensorsWriter:
     ) -> None:
         if kind is not None:
             self._file.close()
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` names an entry of a folder itself: no separator, not ``.`` or ``..``.
+
+    Files that a checkpoint, a ``latest`` pointer or an export index name must pass, so that
+    nothing they name resolves outside their folder.
+    """
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
 
 
 def write_file(path: Path, data: bytes) -> int:
