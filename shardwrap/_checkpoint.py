@@ -47,6 +47,8 @@ from ._storage import (
     is_plain_name,
     partial_path,
     remove_folder,
+    restore_moved_aside,
+    surviving,
     write_file,
     write_latest,
 )
@@ -66,6 +68,7 @@ def wrapped_root(model: nn.Module, caller: str) -> Root:
         raise TypeError(
             f"{caller} takes a model wrapped with ShardedModule, got {type(model).__name__}"
         )
+    root.settle()
     if root.phase is not Phase.IDLE:
         raise RuntimeError(f"{caller} cannot run during forward or backward")
     return root
@@ -108,6 +111,7 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 
 
 def resolve_folder(path: Path) -> Path:
+    path = surviving(path)
     if (path / METADATA).is_file():
         return path
     latest = latest_checkpoint(path)
@@ -116,6 +120,7 @@ def resolve_folder(path: Path) -> Path:
             f"load_checkpoint: no checkpoint at {path}: it holds neither {METADATA} nor a "
             f"'{LATEST}' pointer (no save to it has completed yet)"
         )
+    latest = surviving(latest)
     if not (latest / METADATA).is_file():
         raise FileNotFoundError(
             f"load_checkpoint: {path / LATEST} points to {latest}, which has no {METADATA}"
@@ -262,6 +267,7 @@ def save_checkpoint(
             sizes = [0] * world
             for code in (c - 1 for c in codes if c > 0):
                 sizes[code % world] = code // world
+            _restore_moved_aside(target.parent)
             sequence = 1 + max((n for n, _, _ in _completed(target.parent)), default=0)
             metadata = _metadata(model, params, opt_plan, sizes, mesh.world_size, sequence, tmp)
             write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
@@ -387,6 +393,8 @@ def _completed(folder: Path) -> list[tuple[int, int, Path]]:
     """
     found = []
     for child in folder.iterdir() if folder.is_dir() else ():
+        if child.name.startswith("."):
+            continue
         try:
             meta = json.loads((child / METADATA).read_text())
         except (OSError, ValueError):
@@ -396,6 +404,13 @@ def _completed(folder: Path) -> list[tuple[int, int, Path]]:
             if isinstance(sequence, int) and isinstance(saved, int):
                 found.append((sequence, saved, child))
     return sorted(found)
+
+
+def _restore_moved_aside(folder: Path) -> None:
+    """Put back every checkpoint of ``folder`` that a killed replacing save left moved aside."""
+    for child in folder.iterdir():
+        if child.name.startswith(".") and child.name.endswith(".old"):
+            restore_moved_aside(folder / child.name[1 : -len(".old")])
 
 
 def _prune(folder: Path, keep_last: int, newest: Path) -> None:

@@ -167,6 +167,9 @@ class _Loader:
                 "optimizer=None to load the model alone"
             )
         saved = self._load_pt(OPTIMIZER, sized=True)
+        problem = _optimizer_problem(saved)
+        if problem is not None:
+            raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
         cls = type(self.optimizer).__name__
         if saved["class"] != cls:
             raise ValueError(
@@ -293,6 +296,39 @@ class _Loader:
             hyper = {k: v for k, v in saved.items() if k != "params"}
             groups.append({**hyper, "params": ids})
         return {"state": state, "param_groups": groups}
+
+
+def _optimizer_problem(saved: object) -> str | None:
+    """What is wrong with the structure of a saved ``optimizer.pt``, or ``None``.
+
+    Scalar state (``step``) must be what ``save_checkpoint`` writes: a number or a 0-d tensor,
+    so that nothing the optimizer would refuse is found only after the model is overwritten.
+    """
+    if not isinstance(saved, dict) or not isinstance(saved.get("class"), str):
+        return 'it must be a dict with the optimizer\'s "class" name'
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or any(
+        not isinstance(g, dict)
+        or not isinstance(g.get("params"), list)
+        or not all(isinstance(n, str) for n in g["params"])
+        for g in groups
+    ):
+        return '"param_groups" must be a list of groups, each listing its parameters by name'
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        return '"state" must map parameter names to their scalar state'
+    for name, entry in state.items():
+        if not isinstance(entry, dict):
+            return f'the scalar state of "{name}" must be a dict'
+        for key, value in entry.items():
+            scalar = isinstance(value, (int, float)) or (
+                isinstance(value, torch.Tensor) and value.dim() == 0
+            )
+            if not scalar:
+                return (
+                    f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
+                )
+    return None
 
 
 def _read_metadata(folder: Path) -> dict[str, Any]:

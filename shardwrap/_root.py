@@ -157,6 +157,7 @@ class Root:
         return hook
 
     def _pre_forward(self, unit: Unit) -> None:
+        self.settle()
         if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
             self._ensure_gathered(unit, backward=True)
             unit.use_full(torch.is_grad_enabled())
@@ -207,6 +208,7 @@ class Root:
             grad = torch.is_grad_enabled()
             if self._inside_gathered or all(_ready(u, grad) for u in units):
                 return
+            self.settle()
             if grad and self._saving_owner is None:
                 self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 self._saving.__enter__()
@@ -393,6 +395,27 @@ class Root:
         self._backward_next = _successors(self._recording)
         self.phase = Phase.IDLE
 
+    def settle(self) -> None:
+        """Clean up after a backward that raised, once autograd is no longer running.
+
+        An exception in backward (a hook, a loss function) stops autograd before the end-of-
+        backward callback runs. The next forward, save or load then starts clean: reductions
+        in flight are waited for and dropped, flat gradients and buffers are released, and
+        the shard gradients keep what earlier, completed backwards gave them.
+        """
+        if self.phase is not Phase.BACKWARD or torch._C._current_graph_task_id() != -1:
+            return
+        self.reductions.drain()
+        self.reductions.reset()
+        self._inputs_pending.clear()
+        for unit in self.units:
+            unit.reshard()
+            for g in unit.trainable:
+                g.splits_pending = 0
+                g.full.grad = None
+        self._stop_saving()
+        self.phase = Phase.IDLE
+
     # gathering -----------------------------------------------------------------------
 
     def _ensure_gathered(self, unit: Unit, backward: bool) -> None:
@@ -451,6 +474,7 @@ class Root:
     @contextmanager
     def gathered(self, writeback: bool) -> Iterator[None]:
         """Gather every unit, expose full parameters, optionally write edits back."""
+        self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
         for unit in self.units:

@@ -42,6 +42,9 @@ __all__ = [
     "commit_folder",
     "fsync_path",
     "is_plain_name",
+    "moved_aside_path",
+    "restore_moved_aside",
+    "surviving",
     "partial_path",
     "remove_folder",
     "tensor_nbytes",
@@ -229,10 +232,37 @@ def partial_path(target: Path) -> Path:
     return target.parent / f".{target.name}.partial"
 
 
+def moved_aside_path(target: Path) -> Path:
+    """Where :func:`commit_folder` moves an existing ``target`` while replacing it."""
+    return target.parent / f".{target.name}.old"
+
+
+def surviving(target: Path) -> Path:
+    """``target``, or the complete copy a replacing save moved aside, if it was killed between
+    its two renames and left nothing at ``target``."""
+    old = moved_aside_path(target)
+    if not target.exists() and old.is_dir():
+        return old
+    return target
+
+
+def restore_moved_aside(target: Path) -> None:
+    """Put back the copy of ``target`` that a killed replacing save moved aside (rank 0)."""
+    old = moved_aside_path(target)
+    if surviving(target) == old:
+        os.rename(old, target)
+        fsync_path(target.parent)
+
+
 def begin_folder(target: Path) -> Path:
-    """Create the empty temporary folder for ``target`` (rank 0), replacing a stale one."""
+    """Create the empty temporary folder for ``target`` (rank 0), replacing a stale one.
+
+    A previous copy of ``target`` that a killed save left moved aside is put back first, so
+    that this save replaces it like any other and never deletes the last complete copy.
+    """
     tmp = partial_path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    restore_moved_aside(target)
     remove_folder(tmp)
     tmp.mkdir()
     return tmp
@@ -241,10 +271,12 @@ def begin_folder(target: Path) -> Path:
 def commit_folder(tmp: Path, target: Path) -> None:
     """Rename the complete temporary folder to ``target`` (rank 0).
 
-    An existing ``target`` is moved aside first and removed once the new one is in place.
+    An existing ``target`` is moved aside first and removed once the new one is in place; a
+    kill between the two renames leaves it moved aside, where loads find it
+    (:func:`surviving`) and the next save puts it back (:func:`begin_folder`).
     """
     fsync_path(tmp)
-    old = target.parent / f".{target.name}.old"
+    old = moved_aside_path(target)
     if target.exists():
         remove_folder(old)
         os.rename(target, old)

@@ -183,3 +183,77 @@ def test_export_index_naming_files_outside_is_refused(tmp_path: Path) -> None:
     index_path.write_text(json.dumps(index))
     with pytest.raises(ValueError, match="names files outside"):
         load_pretrained(tmp_path / "mine", model)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda o: next(iter(o["state"].values())).update(step=[1, 2]), '"step" of'),
+        (lambda o: o.update(param_groups="all"), '"param_groups" must be a list'),
+        (lambda o: o.update(state=[]), '"state" must map'),
+    ],
+    ids=["step-list", "groups-string", "state-list"],
+)
+def test_malformed_optimizer_state_changes_nothing(tmp_path: Path, edit: Any, message: str) -> None:
+    """Refused during validation, before the model or the optimizer is written."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randint(67, (2, 16)), torch.randint(67, (2, 16))
+    model(x, y).backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    path = tmp_path / "ckpt" / "optimizer.pt"
+    saved = torch.load(path, weights_only=True)
+    edit(saved)
+    torch.save(saved, path)
+    _edit_metadata(
+        tmp_path / "ckpt", lambda m: m["files"].update({"optimizer.pt": path.stat().st_size})
+    )
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    before = other.full_state_dict()
+    with pytest.raises(ValueError, match="optimizer.pt is malformed") as info:
+        load_checkpoint(tmp_path / "ckpt", other, other_opt)
+    assert message in str(info.value)
+    after = other.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert other_opt.state_dict()["state"] == {}
+
+
+# a save killed between its two renames -------------------------------------------------
+
+
+def test_resave_killed_between_renames_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing ``ckpt/step`` moves the old copy aside, then renames the new one in: a kill in
+    between leaves no ``ckpt/step``. Loads find the copy moved aside; the next save puts it
+    back before replacing it, so the last complete checkpoint is never deleted."""
+    import shardwrap._storage as storage
+
+    model = _model()
+    save_checkpoint(tmp_path / "step", model, keep_last=1, version=1)
+    real_rename, calls = storage.os.rename, []
+
+    def killed_after_moving_aside(src: Any, dst: Any) -> None:
+        calls.append(Path(dst).name)
+        if Path(src).name == ".step.partial":  # the second rename: the "kill"
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+
+    monkeypatch.setattr(storage.os, "rename", killed_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "step", model, keep_last=1, version=2)
+    monkeypatch.setattr(storage.os, "rename", real_rename)
+    assert ".step.old" in calls and not (tmp_path / "step").exists()
+
+    assert load_checkpoint(tmp_path, model) == {"version": 1}  # via latest
+    assert load_checkpoint(tmp_path / "step", model) == {"version": 1}
+    save_checkpoint(tmp_path / "other", model, keep_last=2, version=3)  # prunes: keeps step
+    assert load_checkpoint(tmp_path / "step", model) == {"version": 1}
+    save_checkpoint(tmp_path / "step", model, keep_last=1, version=4)
+    assert load_checkpoint(tmp_path, model) == {"version": 4}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step"]
