@@ -5,10 +5,10 @@
         --budget-mb 800
 
 The shape of the ZeRO paper's table (DeepSpeed's row against DDP's): for every method, trials
-at batch 8 and 16 fit a line to peak memory against batch, the line predicts the largest batch
-within the budget, and single steps from there find the edge (see :func:`search`); each trial
-is a fresh ``torchrun`` launch of ``benchmarks/_worker.py`` (one warm-up and two timed steps). The
-budget is CPU resident memory above the level before the model was built, or
+at batch 8 and 16 fit a line to peak memory against batch, the line guesses the largest batch
+within the budget, and bisection finds the edge (see :func:`search`); each trial
+is a fresh ``torchrun`` launch of ``benchmarks/_worker.py`` (one warm-up and two timed
+steps). The budget is CPU resident memory above the level before the model was built, or
 ``max_memory_allocated`` on GPU. The methods are ``compare.py``'s; by default DDP, shardwrap
 at each stage, FSDP2 and DeepSpeed at each stage (skipped, with a notice, where DeepSpeed is not
 installed). Output: ``benchmarks/results/max_batch_<hardware>_<date>.md``.
@@ -76,40 +76,37 @@ def search(
 ) -> list[dict[str, Any]]:
     """The largest batch within ``budget``, in few trials; returns every trial.
 
-    Peak memory grows about linearly with the batch (activations), so two trials give a line,
-    the line predicts the largest batch, and single steps from the prediction find the edge:
-    about four trials per method where doubling and bisection took ten, each trial a launch of
-    up to two minutes on CPU at large batches.
+    Peak memory grows about linearly with the batch (activations): trials at batch 8 and 16
+    give a line (at batch 1 and 2 the allocator's noise is as large as the activations), its
+    crossing of the budget is the first guess, and bisection closes the bracket. Peak memory
+    is not monotonic in the batch to a few tens of MB, so the edge is only as sharp as that.
     """
     trials: list[dict[str, Any]] = []
+    lo, hi = 0, limit + 1  # lo fits (0: nothing yet), hi does not
 
-    def trial(batch: int) -> bool:
-        done = [t["fits"] for t in trials if t["batch"] == batch]
-        return done[0] if done else fits(method, batch, config, budget, nproc, trials)
+    def trial(batch: int) -> None:
+        nonlocal lo, hi
+        if fits(method, batch, config, budget, nproc, trials):
+            lo = max(lo, batch)
+        else:
+            hi = min(hi, batch)
 
-    if not trial(1):
+    trial(1)
+    if lo == 0:
         return trials
-    # The line runs through batches 8 and 16: at batch 1 and 2 the allocator's noise is as
-    # large as the activations.
-    points = [b for b in (8, 16) if b <= limit]
-    for b in points:
-        if not trial(b):
-            break
-    measured = sorted((t["batch"], t["peak_mb"]) for t in trials if t["batch"] > 1)
-    batch = limit
-    if len(measured) >= 2:
-        (b0, m0), (b1, m1) = measured[-2:]
-        if m1 > m0:
-            batch = int(b1 + (budget - m1) * (b1 - b0) / (m1 - m0))
-    elif measured:
-        batch = measured[0][0] // 2
-    batch = max(1, min(limit, batch))
-    if trial(batch):
-        while batch < limit and trial(batch + 1):
-            batch += 1
-    else:
-        while batch > 1 and not trial(batch - 1):
-            batch -= 1
+    for batch in (8, 16):
+        if batch <= limit and batch < hi:
+            trial(batch)
+    line = sorted((t["batch"], t["peak_mb"]) for t in trials if t["batch"] >= 8)
+    if len(line) == 2 and line[1][1] > line[0][1]:
+        (b0, m0), (b1, m1) = line
+        guess = int(b1 + (budget - m1) * (b1 - b0) / (m1 - m0))
+        if lo < guess < hi:
+            trial(guess)
+            if lo == guess and guess + 1 < hi:
+                trial(guess + 1)
+    while hi - lo > 1:
+        trial(min(limit, 2 * lo) if hi > limit else (lo + hi) // 2)
     return trials
 
 
