@@ -237,6 +237,57 @@ class ShardedModule(nn.Module):
             for k, v in nn.Module.state_dict(self, keep_vars=True).items()
         }
 
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load the unwrapped model's full state dict, or this rank's own shards.
+
+        1. Every sharded parameter in full shape (``torch.load`` of a plain model's
+           ``state_dict()``, or ``full_state_dict()``): loaded as :meth:`load_full_state_dict`
+           does, each rank taking its pieces; ``strict`` must be true.
+        2. Every sharded parameter in this rank's 1-D shard shape (``state_dict()`` of a
+           wrapped model at the same world size, on the same rank): loaded as
+           ``nn.Module.load_state_dict`` does.
+
+        Raises:
+            ValueError: parameters of neither shape, or of both kinds mixed, naming them and
+                the calls that load checkpoints.
+        """
+        own = nn.Module.state_dict(self, keep_vars=True)
+        index = self._shardwrap_root.param_of
+        full, shard, neither = [], [], []
+        for key, value in state_dict.items():
+            param = index.get(id(own.get(key)))
+            if param is None or not isinstance(value, Tensor):
+                continue
+            shape = tuple(value.shape)
+            is_full, is_shard = shape == param.shape, shape == tuple(param.shard.shape)
+            if is_full and is_shard:  # a 1-D parameter whole on this rank: either reading
+                continue
+            if is_full:
+                full.append(key)
+            elif is_shard:
+                shard.append(key)
+            else:
+                neither.append(f"{key}: {shape}")
+        if neither or (full and shard):
+            raise ValueError(
+                "load_state_dict: a sharded model takes either the unwrapped model's full state "
+                "dict or its own shards; got "
+                + (f"shapes of neither for {neither[:4]}" if neither else "both kinds mixed")
+                + ". Use model.load_full_state_dict(sd) for a full state dict, or "
+                "shardwrap.save_checkpoint / load_checkpoint to resume at any world size."
+            )
+        if full:
+            if not strict:
+                raise ValueError(
+                    "load_state_dict(strict=False) of a full state dict is not supported; "
+                    "pass every key (strict=True) or use load_full_state_dict."
+                )
+            self.load_full_state_dict(state_dict)
+            return nn.modules.module._IncompatibleKeys([], [])
+        return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a plain (unsharded) state dict into the shards and buffers.
 
