@@ -167,10 +167,8 @@ class Root:
             self._recording = []
             self._stop_saving()  # left over from a forward that raised
             self.pool.holding = True
-        if torch.is_grad_enabled() and self._saving_owner is None:
-            self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saving.__enter__()
-            self._saving_owner = unit
+        if torch.is_grad_enabled():
+            self._start_saving(unit)
         self._recording.append(unit)
         self._ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
@@ -209,10 +207,8 @@ class Root:
             if self._inside_gathered or all(_ready(u, grad) for u in units):
                 return
             self.settle()
-            if grad and self._saving_owner is None:
-                self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                self._saving.__enter__()
-                self._saving_owner = module
+            if grad:
+                self._start_saving(module)
             gathered = []
             for unit in units:
                 if unit.state is not ShardState.GATHERED or unit.is_stale:
@@ -269,6 +265,14 @@ class Root:
                 t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
 
     # saved tensors ---------------------------------------------------------------------
+
+    def _start_saving(self, owner: Unit | nn.Module) -> None:
+        """Save views of gathered buffers by address until ``owner``'s call returns, unless an
+        enclosing call already does."""
+        if self._saving_owner is None:
+            self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saving.__enter__()
+            self._saving_owner = owner
 
     def _stop_saving(self) -> None:
         if self._saving is not None:
@@ -388,11 +392,15 @@ class Root:
             if unit.state is not ShardState.SHARDED:
                 self._release_unit_after_backward(unit)
         self.schedule.finish_backward()
+        self._backward_next = _successors(self._recording)
+        self._leave_backward()
+
+    def _leave_backward(self) -> None:
+        """Forget what one backward counted, however it ended, and return to IDLE."""
         self._inputs_pending.clear()
         for unit in self.units:
             for g in unit.trainable:
                 g.splits_pending = 0
-        self._backward_next = _successors(self._recording)
         self.phase = Phase.IDLE
 
     def settle(self) -> None:
@@ -407,14 +415,12 @@ class Root:
             return
         self.reductions.drain()
         self.reductions.reset()
-        self._inputs_pending.clear()
         for unit in self.units:
             unit.reshard()
             for g in unit.trainable:
-                g.splits_pending = 0
                 g.full.grad = None
         self._stop_saving()
-        self.phase = Phase.IDLE
+        self._leave_backward()
 
     # gathering -----------------------------------------------------------------------
 
