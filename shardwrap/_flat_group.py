@@ -242,11 +242,11 @@ class FlatGroup:
             )
         return grad
 
-    def accumulate(self, new: Tensor) -> None:
+    def accumulate(self, new: Tensor, as_grad: Callable[[Tensor], Tensor]) -> None:
         """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
 
-        The ``.grad`` tensors are views of one flat buffer, known here only weakly: once
-        ``zero_grad()`` drops them, their memory is freed.
+        The ``.grad`` tensors are views of one flat buffer, typed by ``as_grad``, known here
+        only weakly: once ``zero_grad()`` drops them, their memory is freed.
         """
         new = new.to(self.dtype)
         params = self.shard_params
@@ -254,7 +254,9 @@ class FlatGroup:
         if flat is not None and all(p.grad is v() for p, v in zip(params, self._grad_views)):
             flat.add_(new)
         elif all(p.grad is None for p in params):
-            views = [new[pc.shard_offset : pc.shard_offset + pc.numel] for pc in self.pieces]
+            views = [
+                as_grad(new[pc.shard_offset : pc.shard_offset + pc.numel]) for pc in self.pieces
+            ]
             for p, v in zip(params, views):
                 p.grad = v
             self._grad_flat = weakref.ref(new)
@@ -263,7 +265,7 @@ class FlatGroup:
             for p, pc in zip(params, self.pieces):
                 piece = new[pc.shard_offset : pc.shard_offset + pc.numel]
                 if p.grad is None:
-                    p.grad = piece.clone()
+                    p.grad = as_grad(piece.clone())
                 else:
                     p.grad.add_(piece)
             self._grad_flat, self._grad_views = _dead_ref, []

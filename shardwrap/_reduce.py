@@ -20,12 +20,15 @@ reduced and the flat gradients keep accumulating.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ._collectives import CommStats, Pending, all_reduce, reduce_scatter
 from ._flat_group import FlatGroup
+from ._grad_norm import as_shard_grad, shard_grad_owner
 from ._mesh import Mesh
 
 __all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions"]
@@ -51,6 +54,8 @@ class Reductions:
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
+        owner = shard_grad_owner(mesh.shard, stats)
+        self._as_grad = functools.partial(as_shard_grad, owner=owner)
         self.reset()
 
     def reset(self) -> None:
@@ -121,5 +126,5 @@ class Reductions:
         self.drain()
         for i, out in self._landed:
             if used_anywhere[i]:
-                self.order[i].accumulate(out)
+                self.order[i].accumulate(out, self._as_grad)
         self.reset()

@@ -26,7 +26,7 @@ from ._checks import (
     checkpoint_policy,
     resolve_compile,
 )
-from ._collectives import CommStats, all_reduce
+from ._collectives import CommStats
 from ._flat_group import FlatGroup
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._mesh import Mesh, resolve_mesh
@@ -185,35 +185,16 @@ class ShardedModule(nn.Module):
     ) -> Tensor:
         """Clip gradients by their global norm over all ranks, as ``clip_grad_norm_`` does.
 
+        The same as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, which on a
+        sharded model also takes the global norm (each shard's ``.grad`` knows it is a
+        shard). Call on every rank.
+
         Returns:
             The total norm of the gradients (before clipping), identical on every rank.
         """
-        root = self._shardwrap_root
-        grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel() > 0]
-        norm_type = float(norm_type)
-        if grads:
-            norms = torch.stack(
-                [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-            )
-            local = torch.linalg.vector_norm(norms, norm_type)
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=root.mesh.device)
-        if norm_type == float("inf"):
-            all_reduce(local, root.mesh.shard, dist.ReduceOp.MAX, root.stats).wait()
-            total = local
-        else:
-            local = local.pow(norm_type)
-            all_reduce(local, root.mesh.shard, dist.ReduceOp.SUM, root.stats).wait()
-            total = local.pow(1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite; "
-                "pass error_if_nonfinite=False to clip anyway"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return total
+        return torch.nn.utils.clip_grad_norm_(
+            list(self.parameters()), max_norm, norm_type, error_if_nonfinite
+        )
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
         """The original model's state dict: same keys, full shapes, CPU tensors.

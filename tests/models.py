@@ -266,3 +266,19 @@ def tiny_t5_config() -> Any:
         pad_token_id=0,
         eos_token_id=1,
     )
+
+
+def tiny_bert_config() -> Any:
+    """BERT (masked-LM head tied to the word embedding), 2 layers of width 32, no dropout."""
+    import transformers
+
+    return transformers.BertConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
