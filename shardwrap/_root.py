@@ -447,12 +447,7 @@ class Root:
         pre-backward has gathered the unit: the recomputation reuses that gather.
         """
         forward = unit.module.forward
-
-        def recompute_or_run(*args: Any, **kwargs: Any) -> Any:
-            if self.phase is Phase.BACKWARD:
-                self._ensure_gathered(unit, backward=True)
-                unit.use_full(track_grad=True)
-            return forward(*args, **kwargs)
+        recompute_or_run = self.guard_recompute(unit, forward)
 
         @functools.wraps(forward)
         def checkpointed(*args: Any, **kwargs: Any) -> Any:
@@ -463,6 +458,22 @@ class Root:
             )
 
         unit.module.forward = checkpointed
+
+    def guard_recompute(self, unit: Unit, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function``, a checkpointed piece of ``unit``'s forward, made safe to recompute.
+
+        Backward recomputes it after pre-backward gathered the unit, but with the module's
+        attributes back on the shards: the guard shows it the full parameters first,
+        reusing that gather.
+        """
+
+        def recompute_or_run(*args: Any, **kwargs: Any) -> Any:
+            if self.phase is Phase.BACKWARD:
+                self._ensure_gathered(unit, backward=True)
+                unit.use_full(track_grad=True)
+            return function(*args, **kwargs)
+
+        return recompute_or_run
 
     def compile(self, unit: Unit, options: dict[str, Any]) -> None:
         """Compile ``unit``'s ``forward`` with ``torch.compile(**options)``; hooks stay outside.

@@ -28,6 +28,7 @@ from ._checks import (
 )
 from ._collectives import CommStats
 from ._flat_group import FlatGroup
+from ._hf import HuggingFaceHabits, checkpoint_hf_layer, is_transformers_model
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._mesh import Mesh, resolve_mesh
 from ._options import MixedPrecision
@@ -145,7 +146,7 @@ class ShardedModule(nn.Module):
             inner = (m for m in unit.module.modules() if m is not unit.module)
             if compile_options is not None and not any(id(m) in unit_modules for m in inner):
                 root.compile(unit, compile_options)
-            if checkpoint(unit.module):
+            if checkpoint(unit.module) and not checkpoint_hf_layer(root, unit):
                 root.checkpoint(unit)
         return module  # type: ignore[return-value]
 
@@ -316,7 +317,9 @@ _CLASSES: dict[type, type] = {}
 
 def _sharded_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (ShardedModule, cls), {"__module__": cls.__module__})
+        habits = (HuggingFaceHabits,) if is_transformers_model(cls) else ()
+        bases = (ShardedModule, *habits, cls)
+        _CLASSES[cls] = type(cls.__name__, bases, {"__module__": cls.__module__})
     return _CLASSES[cls]
 
 
