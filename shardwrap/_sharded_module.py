@@ -232,7 +232,8 @@ class ShardedModule(nn.Module):
            ``nn.Module.load_state_dict`` does.
 
         Raises:
-            ValueError: parameters of neither shape, or of both kinds mixed, naming them and
+            ValueError: parameters of neither shape, or of both kinds mixed, or another
+                rank's ``state_dict()`` (it records whose shards it holds), naming them and
                 the calls that load checkpoints.
         """
         own = nn.Module.state_dict(self, keep_vars=True)
@@ -260,6 +261,8 @@ class ShardedModule(nn.Module):
                 + ". Use model.load_full_state_dict(sd) for a full state dict, or "
                 "shardwrap.save_checkpoint / load_checkpoint to resume at any world size."
             )
+        if shard:
+            self._check_own_shards(state_dict)
         if full:
             if not strict:
                 raise ValueError(
@@ -269,6 +272,19 @@ class ShardedModule(nn.Module):
             self.load_full_state_dict(state_dict)
             return nn.modules.module._IncompatibleKeys([], [])
         return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+    def _check_own_shards(self, state_dict: Mapping[str, Any]) -> None:
+        metadata = getattr(state_dict, "_metadata", None) or {}
+        saved = (metadata.get("") or {}).get(SHARDS_OF)
+        mesh = self._shardwrap_root.mesh
+        here = (mesh.shard_rank, mesh.shard_size)
+        if saved is not None and tuple(saved) != here:
+            raise ValueError(
+                f"load_state_dict: the state dict holds the shards of rank {saved[0]} of "
+                f"{saved[1]}, and this is rank {here[0]} of {here[1]}: each rank loads only its "
+                "own state_dict(). Use shardwrap.save_checkpoint / load_checkpoint (any world "
+                "size), or save model.full_state_dict() and load it with load_state_dict."
+            )
 
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a plain (unsharded) state dict into the shards and buffers.
@@ -311,6 +327,9 @@ class ShardedModule(nn.Module):
 
 
 # construction ------------------------------------------------------------------------
+
+# In ``state_dict()._metadata[""]``: whose shards the state dict holds, (shard rank, shard size).
+SHARDS_OF = "shardwrap_shards_of"
 
 _CLASSES: dict[type, type] = {}
 
@@ -379,6 +398,11 @@ def _wrap(
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
     root = Root(units, mesh, stats, strategy, pool, precision)
+
+    def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
+        local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
+
+    module.register_state_dict_post_hook(note_shards)
     module.__class__ = _sharded_class(type(module))
     object.__setattr__(module, ROOT_ATTR, root)
     for unit in units[1:]:

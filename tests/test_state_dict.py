@@ -3,8 +3,10 @@
 PyTorch users call ``model.load_state_dict(torch.load(path))`` with the plain model's state
 dict. Proves, at world sizes 1, 2 and 4: a full state dict (of the unwrapped model) loads into
 every rank's pieces and training then goes on in parity with the plain model; this rank's own
-``state_dict()`` (shards) loads back into a model wrapped the same way; a state dict of other
-shapes is refused naming ``load_full_state_dict`` and ``load_checkpoint``.
+``state_dict()`` (shards) loads back into a model wrapped the same way; another rank's
+``state_dict()`` is refused even where every piece has the same shape (it records whose shards
+it holds); a state dict of other shapes is refused naming ``load_full_state_dict`` and
+``load_checkpoint``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_state_dict.py -q``
 """
@@ -12,6 +14,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_state_dict.py -q`
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -82,3 +85,24 @@ def test_other_shapes_are_refused_naming_the_right_calls() -> None:
 
 def nn_state_keys(model: ShardedModule) -> list[str]:
     return list(torch.nn.Module.state_dict(model).keys())
+
+
+def test_another_ranks_state_dict_is_refused_even_with_equal_shapes() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(3)))
+    saved: dict[int, bytes] = {}  # ranks are threads of this process: a shared "disk"
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=torch.nn.Linear, process_group=pg)
+        buffer = io.BytesIO()
+        torch.save(m.state_dict(), buffer)
+        saved[rank] = buffer.getvalue()
+        pg.allreduce([torch.zeros(1)]).wait()  # both ranks have saved
+        mine = torch.load(io.BytesIO(saved[rank]), weights_only=True)
+        theirs = torch.load(io.BytesIO(saved[1 - rank]), weights_only=True)
+        m.load_state_dict(mine)
+        assert all(v.shape == mine[k].shape == (8,) for k, v in theirs.items())
+        with pytest.raises(ValueError, match=f"rank {1 - rank} of 2.*save_checkpoint"):
+            m.load_state_dict(theirs)
+
+    run_ranks(2, fn, timeout=30.0)
