@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._agree_values import check_same_values, copy_from_rank0
 from ._checks import (
     ROOT_ATTR,
     SHARD_ATTR,
@@ -92,6 +93,12 @@ class ShardedModule(nn.Module):
             ``param_init_fn(module)`` on each module instead of its ``reset_parameters()``.
             Such a model is materialised one unit at a time, each unit in full on every rank
             from a seed rank 0 draws, then sharded: memory stays near one unit.
+        sync_module_states: ``None`` (default): check that every parameter and buffer has
+            the same values on every rank (one pass over the weights, one small
+            collective). ``True``: copy them from rank 0 before sharding (weights loaded on
+            rank 0 only). ``False``: neither, for weights loaded after wrapping
+            (``load_pretrained``, ``load_full_state_dict``, ``load_checkpoint``). A
+            meta-device model is built alike on every rank and needs neither.
 
     Raises:
         TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision`` or
@@ -103,7 +110,8 @@ class ShardedModule(nn.Module):
             ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
             initialiser wrote (every rank raises, naming each), or parameter names, shapes or
             dtypes that differ across ranks (checked with one small collective; every rank
-            raises, naming the first difference).
+            raises, naming the first difference), or parameter or buffer values that differ
+            across ranks with ``sync_module_states=None`` (every rank raises, naming them).
     """
 
     _shardwrap_root: Root
@@ -121,6 +129,7 @@ class ShardedModule(nn.Module):
         checkpoint_activations: bool | AutoWrap = False,
         compile: bool | dict[str, Any] = False,
         param_init_fn: ParamInitFn | None = None,
+        sync_module_states: bool | None = None,
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
@@ -132,6 +141,10 @@ class ShardedModule(nn.Module):
         strategy = _strategy(stage, reshard_after_forward)
         mesh = resolve_mesh(process_group, device)
         check_same_model(module, mesh.control, mesh.control_device, {"stage": stage})
+        if sync_module_states and not is_meta(module):
+            copy_from_rank0(module, mesh)
+        elif sync_module_states is None and not is_meta(module):
+            check_same_values(module, mesh.control, mesh.control_device)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
