@@ -15,6 +15,7 @@ A wrapped ``transformers`` model's class gains :class:`HuggingFaceHabits` ahead 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,12 @@ from ._export import export
 from ._root import Root
 from ._unit import Unit
 
-__all__ = ["HuggingFaceHabits", "checkpoint_hf_layer", "is_transformers_model"]
+__all__ = [
+    "HuggingFaceHabits",
+    "checkpoint_hf_layer",
+    "is_transformers_model",
+    "refuse_stock_trainer",
+]
 
 _GUARDED = "_shardwrap_guarded"
 
@@ -43,6 +49,40 @@ _SAVE_DEFAULTS: dict[str, Any] = {
     "save_peft_format": True,
     "save_original_format": True,
 }
+
+
+def refuse_stock_trainer() -> None:
+    """Raise if a ``transformers.Trainer`` without shardwrap's saving is making this call.
+
+    That Trainer saves checkpoints on rank 0 alone, which a sharded model cannot do: its first
+    checkpoint would wait for the other ranks for good. It moves the model to its device
+    while being built, so the mistake surfaces then, before any training.
+
+    HACK: the Trainer hands nothing to the model that would say who calls; the callers'
+    frames do (a few, read once per move or save).
+
+    Raises:
+        TypeError: naming ``shardwrap.hf.Trainer``.
+    """
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if owner is not None and _is_stock_trainer(type(owner)):
+            raise TypeError(
+                f"{type(owner).__name__} (transformers) saves the model on rank 0 alone, and a "
+                "sharded model holds a piece on every rank: its first checkpoint would wait for "
+                "good. Use shardwrap.hf.Trainer (or shardwrap.hf.Seq2SeqTrainer), or mix "
+                "shardwrap.hf.ShardedTrainerMixin into your Trainer class ahead of it."
+            )
+        frame = frame.f_back
+
+
+def _is_stock_trainer(cls: type) -> bool:
+    return not getattr(cls, "_shardwrap_saves", False) and any(
+        c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in cls.__mro__
+    )
 
 
 def is_transformers_model(cls: type) -> bool:
@@ -134,6 +174,9 @@ class HuggingFaceHabits:
     """Methods of a wrapped ``transformers`` model that differ from the unwrapped model's."""
 
     _shardwrap_root: Root
+    # transformers' mark for a model whose ranks must run forwards in step: generate() and
+    # Seq2SeqTrainer default to synced decoding, and LayerDrop skips no layer on one rank only.
+    _is_fsdp_managed_module = True
 
     def save_pretrained(
         self,
@@ -155,6 +198,7 @@ class HuggingFaceHabits:
             ValueError: an option export does not offer (naming case 2), or a
                 ``state_dict`` holding shards (naming ``full_state_dict``).
         """
+        refuse_stock_trainer()
         if state_dict is not None:
             self._check_full(state_dict)
             return super().save_pretrained(  # type: ignore[misc]

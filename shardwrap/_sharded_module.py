@@ -29,7 +29,12 @@ from ._checks import (
 )
 from ._collectives import CommStats
 from ._flat_group import FlatGroup
-from ._hf import HuggingFaceHabits, checkpoint_hf_layer, is_transformers_model
+from ._hf import (
+    HuggingFaceHabits,
+    checkpoint_hf_layer,
+    is_transformers_model,
+    refuse_stock_trainer,
+)
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._mesh import Mesh, resolve_mesh
 from ._options import MixedPrecision
@@ -115,6 +120,9 @@ class ShardedModule(nn.Module):
     """
 
     _shardwrap_root: Root
+    # accelerate's mark for a model it must hand back untouched: no DDP (the model reduces its
+    # own gradients), no move, no autocast wrapper.
+    _is_accelerate_prepared = True
 
     def __new__(
         cls,
@@ -165,6 +173,30 @@ class ShardedModule(nn.Module):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Wrapping happens in ``__new__``; the wrapped module is already initialised."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
+        """``.to()``, ``.cuda()``, ``.half()`` and friends: allowed where they change nothing.
+
+        Raises:
+            ValueError: a move to another device or a cast: applied to the shard parameters it
+                would detach them from the flat shards, and the optimizer would step copies.
+            TypeError: a ``transformers.Trainer`` that would save on rank 0 alone is moving
+                the model (it does while being built), naming ``shardwrap.hf.Trainer``.
+        """
+        refuse_stock_trainer()
+        for unit in self._shardwrap_root.units:
+            for g in unit.groups:
+                probe = g.shard.new_empty(0)
+                out = fn(probe)
+                if out.dtype != probe.dtype or not _same_device(out.device, probe.device):
+                    raise ValueError(
+                        f"ShardedModule: moving or casting a sharded model (to {out.device}, "
+                        f"{out.dtype}; its shards are {probe.device}, {probe.dtype}) would detach "
+                        "its parameters from the flat shards. Choose the device when wrapping "
+                        "(move the model first, or pass device=...), and the compute dtype with "
+                        "mixed_precision=MixedPrecision(...)."
+                    )
+        return self
 
     @property
     def comm_stats(self) -> CommStats:
@@ -337,6 +369,18 @@ class ShardedModule(nn.Module):
                     v.copy_(value.reshape(-1)[pc.start : pc.stop])
                 else:
                     v.copy_(value)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices name the same memory (``cpu`` and ``cpu:0`` do)."""
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    current = torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0
+    index_a = current if a.index is None else a.index
+    index_b = current if b.index is None else b.index
+    return index_a == index_b
 
 
 # construction ------------------------------------------------------------------------

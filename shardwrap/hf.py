@@ -1,0 +1,119 @@
+"""Hugging Face ``Trainer`` for sharded models: ``from shardwrap.hf import Trainer``.
+
+A drop-in for ``transformers.Trainer`` (and ``Seq2SeqTrainer``) when the model is a
+:class:`shardwrap.ShardedModule`; everything else is the stock Trainer:
+
+    model = ShardedModule(model, auto_wrap=LlamaDecoderLayer)
+    trainer = shardwrap.hf.Trainer(model=model, args=args, train_dataset=...)
+    trainer.train()                       # torchrun --nproc_per_node=N train.py
+
+What the model itself already takes care of, so that the stock Trainer and a plain
+``accelerate`` loop see a sharded model as ready: it is never wrapped in DDP (it reduces its
+own gradients), moving it to the device it is on does nothing, ``torch.nn.utils.clip_grad_norm_``
+clips by the global norm, and ``generate()`` keeps every rank decoding until all are done.
+
+What this class changes is saving and loading, which the stock Trainer does on rank 0 alone:
+
+- ``save_model`` (also the model part of every checkpoint): every rank gathers the full state
+  dict to rank 0, which writes it with the model's own ``save_pretrained`` (``from_pretrained``
+  loads it; tokenizer, config and training arguments as usual).
+- Optimizer state: a shardwrap checkpoint (``checkpoint-N/shardwrap``), every rank writing its
+  own shards; the scheduler as usual (``scheduler.pt``).
+- Resuming (``train(resume_from_checkpoint=...)``) and ``load_best_model_at_end`` read them
+  back, at any world size; a folder holding only ``save_pretrained`` files loads with
+  :func:`shardwrap.load_pretrained`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from ._checkpoint import save_checkpoint
+from ._checkpoint_load import load_checkpoint
+from ._export import load_pretrained
+from ._sharded_module import ShardedModule
+
+__all__ = ["Seq2SeqTrainer", "ShardedTrainerMixin", "Trainer"]
+
+CHECKPOINT = "shardwrap"
+SCHEDULER = "scheduler.pt"  # the stock Trainer's name for the scheduler's state
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class ShardedTrainerMixin:
+    """Trainer methods for a sharded model; mix in ahead of a ``transformers.Trainer`` class.
+
+    ``class MyTrainer(ShardedTrainerMixin, SomeTrainer)`` for Trainer subclasses of other
+    libraries. Every method is called on every rank, as the Trainer calls them.
+    """
+
+    _shardwrap_saves = True  # what refuse_stock_trainer looks for
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    args: Any
+    state: Any
+
+    def _sharded(self) -> ShardedModule:
+        if not isinstance(self.model, ShardedModule):
+            raise TypeError(
+                f"shardwrap.hf.Trainer trains a ShardedModule, got {type(self.model).__name__}; "
+                "wrap the model with shardwrap.ShardedModule first, or use transformers.Trainer."
+            )
+        return self.model
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Gather the full state dict to rank 0 and write it with ``save_pretrained``."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        full = self._sharded().full_state_dict(rank0_only=True)
+        self._save(output_dir, state_dict=full)  # type: ignore[attr-defined]
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_checkpoint(
+            Path(output_dir) / CHECKPOINT,
+            self._sharded(),
+            _torch_optimizer(self.optimizer),
+            step=self.state.global_step,
+        )
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
+
+    def _load_model(self, checkpoint: str) -> None:
+        folder = Path(checkpoint) / CHECKPOINT
+        if folder.is_dir():
+            load_checkpoint(folder, self._sharded())
+        else:
+            load_pretrained(checkpoint, self._sharded())
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        self._load_model(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        self._load_model(self.state.best_model_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        folder = Path(checkpoint) / CHECKPOINT
+        if folder.is_dir():
+            load_checkpoint(folder, self._sharded(), _torch_optimizer(self.optimizer))
+        scheduler = Path(checkpoint) / SCHEDULER
+        if scheduler.is_file() and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+class Trainer(ShardedTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` for a :class:`shardwrap.ShardedModule` (see the module)."""
+
+
+class Seq2SeqTrainer(ShardedTrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` for a :class:`shardwrap.ShardedModule`."""
