@@ -164,6 +164,7 @@ class Root:
             return
         if unit is self.root:
             self.phase = Phase.FORWARD
+            self.schedule.passes += 1
             self._recording = []
             self._stop_saving()  # left over from a forward that raised
             self.pool.holding = True

@@ -13,7 +13,13 @@ handshake: one all-reduce (MIN) of a few integers. Each rank puts in
    stage 2, this keeps reductions overlapping backward), or an end-of-phase marker (which
    sorts last);
 2. how many reduce-scatters, in the canonical order, it has gradients ready for;
-3. in backward, for every trainable flat group, whether it used the group at all.
+3. in backward, for every trainable flat group, whether it used the group at all;
+4. how many forward passes of the whole model it has begun: every rank must be in the same
+   one. A rank that caught an exception and went on to its next batch (the usual recovery
+   from running out of memory) would otherwise pair its next step's collectives with the
+   others' current ones. On a difference every rank learns what every other was doing (one
+   more small all-reduce) and raises, naming it; all then count from the furthest rank, so
+   that the next step, begun on every rank, agrees again.
 
 All ranks then gather the unit with the smallest priority (those that wanted something
 else serve the request and ask again), and issue the reduce-scatters that every rank has
@@ -61,6 +67,7 @@ class Schedule:
         self.end_forward_priority = 2 * n + 1
         self.end_backward_priority = 2 * n + 2
         self._used_anywhere: list[bool] = []
+        self.passes = 0  # forward passes of the whole model begun on this rank
 
     @property
     def world(self) -> int:
@@ -89,10 +96,13 @@ class Schedule:
         reductions = self.reductions
         while True:
             ready = reductions.ready_prefix()
-            t = torch.tensor([want, ready] + [-int(u) for u in reductions.used], dtype=torch.int64)
+            used = [-int(u) for u in reductions.used]
+            t = torch.tensor([want, ready, self.passes, -self.passes, *used], dtype=torch.int64)
             t = t.to(self.mesh.control_device)
             all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
-            agreed, ready, *neg_used = t.tolist()
+            agreed, ready, fewest, neg_most, *neg_used = t.tolist()
+            if fewest != -neg_most:
+                self._desynchronized(want, -neg_most)
             reductions.issue(ready)
             if agreed == want:
                 self._used_anywhere = [u < 0 for u in neg_used]
@@ -104,6 +114,40 @@ class Schedule:
                     "number of forward and backward passes, and enter no_sync() alike."
                 )
             self._serve(agreed)
+
+    def _desynchronized(self, want: int, most: int) -> None:
+        """Every rank is here at once: share what each was doing, then raise alike."""
+        mesh = self.mesh
+        rows = torch.zeros(mesh.world_size, 2, dtype=torch.int64)
+        rows[mesh.rank] = torch.tensor([self.passes, want])
+        rows = rows.to(mesh.control_device)
+        all_reduce(rows, mesh.control, dist.ReduceOp.SUM, self.stats, kind="handshake").wait()
+        self.passes = most
+        doing = "; ".join(
+            f"rank {r}: forward pass {p}, {self._describe(w)}"
+            for r, (p, w) in enumerate(rows.tolist())
+        )
+        raise RuntimeError(
+            f"shardwrap: ranks are at different steps ({doing}). A rank left a step part-way "
+            "(an exception caught, and the training loop went on to its next batch) while the "
+            "others went on with it. Every rank must run every forward and backward pass; to "
+            "skip a batch, decide it on every rank alike (e.g. all_reduce an 'out of memory' "
+            "flag, then every rank skips). The step is abandoned on every rank; the next "
+            "one, begun on every rank, runs normally."
+        )
+
+    def _describe(self, want: int) -> str:
+        n = len(self.units)
+        if want < n:
+            return f"gathering unit {want} ({type(self.units[want].module).__name__}) for forward"
+        if want < 2 * n:
+            unit = self.units[2 * n - 1 - want]
+            return f"gathering unit {unit.index} ({type(unit.module).__name__}) for backward"
+        return {
+            self.reduce_only_priority: "reducing gradients in backward",
+            self.end_forward_priority: "ending forward",
+            self.end_backward_priority: "ending backward",
+        }[want]
 
     def _serve(self, priority: int) -> None:
         if priority == self.reduce_only_priority:
