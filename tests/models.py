@@ -282,3 +282,19 @@ def tiny_bert_config() -> Any:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
+
+
+def tiny_qwen2_config() -> Any:
+    """Qwen2 (grouped-query attention with biases, head tied to the embedding), 2 layers."""
+    import transformers
+
+    return transformers.Qwen2Config(
+        vocab_size=HF_VOCAB,
+        hidden_size=36,
+        intermediate_size=52,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )

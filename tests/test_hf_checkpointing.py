@@ -2,9 +2,10 @@
 
 ``model.gradient_checkpointing_enable()`` (what ``Trainer(gradient_checkpointing=True)`` calls)
 makes each ``transformers`` layer recompute its ``forward`` in backward; shardwrap shows the
-recomputation the full parameters from the unit's backward gather. Proves, on Llama and T5
-(default config, so with its key-value cache on) from tiny configs at 2 ranks, against the
-unwrapped model trained on the whole global batch over several SGD steps:
+recomputation the full parameters from the unit's backward gather. Proves, on Llama, Qwen2 (head
+tied to the embedding) and T5 (default config, so with its key-value cache on) from tiny configs
+at 2 ranks, against the unwrapped model trained on the whole global batch over several SGD
+steps:
 
 - Hugging Face's checkpointing (non-reentrant, its default, and reentrant) keeps loss and
   parameter parity, with exactly the collectives of shardwrap's own
@@ -28,11 +29,12 @@ import transformers
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
 
 from shardwrap import ShardedModule
 from tests._ranks import run_ranks
-from tests.models import HF_VOCAB, tiny_llama_config, tiny_t5_config
+from tests.models import HF_VOCAB, tiny_llama_config, tiny_qwen2_config, tiny_t5_config
 
 WORLD, STEPS, GLOBAL_BATCH = 2, 3, 4
 SOURCE, TARGET = 10, 6
@@ -43,6 +45,11 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(tiny_llama_config())
 
 
+def _qwen2() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(tiny_qwen2_config())
+
+
 def _t5() -> nn.Module:
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(tiny_t5_config())
@@ -50,7 +57,11 @@ def _t5() -> nn.Module:
     return model
 
 
-FAMILIES = {"llama": (_llama, LlamaDecoderLayer), "t5": (_t5, T5Block)}
+FAMILIES = {
+    "llama": (_llama, LlamaDecoderLayer),
+    "qwen2": (_qwen2, Qwen2DecoderLayer),
+    "t5": (_t5, T5Block),
+}
 
 
 def _batches() -> list[tuple[Tensor, Tensor]]:
