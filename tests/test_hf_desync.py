@@ -17,6 +17,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_hf_desync.py -q``
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -87,8 +88,11 @@ def test_one_rank_skipping_its_batch_raises_on_every_rank_then_training_goes_on(
     raised = [events0[2], events1[1]]
     assert [r[:2] for r in raised] == [("raised", 2), ("raised", 1)]
     for _, _, message in raised:
-        assert "ranks are at different steps" in message
+        assert "ranks are at different steps or calls" in message
         assert "rank 0: forward pass 3" in message and "rank 1: forward pass 2" in message
-        assert "LlamaDecoderLayer" in message and "decide it on every rank" in message
+        assert "decide it on every rank" in message
+        # what rank 1 was doing: gathering a layer (stage 3), or ending forward (stages 1 and 2,
+        # which gather nothing in forward)
+        assert re.search(r"rank 1: forward pass 2, (gathering unit \d+ \(\w+\)|ending)", message)
     for state in (state0, state1):
         torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
