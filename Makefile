@@ -23,15 +23,17 @@ export OMP_NUM_THREADS := 1
 
 .PHONY: test demo bench
 
-# Lint, then two tiers: in-process tests on one worker (threads as ranks), at ZeRO stage 3 and
-# again at stages 1 and 2 (leaving out stage 3's own lifetime tests), then the torchrun runs, two
-# at a time (each spends most of its time launching processes). Any failure fails.
+# Lint, then three tiers: in-process tests on one worker (threads as ranks), at ZeRO stage 3 and
+# again at stages 1 and 2 (leaving out stage 3's own lifetime tests), then the torchrun runs and
+# the fault cases, two at a time (each spends most of its time launching processes or waiting
+# out a timeout). Any failure fails.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -m "not process"
-	$(BIN)/pytest -m "not process and not stage3" --stage 2 -q
-	$(BIN)/pytest -m "not process and not stage3" --stage 1 -q
+	$(BIN)/pytest -m "not process and not faults"
+	$(BIN)/pytest -m "not process and not faults and not stage3" --stage 2 -q
+	$(BIN)/pytest -m "not process and not faults and not stage3" --stage 1 -q
 	$(BIN)/pytest -m process -n 2
+	$(BIN)/pytest -m faults -n 2
 
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py $(DEMO_ARGS)

@@ -71,6 +71,7 @@ def wrapped_root(model: nn.Module, caller: str) -> Root:
     root.settle()
     if root.phase is not Phase.IDLE:
         raise RuntimeError(f"{caller} cannot run during forward or backward")
+    root.schedule.enter(caller)
     return root
 
 

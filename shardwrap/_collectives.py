@@ -24,14 +24,18 @@ import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "CollectiveFailed",
+    "failed",
     "CommStats",
     "Pending",
+    "group_timeout",
     "all_gather",
     "all_reduce",
     "group_rank",
@@ -58,22 +62,62 @@ class CommStats:
         self.bytes.clear()
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective did not complete: a peer stopped, stalled past the timeout, or is elsewhere."""
+
+
 class Pending:
-    """A collective in flight; ``wait()`` blocks until it is done and runs its epilogue."""
+    """A collective in flight; ``wait()`` blocks until it is done and runs its epilogue.
 
-    __slots__ = ("_work", "_then")
+    Raises:
+        CollectiveFailed: from ``wait()``, when the backend gives up on the collective (a
+            peer gone, or no answer within the group's timeout), naming the collective.
+    """
 
-    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None) -> None:
+    __slots__ = ("_work", "_then", "_what")
+
+    def __init__(
+        self, work: dist.Work | None, then: Callable[[], None] | None = None, what: str = ""
+    ) -> None:
         self._work = work
         self._then = then
+        self._what = what
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
+        try:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            if self._then is not None:
+                then, self._then = self._then, None
+                then()
+        except CollectiveFailed:
+            raise
+        except RuntimeError as e:
+            raise failed(self._what, e) from e
+
+
+def failed(what: str, error: BaseException) -> CollectiveFailed:
+    """The error for a collective (``what``: "all-gather", "handshake", ...) the backend
+    abandoned, with the backend's first line."""
+    said = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return CollectiveFailed(
+        f"shardwrap: the {what or 'collective'} did not complete: a rank stopped, stalled past "
+        f"the process group's timeout, or is at another call (the backend said: {said}). See "
+        "the other ranks' errors for what they were doing."
+    )
+
+
+def group_timeout(group: Group) -> timedelta | None:
+    """The timeout ``group``'s backend bounds each collective with, if it can be read."""
+    if group is None:
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
 
 
 def group_rank(group: Group) -> int:
@@ -104,9 +148,13 @@ def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None
         own = out[group.rank() * n : (group.rank() + 1) * n]
         own.copy_(shard)
         shard = own
-    if shard.device.type == "cpu":
-        return _exchange_all_gather(out, shard, group)
-    return Pending(group._allgather_base(out, shard))  # in place when shard is a slot of out
+    try:
+        if shard.device.type == "cpu":
+            return _exchange_all_gather(out, shard, group)
+        # in place when shard is a slot of out
+        return Pending(group._allgather_base(out, shard), what="all-gather")
+    except RuntimeError as e:
+        raise failed("all-gather", e) from e
 
 
 def reduce_scatter(
@@ -121,11 +169,14 @@ def reduce_scatter(
     if group is None:
         out.copy_(full)
         return Pending(None)
-    if full.device.type == "cpu":
-        return _exchange_reduce_scatter(out, full, group)
-    opts = dist.ReduceScatterOptions()
-    opts.reduceOp = dist.ReduceOp.AVG
-    return Pending(group._reduce_scatter_base(out, full, opts))
+    try:
+        if full.device.type == "cpu":
+            return _exchange_reduce_scatter(out, full, group)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.AVG
+        return Pending(group._reduce_scatter_base(out, full, opts), what="reduce-scatter")
+    except RuntimeError as e:
+        raise failed("reduce-scatter", e) from e
 
 
 # Gloo: direct exchanges --------------------------------------------------------------
@@ -160,7 +211,7 @@ def _exchange_all_gather(out: Tensor, shard: Tensor, group: dist.ProcessGroup) -
     for peer in _peers(rank, world):
         works.append(group.send([shard], peer, tag))
         works.append(group.recv([out[peer * n : (peer + 1) * n]], peer, tag))
-    return Pending(None, lambda: _wait_all(works))
+    return Pending(None, lambda: _wait_all(works), what="all-gather")
 
 
 def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> Pending:
@@ -190,7 +241,7 @@ def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup
         out.div_(world)
         _wait_all(sends)
 
-    return Pending(None, finish)
+    return Pending(None, finish, what="reduce-scatter")
 
 
 def _peers(rank: int, world: int) -> list[int]:
@@ -217,4 +268,8 @@ def all_reduce(
         return Pending(None)
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
-    return Pending(group.allreduce([tensor], opts))
+    what = kind.replace("_", "-")
+    try:
+        return Pending(group.allreduce([tensor], opts), what=what)
+    except RuntimeError as e:
+        raise failed(what, e) from e

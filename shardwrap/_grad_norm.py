@@ -35,11 +35,17 @@ _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
 
 class _Owner:
-    """The group a gradient is sharded over, and the counters its completions add to."""
+    """The group a gradient is sharded over, the counters its completions add to, and what
+    every rank calls first to agree it is completing a norm (``enter``)."""
 
     def __init__(self, group: Group, stats: CommStats) -> None:
         self.group = group
         self.stats = stats
+        self.enter: Callable[[], None] = _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
@@ -256,6 +262,7 @@ def _complete(part: PartialNorm) -> Tensor:
         local = part.detach().to(torch.float32, copy=True)
     if owner is None or owner.group is None:
         return local.to(part.dtype)
+    owner.enter()
     if order == float("inf"):
         all_reduce(local, owner.group, dist.ReduceOp.MAX, owner.stats).wait()
     elif order == float("-inf"):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._collectives import Group, group_rank, group_size
+from ._collectives import Group, group_rank, group_size, group_timeout
 
 __all__ = ["Mesh", "resolve_mesh"]
 
@@ -143,7 +143,7 @@ def _from_device_mesh(device_mesh: DeviceMesh) -> Mesh:
     return Mesh(
         shard=device_mesh.get_group("shard"),
         replicate=device_mesh.get_group("replicate"),
-        control=dist.new_group(backend="gloo"),
+        control=dist.new_group(backend="gloo", timeout=group_timeout(dist.group.WORLD)),
         control_device=torch.device("cpu"),
     )
 
@@ -167,8 +167,10 @@ def _control_group(group: Group, device: torch.device) -> tuple[Group, torch.dev
     NOTE: gloo runs a group's collectives FIFO on two worker threads, so a handshake on the
     data group waits behind in-flight 50 MB transfers (0.8 s of a 5 s step on the 101M GPT);
     on CUDA it would also sync the device. Creating a group is collective over the default
-    group, which every rank reaches here. For a user-given group the handshakes share it.
+    group, which every rank reaches here. It gets the default group's timeout (what the user
+    gave ``init_process_group``), not torch's 30-minute default for new groups. For a
+    user-given group the handshakes share it.
     """
     if group is not None and dist.is_initialized() and group is dist.group.WORLD:
-        return dist.new_group(backend="gloo"), torch.device("cpu")
+        return dist.new_group(backend="gloo", timeout=group_timeout(group)), torch.device("cpu")
     return group, device

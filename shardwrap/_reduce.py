@@ -54,8 +54,8 @@ class Reductions:
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
-        owner = shard_grad_owner(mesh.shard, stats)
-        self._as_grad = functools.partial(as_shard_grad, owner=owner)
+        self.grad_owner = shard_grad_owner(mesh.shard, stats)
+        self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
         self.reset()
 
     def reset(self) -> None:

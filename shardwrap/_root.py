@@ -114,6 +114,16 @@ class Root:
         order = [g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable]
         self.reductions = Reductions(order, mesh, stats, defer=strategy.defer_reductions)
         self.schedule = Schedule(units, mesh, stats, self.reductions)
+        # Weakly: shard grads hold their owner, and the model holds its grads (through C++,
+        # where the garbage collector cannot follow a cycle back).
+        schedule = weakref.ref(self.schedule)
+
+        def enter_norm() -> None:
+            live = schedule()
+            if live is not None:
+                live.enter("a gradient norm (clip_grad_norm_)")
+
+        self.reductions.grad_owner.enter = enter_norm
         self.phase = Phase.IDLE
         self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
@@ -495,6 +505,7 @@ class Root:
         self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
+        self.schedule.enter("gathered")
         for unit in self.units:
             unit.reshard()
             unit.start_gather(exact=True)

@@ -14,8 +14,10 @@ handshake: one all-reduce (MIN) of a few integers. Each rank puts in
    sorts last);
 2. how many reduce-scatters, in the canonical order, it has gradients ready for;
 3. in backward, for every trainable flat group, whether it used the group at all;
-4. how many forward passes of the whole model it has begun: every rank must be in the same
-   one. A rank that caught an exception and went on to its next batch (the usual recovery
+4. how many forward passes of the whole model it has begun, and which call it is in
+   (training, or one every rank makes together outside it: a save, a load, a gradient norm,
+   which enter through :meth:`Schedule.enter`): every rank must be in the same pass and call.
+   A rank that caught an exception and went on to its next batch (the usual recovery
    from running out of memory) would otherwise pair its next step's collectives with the
    others' current ones. On a difference every rank learns what every other was doing (one
    more small all-reduce) and raises, naming it; all then count from the furthest rank, so
@@ -41,7 +43,20 @@ from ._mesh import Mesh
 from ._reduce import Reductions
 from ._unit import ShardState, Unit
 
-__all__ = ["Schedule"]
+__all__ = ["CALLS", "Schedule"]
+
+# What a rank can be doing in a handshake: training (gathers, reductions), or a call every rank
+# makes together outside it. The index is what goes on the wire.
+CALLS = (
+    "training",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export",
+    "load_pretrained",
+    "full_state_dict",
+    "gathered",
+    "a gradient norm (clip_grad_norm_)",
+)
 
 
 class Schedule:
@@ -66,6 +81,7 @@ class Schedule:
         self.reduce_only_priority = 2 * n
         self.end_forward_priority = 2 * n + 1
         self.end_backward_priority = 2 * n + 2
+        self.enter_priority = 2 * n + 3
         self._used_anywhere: list[bool] = []
         self.passes = 0  # forward passes of the whole model begun on this rank
 
@@ -92,17 +108,27 @@ class Schedule:
         if self.world > 1:
             self._negotiate(self.end_forward_priority)
 
-    def _negotiate(self, want: int) -> None:
+    def enter(self, call: str) -> None:
+        """Before ``call``, made by every rank together outside training: one handshake that
+        every rank is making it, after the same number of forward passes.
+
+        Raises:
+            RuntimeError: on every rank, when some rank is elsewhere (naming what each does).
+        """
+        if self.world > 1:
+            self._negotiate(self.enter_priority, CALLS.index(call))
+
+    def _negotiate(self, want: int, call: int = 0) -> None:
         reductions = self.reductions
         while True:
             ready = reductions.ready_prefix()
             used = [-int(u) for u in reductions.used]
-            t = torch.tensor([want, ready, self.passes, -self.passes, *used], dtype=torch.int64)
-            t = t.to(self.mesh.control_device)
+            header = [want, ready, self.passes, -self.passes, call, -call]
+            t = torch.tensor(header + used, dtype=torch.int64).to(self.mesh.control_device)
             all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
-            agreed, ready, fewest, neg_most, *neg_used = t.tolist()
-            if fewest != -neg_most:
-                self._desynchronized(want, -neg_most)
+            agreed, ready, fewest, neg_most, low_call, neg_high_call, *neg_used = t.tolist()
+            if fewest != -neg_most or low_call != -neg_high_call:
+                self._desynchronized(want, call, -neg_most)
             reductions.issue(ready)
             if agreed == want:
                 self._used_anywhere = [u < 0 for u in neg_used]
@@ -115,28 +141,31 @@ class Schedule:
                 )
             self._serve(agreed)
 
-    def _desynchronized(self, want: int, most: int) -> None:
+    def _desynchronized(self, want: int, call: int, most: int) -> None:
         """Every rank is here at once: share what each was doing, then raise alike."""
         mesh = self.mesh
-        rows = torch.zeros(mesh.world_size, 2, dtype=torch.int64)
-        rows[mesh.rank] = torch.tensor([self.passes, want])
+        rows = torch.zeros(mesh.world_size, 3, dtype=torch.int64)
+        rows[mesh.rank] = torch.tensor([self.passes, want, call])
         rows = rows.to(mesh.control_device)
         all_reduce(rows, mesh.control, dist.ReduceOp.SUM, self.stats, kind="handshake").wait()
         self.passes = most
         doing = "; ".join(
-            f"rank {r}: forward pass {p}, {self._describe(w)}"
-            for r, (p, w) in enumerate(rows.tolist())
+            f"rank {r}: forward pass {p}, {self._describe(w, c)}"
+            for r, (p, w, c) in enumerate(rows.tolist())
         )
         raise RuntimeError(
-            f"shardwrap: ranks are at different steps ({doing}). A rank left a step part-way "
-            "(an exception caught, and the training loop went on to its next batch) while the "
-            "others went on with it. Every rank must run every forward and backward pass; to "
-            "skip a batch, decide it on every rank alike (e.g. all_reduce an 'out of memory' "
-            "flag, then every rank skips). The step is abandoned on every rank; the next "
-            "one, begun on every rank, runs normally."
+            f"shardwrap: ranks are at different steps or calls ({doing}). Every rank must run "
+            "every forward and backward pass and make the same calls (save_checkpoint, "
+            "clip_grad_norm_, ...) in the same order. A rank that left a step part-way (an "
+            "exception caught, the loop gone on to its next batch) does this: to skip a batch, "
+            "decide it on every rank alike (e.g. all_reduce an 'out of memory' flag, then every "
+            "rank skips). What was under way is abandoned on every rank; the next step, begun "
+            "on every rank, runs normally."
         )
 
-    def _describe(self, want: int) -> str:
+    def _describe(self, want: int, call: int = 0) -> str:
+        if call:
+            return f"calling {CALLS[call]}"
         n = len(self.units)
         if want < n:
             return f"gathering unit {want} ({type(self.units[want].module).__name__}) for forward"

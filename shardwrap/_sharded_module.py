@@ -249,6 +249,8 @@ class ShardedModule(nn.Module):
         must call it; with ``rank0_only`` the other ranks get an empty dict.
         """
         root = self._shardwrap_root
+        root.settle()
+        root.schedule.enter("full_state_dict")
         keep = not rank0_only or root.mesh.rank == 0
         full: dict[int, Tensor] = {}
         for unit in root.units:

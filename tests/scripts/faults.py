@@ -1,0 +1,121 @@
+"""Train two steps and save, then inject one fault in step 3; report how this rank ended.
+
+Launched by tests/test_faults.py:
+
+    torchrun --standalone --nproc_per_node=2 tests/scripts/faults.py CASE WORKDIR TIMEOUT_S
+
+``init_process_group("gloo", timeout=TIMEOUT_S)``; a small GPT, SGD with momentum; after step 2
+a checkpoint ``WORKDIR/ckpt/step-2`` and, from rank 0, its full state dict in
+``WORKDIR/expected.pt``. Then, by CASE, on rank 1 unless said otherwise:
+
+- ``kill-forward`` / ``kill-backward``: SIGKILL itself inside a block's forward / backward;
+- ``kill-save``: SIGKILL itself half-way through re-saving ``ckpt/step-2`` (the same path);
+- ``stall``: sleep far past the timeout before step 3, while rank 0 waits for it;
+- ``desync-save``: save again after step 2 while rank 0 goes on to step 3;
+- ``desync-clip``: one more forward and backward before ``clip_grad_norm_`` than rank 0;
+- ``skip-batch``: rank 0 runs out of memory in step 3's forward, catches it and goes on.
+
+Each rank that ends with an exception prints ``ENDED <rank> <class>: <message>`` and exits 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwrap import ShardedModule, save_checkpoint
+from shardwrap._storage import SafetensorsWriter
+from tests.models import GPT, Block, make_batch
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, clip: bool = False
+) -> None:
+    idx, targets = make_batch(step, 4)
+    model(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+    if clip:
+        model.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def run(case: str, work: Path, rank: int) -> None:
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(), auto_wrap=Block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        _step(model, opt, step, rank)
+    save_checkpoint(work / "ckpt" / "step-2", model, opt, step=2)
+    full = model.full_state_dict(rank0_only=True)
+    if rank == 0:
+        torch.save(full, work / "expected.pt")
+    block = model.blocks[1]
+    faulty = rank == (0 if case == "skip-batch" else 1)
+    if faulty and case == "kill-forward":
+        block.register_forward_pre_hook(lambda m, a: _die())
+    elif faulty and case == "kill-backward":
+
+        def die_in_backward(m: torch.nn.Module, a: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: _die())
+
+        block.register_forward_hook(die_in_backward)
+    elif faulty and case == "kill-save":
+        write = SafetensorsWriter.write
+
+        def write_then_die(self: SafetensorsWriter, tensor: torch.Tensor) -> None:
+            write(self, tensor)
+            self._file.flush()
+            _die()
+
+        SafetensorsWriter.write = write_then_die  # type: ignore[method-assign]
+        save_checkpoint(work / "ckpt" / "step-2", model, opt, step=2)
+    elif faulty and case == "stall":
+        time.sleep(600)
+    elif faulty and case == "desync-save":
+        save_checkpoint(work / "ckpt" / "again", model, opt, step=2)
+    elif faulty and case == "desync-clip":
+        idx, targets = make_batch(7, 2)
+        model(idx, targets).backward()
+    elif faulty and case == "skip-batch":
+
+        def out_of_memory(m: torch.nn.Module, a: object) -> None:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+        handle = block.register_forward_pre_hook(out_of_memory)
+        try:
+            _step(model, opt, 2, rank)
+        except torch.OutOfMemoryError:
+            opt.zero_grad()
+        handle.remove()
+    if case == "kill-save":
+        save_checkpoint(work / "ckpt" / "step-2", model, opt, step=2)
+    for step in range(2, 5):
+        _step(model, opt, step, rank, clip=case == "desync-clip")
+
+
+def main(case: str, work: str, timeout_s: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(timeout_s)))
+    rank = dist.get_rank()
+    try:
+        run(case, Path(work), rank)
+    except Exception as e:
+        traceback.print_exc()
+        print(f"ENDED {rank} {type(e).__name__}: {e}", flush=True)
+        sys.exit(1)
+    print(f"ENDED {rank} normally", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,106 @@
+"""Fault tier: a rank killed, stalled, out of step or skipping a batch under torchrun.
+
+Each case (``tests/scripts/faults.py``) trains a small GPT two steps at 2 ranks with a 5 s
+process-group timeout, saves a checkpoint, then injects its fault in step 3. Every case must
+end within the timeout plus a margin (no hang), with the rank(s) that can still speak naming
+what went wrong, and the checkpoint saved before the fault must load and equal what was saved
+(nothing lost, also when the fault kills a re-save of the same path).
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m faults tests/test_faults.py``
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwrap import ShardedModule, latest_checkpoint, load_checkpoint
+from tests.models import GPT, Block
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 5
+LIMIT_S = 60  # launch, two steps and a save, the timeout, torchrun tearing down: well under
+
+
+def _launch(case: str, work: Path) -> tuple[int, float, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "tests/scripts/faults.py",
+        case,
+        str(work),
+        str(TIMEOUT_S),
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S + 60
+    )
+    return proc.returncode, time.monotonic() - start, proc.stdout + proc.stderr
+
+
+def _endings(output: str) -> dict[int, str]:
+    return {int(r): how for r, how in re.findall(r"^ENDED (\d) (.*)$", output, re.MULTILINE)}
+
+
+def _assert_checkpoint_intact(work: Path) -> None:
+    assert latest_checkpoint(work / "ckpt") == work / "ckpt" / "step-2"
+    expected = torch.load(work / "expected.pt", weights_only=True)
+    model = ShardedModule(GPT(), auto_wrap=Block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert load_checkpoint(work / "ckpt", model, opt) == {"step": 2}
+    torch.testing.assert_close(model.full_state_dict(), expected, atol=0, rtol=0)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("case", ["kill-forward", "kill-backward", "kill-save"])
+def test_a_killed_rank_ends_the_run_and_loses_nothing(case: str, tmp_path: Path) -> None:
+    code, took, output = _launch(case, tmp_path)
+    assert code != 0 and took < LIMIT_S, output[-3000:]
+    ended = _endings(output)
+    assert 1 not in ended  # killed: it said nothing
+    if 0 in ended:  # unless torchrun stopped it first, the survivor names the failure
+        assert ended[0].startswith("CollectiveFailed: shardwrap: the "), output[-3000:]
+    _assert_checkpoint_intact(tmp_path)
+
+
+@pytest.mark.faults
+def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(tmp_path: Path) -> None:
+    code, took, output = _launch("stall", tmp_path)
+    assert code != 0 and took < LIMIT_S, output[-3000:]
+    ended = _endings(output)
+    assert ended[0].startswith("CollectiveFailed: shardwrap: the handshake did not complete")
+    _assert_checkpoint_intact(tmp_path)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("case", "doing"),
+    [
+        ("desync-save", {0: r"forward pass 3, gathering", 1: r"forward pass 2, calling save"}),
+        ("desync-clip", {0: r"forward pass 3, calling a gradient norm", 1: r"forward pass 4, "}),
+        ("skip-batch", {0: r"forward pass 4, ", 1: r"forward pass 3, "}),
+    ],
+)
+def test_ranks_out_of_step_all_raise_naming_what_each_did(
+    case: str, doing: dict[int, str], tmp_path: Path
+) -> None:
+    code, took, output = _launch(case, tmp_path)
+    assert code != 0 and took < LIMIT_S, output[-3000:]
+    ended = _endings(output)
+    assert sorted(ended) == [0, 1], output[-3000:]
+    for how in ended.values():
+        assert how.startswith("RuntimeError: shardwrap: ranks are at different steps or calls")
+        for rank, pattern in doing.items():
+            assert re.search(f"rank {rank}: {pattern}", how), how
+    _assert_checkpoint_intact(tmp_path)
