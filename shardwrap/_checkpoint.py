@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._checksum import buffer_checksum
 from ._root import Param, Phase, Root
 from ._storage import (
     LATEST,
@@ -56,7 +57,7 @@ from ._storage import (
 __all__ = ["latest_checkpoint", "save_checkpoint"]
 
 FORMAT = "shardwrap.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: content checksums of every stored tensor and file
 METADATA = "metadata.json"
 BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -91,6 +92,11 @@ def rank_file(rank: int, world: int) -> str:
 
 def extra_file(rank: int) -> str:
     return f"extra-{rank:05d}.pt"
+
+
+def _checksum_file(rank: int) -> str:
+    """Where a rank leaves its rank file's checksums for rank 0 (merged into the metadata)."""
+    return f".checksums-{rank:05d}.json"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -261,6 +267,7 @@ def save_checkpoint(
             for t in tensors:
                 w.write(t)
             size = w.close()
+        write_file(tmp / _checksum_file(rank), json.dumps(w.checksums).encode())
         return 1 + size * world + rank
 
     def finish(codes: list[int]) -> int:
@@ -343,9 +350,21 @@ def _metadata(
     sequence: int,
     tmp: Path,
 ) -> dict[str, Any]:
-    """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0)."""
+    """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0).
+
+    Gathers the checksums: every rank file's (left by its writer, then removed), the
+    buffers', and those of the whole ``.pt`` files.
+    """
     world = len(rank_sizes)
     files = {rank_file(r, world): size for r, size in enumerate(rank_sizes)}
+    tensor_sums: dict[str, dict[str, list[str]]] = {}
+    file_sums: dict[str, str] = {}
+    for r in range(world):
+        left = tmp / _checksum_file(r)
+        tensor_sums[rank_file(r, world)] = json.loads(left.read_bytes())
+        left.unlink()
+    for r in range(ranks):
+        file_sums[extra_file(r)] = buffer_checksum((tmp / extra_file(r)).read_bytes())
     entries: dict[str, Any] = {}
     for p in params:
         pieces = [
@@ -363,12 +382,14 @@ def _metadata(
         for v in buffers.values():
             w.write(v)
         files[BUFFERS] = w.close()
+    tensor_sums[BUFFERS] = w.checksums
     optimizer = None
     if opt_plan is not None:
         saved = {"class": opt_plan.cls, "param_groups": opt_plan.groups, "state": opt_plan.scalars}
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         files[OPTIMIZER] = write_file(tmp / OPTIMIZER, buffer.getvalue())
+        file_sums[OPTIMIZER] = buffer_checksum(buffer.getvalue())
         optimizer = {"state_keys": {n: sorted(s) for n, s in opt_plan.sharded.items()}}
     return {
         "format": FORMAT,
@@ -383,6 +404,7 @@ def _metadata(
             k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in buffers.items()
         },
         "optimizer": optimizer,
+        "checksums": {"tensors": tensor_sums, "files": file_sums},
     }
 
 

@@ -8,7 +8,10 @@ or the optimizer.
 
 from __future__ import annotations
 
+import io
 import json
+import mmap
+import struct
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ from ._checkpoint import (
     resolve_folder,
     wrapped_root,
 )
+from ._checksum import buffer_checksum
 from ._root import Param
 from ._storage import agree, is_plain_name
 
@@ -101,6 +105,7 @@ class _Loader:
         self._stack = stack
         self._handles: dict[str, Any] = {}
         self._keys: dict[str, set[str]] = {}
+        self._read_keys: dict[str, set[str]] = {}  # file -> the tensors this rank reads
         self._names = names_by_id(model)
         self._check_model()
         self.saved_optimizer = self._check_optimizer() if optimizer is not None else None
@@ -112,6 +117,9 @@ class _Loader:
                 raise ValueError(
                     f"load_checkpoint: {self.folder / BUFFERS} lacks buffers {few(missing)}"
                 )
+            self._read_keys.setdefault(BUFFERS, set()).update(self.buffers)
+        for file, keys in self._read_keys.items():
+            self._verify(file, keys)
         saved_ranks = self.meta.get("ranks", self.meta["world_size"])
         self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
 
@@ -223,8 +231,10 @@ class _Loader:
         path = self._sized(file) if sized else self.folder / file
         if not path.is_file():
             raise FileNotFoundError(f"load_checkpoint: {path} is missing")
+        data = path.read_bytes()
+        self._verify_file(file, data)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
             raise ValueError(f"load_checkpoint: cannot read {path}: {e}") from e
 
@@ -251,7 +261,45 @@ class _Loader:
                         f"{stop - start} elements"
                     )
             reads.append((file, start, lo, hi))
+            self._read_keys.setdefault(file, set()).update(keys)
         return reads
+
+    def _verify_file(self, file: str, data: bytes) -> None:
+        """Check a whole ``.pt`` file against the checksum recorded when it was written."""
+        if buffer_checksum(data) != self.meta["checksums"]["files"].get(file):
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} fails its checksum: the file was "
+                "corrupted or replaced after the save. Load an earlier checkpoint."
+            )
+
+    def _verify(self, file: str, keys: set[str]) -> None:
+        """Check each stored tensor this rank reads from ``file``, whole, against the dtype
+        and checksum recorded when it was written."""
+        path = self.folder / file
+        recorded = self.meta["checksums"]["tensors"].get(file)
+        if recorded is None:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / METADATA} has no checksums for {file}"
+            )
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            (length,) = struct.unpack("<Q", mm[:8])
+            header = json.loads(mm[8 : 8 + length])
+            for key in sorted(keys):
+                entry, saved = header.get(key), recorded.get(key)
+                if not isinstance(entry, dict) or saved is None:
+                    raise ValueError(f"load_checkpoint: no checksum recorded for '{key}' in {path}")
+                if entry.get("dtype") != saved[0]:
+                    raise ValueError(
+                        f"load_checkpoint: {path} stores '{key}' as {entry.get('dtype')}, but it "
+                        f"was written as {saved[0]}: the file was altered after the save"
+                    )
+                start, stop = entry["data_offsets"]
+                if buffer_checksum(mm, 8 + length + start, stop - start) != saved[1]:
+                    raise ValueError(
+                        f"load_checkpoint: '{key}' in {path} fails its checksum: the file was "
+                        "corrupted after the save (a disk or copy error). Load an earlier "
+                        "checkpoint."
+                    )
 
     # loading -------------------------------------------------------------------------
 
@@ -365,7 +413,7 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
     def bad_shape(v: object) -> bool:
         return not isinstance(v, list) or any(bad_int(d) for d in v)
 
-    for key in ("world_size", "files", "params", "buffers", "optimizer"):
+    for key in ("world_size", "files", "params", "buffers", "optimizer", "checksums"):
         if key not in meta:
             return f'it lacks the "{key}" entry'
     if bad_int(meta["world_size"], 1) or bad_int(meta.get("ranks", 1), 1):
@@ -410,4 +458,23 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
         )
     ):
         return '"optimizer" must be null or hold "state_keys": parameter name to key names'
+    sums = meta.get("checksums")
+    if (
+        not isinstance(sums, dict)
+        or not isinstance(sums.get("tensors"), dict)
+        or not isinstance(sums.get("files"), dict)
+        or any(
+            not isinstance(by_key, dict)
+            or any(
+                not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, str) for x in v)
+                for v in by_key.values()
+            )
+            for by_key in sums["tensors"].values()
+        )
+        or any(not isinstance(v, str) for v in sums["files"].values())
+    ):
+        return (
+            '"checksums" must hold "tensors" (file to key to [dtype, checksum]) and "files" '
+            "(file to checksum)"
+        )
     return None

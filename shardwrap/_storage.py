@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._checksum import BLOCK, Checksum
 from ._collectives import Group, all_reduce, group_rank, group_size
 
 __all__ = [
@@ -54,7 +55,7 @@ __all__ = [
 
 LATEST = "latest"
 Entry = tuple[str, tuple[int, ...], torch.dtype]  # a tensor's name, shape and dtype
-_CHUNK = 1 << 26  # bytes copied to the host per write
+_CHUNK = BLOCK  # bytes copied to the host per write, one checksum block each
 
 # torch dtype <-> safetensors dtype name.
 DTYPES: dict[torch.dtype, str] = {
@@ -95,6 +96,8 @@ class SafetensorsWriter:
     Raises:
         ValueError: a written tensor that differs from its declared shape or dtype, or
             :meth:`close` before every declared tensor was written.
+
+    After writing, ``checksums`` holds ``[dtype name, checksum]`` of every tensor by key.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class SafetensorsWriter:
         self.path = path
         self._entries = entries
         self._next = 0
+        self.checksums: dict[str, list[str]] = {}
         header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
         offset = 0
         for key, shape, dtype in entries:
@@ -132,10 +136,14 @@ class SafetensorsWriter:
                 f"got {tuple(tensor.shape)} {tensor.dtype}"
             )
         data = tensor.detach().reshape(-1).view(torch.uint8)
+        digest = Checksum()
         # NOTE: .numpy() pins a storage's size for good, so never on the caller's storage
         # (a unit's gathered buffer must stay resizable): copy bounded chunks instead.
         for at in range(0, data.numel(), _CHUNK):
-            self._file.write(data[at : at + _CHUNK].to("cpu", copy=True).numpy().data)
+            chunk = data[at : at + _CHUNK].to("cpu", copy=True)
+            digest.add(chunk)
+            self._file.write(chunk.numpy().data)
+        self.checksums[key] = [DTYPES[dtype], digest.hexdigest()]
         self._next += 1
 
     def close(self) -> int:

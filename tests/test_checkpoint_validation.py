@@ -36,6 +36,7 @@ from shardwrap import (
     load_pretrained,
     save_checkpoint,
 )
+from shardwrap._checksum import buffer_checksum
 from tests._ranks import run_ranks
 from tests.models import GPT, Block
 
@@ -206,9 +207,13 @@ def test_malformed_optimizer_state_changes_nothing(tmp_path: Path, edit: Any, me
     saved = torch.load(path, weights_only=True)
     edit(saved)
     torch.save(saved, path)
-    _edit_metadata(
-        tmp_path / "ckpt", lambda m: m["files"].update({"optimizer.pt": path.stat().st_size})
-    )
+    data = path.read_bytes()
+
+    def record(meta: dict[str, Any]) -> None:  # as if it had been saved so: past size, checksum
+        meta["files"]["optimizer.pt"] = len(data)
+        meta["checksums"]["files"]["optimizer.pt"] = buffer_checksum(data)
+
+    _edit_metadata(tmp_path / "ckpt", record)
     other = _model()
     with torch.no_grad():
         for p in other.parameters():
