@@ -7,7 +7,7 @@ shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 
 from ._checkpoint import latest_checkpoint, save_checkpoint
 from ._checkpoint_load import load_checkpoint
-from ._collectives import CommStats
+from ._collectives import CollectiveFailed, CommStats
 from ._export import export, load_pretrained
 from ._grad_scaler import ShardedGradScaler
 from ._mesh import Mesh
@@ -15,6 +15,7 @@ from ._options import MixedPrecision
 from ._sharded_module import ShardedModule
 
 __all__ = [
+    "CollectiveFailed",
     "CommStats",
     "Mesh",
     "MixedPrecision",

@@ -33,9 +33,9 @@ from ._checkpoint import (
     resolve_folder,
     wrapped_root,
 )
-from ._checksum import buffer_checksum
+from ._checksum import buffer_checksum, tensor_checksum
 from ._root import Param
-from ._storage import agree, is_plain_name
+from ._storage import DTYPES, agree, is_plain_name
 
 __all__ = ["load_checkpoint"]
 
@@ -106,6 +106,8 @@ class _Loader:
         self._handles: dict[str, Any] = {}
         self._keys: dict[str, set[str]] = {}
         self._read_keys: dict[str, set[str]] = {}  # file -> the tensors this rank reads
+        # file -> optimizer tensors read whole into fresh memory: checked there, while read
+        self._checked_when_read: dict[str, set[str]] = {}
         self._names = names_by_id(model)
         self._check_model()
         self.saved_optimizer = self._check_optimizer() if optimizer is not None else None
@@ -119,7 +121,10 @@ class _Loader:
                 )
             self._read_keys.setdefault(BUFFERS, set()).update(self.buffers)
         for file, keys in self._read_keys.items():
-            self._verify(file, keys)
+            self._verify(file, keys - self._checked_when_read.get(file, set()))
+        self.optimizer_state = (
+            self._optimizer_state_dict() if self.optimizer is not None else None
+        )
         saved_ranks = self.meta.get("ranks", self.meta["world_size"])
         self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
 
@@ -262,6 +267,9 @@ class _Loader:
                     )
             reads.append((file, start, lo, hi))
             self._read_keys.setdefault(file, set()).update(keys)
+            if (lo, hi) == (start, stop) and lo == piece.start:
+                whole = {k for k in keys if k.startswith("optim/")}
+                self._checked_when_read.setdefault(file, set()).update(whole)
         return reads
 
     def _verify_file(self, file: str, data: bytes) -> None:
@@ -304,21 +312,36 @@ class _Loader:
     # loading -------------------------------------------------------------------------
 
     def _read(self, key: str, p: Param, out: Tensor) -> None:
-        """Fill ``out`` (this rank's piece of ``p``) with the saved tensor ``key``."""
+        """Fill ``out`` (this rank's piece of ``p``) with the saved tensor ``key``; check the
+        pieces :meth:`_plan_reads` left to be checked here, in ``out`` itself."""
         first = p.group.pieces[p.index].start
         for file, start, lo, hi in self.reads[p.name]:
-            out[lo - first : hi - first].copy_(
-                self._open(file).get_slice(key)[lo - start : hi - start]
-            )
+            region = out[lo - first : hi - first]
+            stored = self._open(file).get_slice(key)
+            region.copy_(stored[lo - start : hi - start])
+            if key not in self._checked_when_read.get(file, ()):
+                continue
+            saved_dtype, saved_sum = self.meta["checksums"]["tensors"][file][key]
+            as_saved = saved_dtype == stored.get_dtype() == DTYPES.get(region.dtype)
+            got = tensor_checksum(region) if as_saved else None
+            if got is None:  # cast or unaligned: check the stored bytes instead
+                self._verify(file, {key})
+            elif got != saved_sum:
+                raise ValueError(
+                    f"load_checkpoint: '{key}' in {self.folder / file} fails its checksum: the "
+                    "file was corrupted after the save (a disk or copy error). Load an earlier "
+                    "checkpoint."
+                )
 
     def apply(self) -> None:
+        """Write what construction read and checked: nothing here can fail on bad data."""
         with torch.no_grad():
             for p in self.params:
                 self._read(f"model/{p.name}", p, p.shard)
             for k, v in self.buffers.items():
                 v.copy_(self._open(BUFFERS).get_tensor(k))
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(self._optimizer_state_dict())
+            self.optimizer.load_state_dict(self.optimizer_state)
 
     def _optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's own ``state_dict`` format, for the current parameters' pieces."""

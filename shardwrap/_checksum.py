@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "Checksum", "buffer_checksum"]
+__all__ = ["BLOCK", "Checksum", "buffer_checksum", "tensor_checksum"]
 
 BLOCK = 1 << 26  # bytes per block: also the size of the writer's copies to the host
 _MASK = (1 << 64) - 1
@@ -47,6 +47,18 @@ class Checksum:
 
     def hexdigest(self) -> str:
         return f"{self._a:016x}{self._b:016x}"
+
+
+def tensor_checksum(t: Tensor) -> str | None:
+    """The checksum of a contiguous tensor's bytes as stored, or ``None`` where its memory is
+    not 8-byte aligned (then only a read of the stored bytes can check them)."""
+    data = t.detach().reshape(-1).view(torch.uint8)
+    if data.numel() and data.data_ptr() % 8:
+        return None
+    digest = Checksum()
+    for at in range(0, data.numel(), BLOCK):
+        digest.add(data[at : at + BLOCK])
+    return digest.hexdigest()
 
 
 def buffer_checksum(buffer: bytes | mmap.mmap | Any, offset: int = 0, nbytes: int = -1) -> str:
