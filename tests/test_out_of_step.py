@@ -29,8 +29,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwrap import ShardedModule, save_checkpoint
-from shardwrap._collectives import CollectiveFailed
+from shardwrap import CollectiveFailed, ShardedModule, save_checkpoint
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, make_batch
 
