@@ -11,6 +11,7 @@ from ._collectives import CollectiveFailed, CommStats
 from ._export import export, load_pretrained
 from ._grad_scaler import ShardedGradScaler
 from ._mesh import Mesh
+from ._offload import Offload
 from ._options import MixedPrecision
 from ._sharded_module import ShardedModule
 
@@ -19,6 +20,7 @@ __all__ = [
     "CommStats",
     "Mesh",
     "MixedPrecision",
+    "Offload",
     "ShardedGradScaler",
     "ShardedModule",
     "export",

@@ -15,6 +15,7 @@ flat layout.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from ._collectives import CommStats, Pending, all_gather
 from ._layout import FlatLayout, LocalPiece
 from ._mesh import Mesh
+from ._offload import Store, stored_param
 from ._pool import BufferPool
 
 __all__ = ["FlatGroup", "Slot", "views_of"]
@@ -53,6 +55,8 @@ class FlatGroup:
             (stages 1 and 2, when the parameters compute in the shards' dtype): the full
             parameters then cost no memory beyond the shard's own, and a gather only fills
             the other ranks' slices.
+        store: the disk tier's files (``_offload.py``): the shard, a gradient buffer and the
+            optimizer state made like the shard parameters live there.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class FlatGroup:
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         resident: bool = False,
+        store: Store | None = None,
     ) -> None:
         self.names = names
         self.pool = pool
@@ -87,6 +92,8 @@ class FlatGroup:
             self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
             pool.owner[self._resident.data_ptr()] = self
             self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N
+        elif store is not None:
+            self.shard = store.tensor(hi - lo, self.dtype, "shard")  # zeros
         else:
             self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=device)
         with torch.no_grad():
@@ -96,12 +103,15 @@ class FlatGroup:
                     self.shard[a - lo : b - lo].copy_(
                         p.detach().reshape(-1)[a - offset : b - offset]
                     )
+        make = nn.Parameter if store is None else functools.partial(stored_param, store=store)
         self.shard_params = [
-            nn.Parameter(
-                self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad
-            )
+            make(self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad)
             for pc in self.pieces
         ]
+        # 1-D, padded/N, grad_dtype: where a step's reduced gradient lands in the disk tier.
+        self.stored_grad: Tensor | None = None
+        if store is not None and self.requires_grad:
+            self.stored_grad = store.tensor(hi - lo, self.grad_dtype, "grad")
 
         # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
         # parameters. Its gradient is the flat gradient (grad_dtype); the values live in a
@@ -251,7 +261,11 @@ class FlatGroup:
         new = new.to(self.dtype)
         params = self.shard_params
         flat = self._grad_flat()
-        if flat is not None and all(p.grad is v() for p, v in zip(params, self._grad_views)):
+        if (
+            flat is not None
+            and flat is not new
+            and all(p.grad is not None and p.grad is v() for p, v in zip(params, self._grad_views))
+        ):
             flat.add_(new)
         elif all(p.grad is None for p in params):
             views = [

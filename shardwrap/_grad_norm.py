@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._collectives import CommStats, Group, all_reduce
+from ._offload import store_like, stored_like
 
 __all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "shard_grad_owner"]
 
@@ -42,10 +43,18 @@ class _Owner:
         self.group = group
         self.stats = stats
         self.enter: Callable[[], None] = _nothing
+        self.store: Any = None  # the disk tier's Store: state made from gradients goes there
 
 
 def _nothing() -> None:
     return None
+
+
+class _NoOwner:
+    store = None
+
+
+_NO_OWNER = _NoOwner()
 
 
 def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
@@ -118,6 +127,11 @@ class ShardGrad(Tensor):
         order = _norm_order(func, args, kwargs)
         if order is not None:
             return _local_norms(func, order, args, kwargs)
+        store = getattr(args[0], "_shardwrap_owner", _NO_OWNER).store if args else None
+        if store is not None:
+            stored = _stored_from_grad(store, func, args, kwargs)
+            if stored is not None:
+                return stored
         with _DisableSubclass():
             out = func(*args, **kwargs)
         if func in _GRAD_ALIASES and isinstance(out, Tensor):
@@ -137,6 +151,14 @@ class ShardGrad(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         with _DisableSubclass():
             return f"ShardGrad({self.as_subclass(Tensor)!r})"
+
+
+def _stored_from_grad(store: Any, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """In the disk tier, state an optimizer makes from a gradient (SGD's momentum is a clone
+    of it) is made in the store."""
+    if func in (torch.clone, Tensor.clone) and not kwargs:
+        return store_like(store, args[0], copy=True)
+    return stored_like(store, func, args, kwargs)
 
 
 def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: dict) -> Any:

@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from ._collectives import CommStats
 from ._flat_group import FlatGroup
 from ._mesh import Mesh
+from ._offload import Store
 from ._options import MixedPrecision
 from ._pool import BufferPool
 from ._reduce import Reductions
@@ -83,6 +84,7 @@ class Root:
         strategy: when gathered buffers are released and reductions run.
         pool: the buffers units gather into.
         precision: mixed-precision casts of inputs and outputs, or ``None``.
+        store: the disk tier's files, or ``None``.
     """
 
     def __init__(
@@ -93,8 +95,10 @@ class Root:
         strategy: Strategy,
         pool: BufferPool,
         precision: MixedPrecision | None = None,
+        store: Store | None = None,
     ) -> None:
         self.units = units
+        self.store = store
         self.input_dtype = precision.param_dtype if precision else None
         self.output_dtype = precision.output_dtype if precision else None
         self.pool = pool
@@ -124,6 +128,9 @@ class Root:
                 live.enter("a gradient norm (clip_grad_norm_)")
 
         self.reductions.grad_owner.enter = enter_norm
+        self.reductions.grad_owner.store = store
+        if store is not None:
+            weakref.finalize(self, store.close)
         self.phase = Phase.IDLE
         self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
@@ -441,6 +448,10 @@ class Root:
         if unit.state is ShardState.GATHERED and not unit.is_stale:
             return
         self.schedule.gather(unit, backward)
+        if self.store is not None:  # the disk tier: start reading the next unit in
+            step = -1 if backward else 1
+            following = self.units[(unit.index + step) % len(self.units)]
+            self.store.read_ahead([g.shard for g in following.groups])
         unit.finish_gather()
 
     def _prefetch(self, successors: dict[int, Unit], current: Unit, backward: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from ._hf import (
 )
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._mesh import Mesh, resolve_mesh
+from ._offload import Offload, Store, offload_warning
 from ._options import MixedPrecision
 from ._pool import BufferPool
 from ._root import Root
@@ -98,6 +100,8 @@ class ShardedModule(nn.Module):
             ``param_init_fn(module)`` on each module instead of its ``reset_parameters()``.
             Such a model is materialised one unit at a time, each unit in full on every rank
             from a seed rank 0 draws, then sharded: memory stays near one unit.
+        offload: ``Offload(device="disk", path=...)`` keeps the shards, their gradients and
+            the optimizer state in files under ``path`` (stage 3; see :class:`Offload`).
         sync_module_states: ``None`` (default): check that every parameter and buffer has
             the same values on every rank (one pass over the weights, one small
             collective). ``True``: copy them from rank 0 before sharding (weights loaded on
@@ -138,6 +142,7 @@ class ShardedModule(nn.Module):
         compile: bool | dict[str, Any] = False,
         param_init_fn: ParamInitFn | None = None,
         sync_module_states: bool | None = None,
+        offload: Offload | None = None,
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
@@ -147,6 +152,7 @@ class ShardedModule(nn.Module):
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
+        _check_offload(offload, stage, device)
         mesh = resolve_mesh(process_group, device)
         check_same_model(module, mesh.control, mesh.control_device, {"stage": stage})
         if sync_module_states and not is_meta(module):
@@ -160,7 +166,9 @@ class ShardedModule(nn.Module):
             )
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
-        _wrap(module, policy, mesh, strategy, mixed_precision, param_init_fn)
+        disk = offload is not None and offload.device == "disk"
+        store = Store(Path(offload.path), mesh.rank) if disk else None  # type: ignore[union-attr]
+        _wrap(module, policy, mesh, strategy, mixed_precision, param_init_fn, store)
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
@@ -408,6 +416,7 @@ def _wrap(
     strategy: Strategy,
     precision: MixedPrecision | None,
     param_init_fn: ParamInitFn | None = None,
+    store: Store | None = None,
 ) -> None:
     device = mesh.device
     placement = place_parameters(module, policy)
@@ -440,6 +449,7 @@ def _wrap(
                 precision.compute_dtype(dtype) if precision else None,
                 precision.gradient_dtype(dtype) if precision else None,
                 resident=strategy.keeps_params,
+                store=store,
             )
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
                 setattr(shard_param, SHARD_ATTR, True)
@@ -456,7 +466,7 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision)
+    root = Root(units, mesh, stats, strategy, pool, precision, store)
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
@@ -466,6 +476,27 @@ def _wrap(
     object.__setattr__(module, ROOT_ATTR, root)
     for unit in units[1:]:
         object.__setattr__(unit.module, UNIT_ATTR, unit)
+
+
+def _check_offload(offload: Offload | None, stage: int, device: torch.device) -> None:
+    if offload is None:
+        return
+    if not isinstance(offload, Offload):
+        raise TypeError(
+            f"offload takes a shardwrap.Offload, got {offload!r}; e.g. "
+            'offload=Offload(device="disk", path="/nvme/run1").'
+        )
+    if offload.device == "disk" and stage != 3:
+        raise ValueError(
+            f"Offload(device=\"disk\") needs stage=3: stage {stage} keeps the full parameters "
+            "in memory between steps, the opposite of keeping the state on disk."
+        )
+    if offload.device == "cpu" and device.type != "cpu":
+        raise NotImplementedError(
+            'Offload(device="cpu") with a GPU compute device is not built yet; use '
+            'Offload(device="disk", ...) or no offload.'
+        )
+    offload_warning(offload, device)
 
 
 def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:

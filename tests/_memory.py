@@ -6,6 +6,7 @@ allocations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -24,12 +25,16 @@ class StorageTracker(TorchDispatchMode):
     storage appears, so the peak is measured then.
     """
 
-    def __init__(self, existing: tuple[Tensor, ...] = ()) -> None:
+    def __init__(
+        self, existing: tuple[Tensor, ...] = (), ignore: Callable[[Tensor], bool] | None = None
+    ) -> None:
         """``existing``: tensors made before tracking (inputs) whose storages never count, even
-        when an op returns a view of them."""
+        when an op returns a view of them. ``ignore``: tensors whose storage never counts (the
+        disk tier's file-backed tensors, say)."""
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
         self._existing = {t.untyped_storage()._cdata for t in existing}
+        self._ignore = ignore
         self.peak = 0
 
     def live(self) -> int:
@@ -40,7 +45,7 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
-                if storage._cdata in self._existing:
+                if storage._cdata in self._existing or (self._ignore and self._ignore(t)):
                     continue
                 known = self.storages.get(storage._cdata)
                 if known is None or known[0].expired():

@@ -30,6 +30,8 @@ from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
 from tests._ranks import run_ranks
 from tests.models import GPT, Block
 
+pytestmark = pytest.mark.stage3  # files on disk: the stage plays no part
+
 RANK_FILE = "rank-00001-of-00002.safetensors"
 
 

@@ -40,6 +40,8 @@ from shardwrap._checksum import buffer_checksum
 from tests._ranks import run_ranks
 from tests.models import GPT, Block
 
+pytestmark = pytest.mark.stage3  # files on disk: the stage plays no part
+
 
 def _model() -> ShardedModule:
     torch.manual_seed(0)

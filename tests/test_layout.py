@@ -15,6 +15,8 @@ import torch
 
 from shardwrap._layout import FlatLayout, LocalPiece
 
+pytestmark = pytest.mark.stage3  # pure arithmetic: no stage involved
+
 WORLD_SIZES = range(1, 65)
 
 NUMELS: list[tuple[int, ...]] = [

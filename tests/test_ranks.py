@@ -15,6 +15,8 @@ from torch.distributed import ProcessGroup, ReduceOp, ReduceScatterOptions
 
 from tests._ranks import run_ranks
 
+pytestmark = pytest.mark.stage3  # the test runner itself: no stage involved
+
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_collectives_give_right_values(world_size: int) -> None:

