@@ -1,0 +1,252 @@
+"""Train a GPT larger than memory with the disk tier, and set its step time against its floors.
+
+    python benchmarks/offload_disk.py [--width 2560] [--depth 24] [--steps 3] [--out FILE]
+
+Three parts, each under ``torchrun --nproc_per_node=2`` where it trains:
+
+1. The disk's bandwidth, measured here: a 2 GiB file written and fsynced, then read back
+   after its pages are evicted from the page cache.
+2. The disk tier: a GPT built on the meta device, wrapped with
+   ``Offload(device="disk", path=...)`` under a temporary folder, AdamW (fused), the same batch
+   every step (so the loss falls). Per step and rank: wall time, bytes read and written
+   (``/proc/self/io``), the peak of anonymous memory (``RssAnon``, sampled every 20 ms, so the
+   page cache is not counted); free disk before and after.
+3. The compute floor: the same width at depth 2, in memory, the same batch; its step time
+   scaled by the ratio of parameters. The I/O floor: the bytes one step moves on both ranks
+   divided by the measured bandwidths.
+
+Prints a report and, with ``--out``, writes it. The temporary folders are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _io() -> tuple[int, int]:
+    fields = dict(
+        line.split(": ") for line in Path("/proc/self/io").read_text().splitlines() if ": " in line
+    )
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+class _PeakAnon:
+    """The peak of ``RssAnon`` since the last :meth:`reset`, sampled on a thread."""
+
+    def __init__(self) -> None:
+        self.peak = _rss_anon()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _rss_anon())
+
+    def reset(self) -> None:
+        self.peak = _rss_anon()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of the disk-tier run (``--worker disk``) or of the in-memory floor run."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    from shardwrap import Offload, ShardedModule
+    from tests.models import GPT, Block
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    peak = _PeakAnon()
+    depth = args.depth if args.worker == "disk" else 2
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(
+            vocab=256, width=args.width, heads=args.width // 128, depth=depth, context=args.context
+        )
+    n_params = sum(p.numel() for p in model.parameters())
+    offload = Offload(device="disk", path=args.store) if args.worker == "disk" else None
+    start = time.perf_counter()
+    model = ShardedModule(model, auto_wrap=Block, offload=offload)
+    built = time.perf_counter() - start
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(256, (args.batch, args.context + 1), generator=g)
+    steps = []
+    for _ in range(args.steps):
+        peak.reset()
+        read0, written0 = _io()
+        t = time.perf_counter()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        took = time.perf_counter() - t
+        read1, written1 = _io()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        steps.append(
+            {
+                "step_s": took,
+                "loss": mean.item() / dist.get_world_size(),
+                "read_bytes": read1 - read0,
+                "written_bytes": written1 - written0,
+                "peak_rss_anon": peak.peak,
+            }
+        )
+        if rank == 0:
+            print(json.dumps(steps[-1]), flush=True)
+    store = model._shardwrap_root.store
+    result = {
+        "rank": rank,
+        "n_params": n_params,
+        "build_s": built,
+        "store_bytes": store.nbytes if store is not None else 0,
+        "steps": steps,
+    }
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def _bandwidth(folder: Path) -> tuple[float, float]:
+    """Sequential write (fsynced) and cold read bandwidth of ``folder``'s disk, bytes/s."""
+    path = folder / "bandwidth.bin"
+    block = os.urandom(64 * 2**20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(32):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = 32 * len(block) / (time.perf_counter() - start)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 * 2**20):
+            pass
+    read = 32 * len(block) / (time.perf_counter() - start)
+    path.unlink()
+    return write, read
+
+
+def _launch(args: argparse.Namespace, kind: str, result: Path, store: Path) -> list[dict]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        __file__, "--worker", kind, "--result", str(result), "--store", str(store),
+        "--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps),
+        "--batch", str(args.batch), "--context", str(args.context),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=2560)
+    parser.add_argument("--depth", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", choices=["disk", "memory"])
+    parser.add_argument("--result")
+    parser.add_argument("--store")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+        folder = Path(tmp)
+        write_bw, read_bw = _bandwidth(folder)
+        free_before = shutil.disk_usage(folder).free
+        disk = _launch(args, "disk", folder / "disk.json", folder / "store")
+        free_during = free_before - sum(r["store_bytes"] for r in disk)
+        memory = _launch(args, "memory", folder / "memory.json", folder / "unused")
+        free_after = shutil.disk_usage(folder).free
+    n_params, small = disk[0]["n_params"], memory[0]["n_params"]
+    last = [r["steps"][-1] for r in disk]
+    step_s = max(s["step_s"] for s in last)
+    moved_read = sum(s["read_bytes"] for s in last)
+    moved_written = sum(s["written_bytes"] for s in last)
+    compute_floor = (
+        statistics.median(
+            max(r["steps"][i]["step_s"] for r in memory) for i in range(1, args.steps)
+        )
+        * n_params
+        / small
+    )
+    io_floor = moved_read / read_bw + moved_written / write_bw
+    floor = max(compute_floor, io_floor)
+    losses = [s["loss"] for s in disk[0]["steps"]]
+    lines = [
+        f"# Disk tier: a {n_params / 1e9:.2f}B-parameter GPT on 2 ranks",
+        "",
+        f"Date {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"GPT width {args.width}, depth {args.depth}, batch {args.batch} x {args.context} "
+        "tokens per rank, AdamW (fused), built on the meta device, "
+        f"`python benchmarks/offload_disk.py --width {args.width} --depth {args.depth} "
+        f"--steps {args.steps}`.",
+        "",
+        f"- Training state: {n_params * 16 / GIB:.1f} GiB (fp32 parameters, gradients, two AdamW "
+        f"moments); store on disk {sum(r['store_bytes'] for r in disk) / GIB:.1f} GiB; free disk "
+        f"{free_before / GIB:.1f} GiB before, {free_during / GIB:.1f} GiB during, "
+        f"{free_after / GIB:.1f} GiB after.",
+        f"- Disk measured: write {write_bw / 1e9:.2f} GB/s (fsynced), cold read "
+        f"{read_bw / 1e9:.2f} GB/s.",
+        f"- Wrapping (materialising into the store): {max(r['build_s'] for r in disk):.1f} s.",
+        f"- Loss by step: {', '.join(f'{v:.4f}' for v in losses)}.",
+        "",
+        "| step | step time (slowest rank) | read, both ranks | written, both ranks | "
+        "peak RssAnon per rank |",
+        "|---|---|---|---|---|",
+    ]
+    for i in range(args.steps):
+        rows = [r["steps"][i] for r in disk]
+        lines.append(
+            f"| {i + 1} | {max(s['step_s'] for s in rows):.1f} s | "
+            f"{sum(s['read_bytes'] for s in rows) / GIB:.1f} GiB | "
+            f"{sum(s['written_bytes'] for s in rows) / GIB:.1f} GiB | "
+            f"{max(s['peak_rss_anon'] for s in rows) / GIB:.2f} GiB |"
+        )
+    lines += [
+        "",
+        f"- Compute floor: {compute_floor:.1f} s (depth 2 in memory, "
+        f"{small / 1e6:.0f}M parameters, scaled by {n_params / small:.1f}).",
+        f"- I/O floor of the last step: {io_floor:.1f} s (its bytes over the measured bandwidths).",
+        f"- Last step against the larger floor: {step_s / floor:.2f}x (target 1.3x).",
+    ]
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+
+
+if __name__ == "__main__":
+    main()
