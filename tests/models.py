@@ -298,3 +298,27 @@ def tiny_qwen2_config() -> Any:
         max_position_embeddings=32,
         tie_word_embeddings=True,
     )
+
+
+def hf_gpt2_lm() -> tuple[nn.Module, type]:
+    """A seeded tiny ``GPT2LMHeadModel`` and its layer class (what ``auto_wrap`` takes)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    return model, transformers.models.gpt2.modeling_gpt2.GPT2Block
+
+
+def hf_bert_mlm() -> tuple[nn.Module, type]:
+    """A seeded tiny ``BertForMaskedLM`` and its layer class."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(tiny_bert_config())
+    return model, transformers.models.bert.modeling_bert.BertLayer
+
+
+def hf_ids(step: int, batch: int, length: int) -> Tensor:
+    """Token ids for step ``step``, the same on every rank (each takes its slice)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(2, HF_VOCAB, (batch, length), generator=g)

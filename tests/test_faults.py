@@ -11,10 +11,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m faults tests/test_faults.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,28 +20,16 @@ import torch
 
 from shardwrap import ShardedModule, latest_checkpoint, load_checkpoint
 from tests.models import GPT, Block
+from tests.test_torchrun import launch
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 5
 LIMIT_S = 60  # launch, two steps and a save, the timeout, torchrun tearing down: well under
 
 
 def _launch(case: str, work: Path) -> tuple[int, float, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "tests/scripts/faults.py",
-        case,
-        str(work),
-        str(TIMEOUT_S),
-    ]
     start = time.monotonic()
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S + 60
+    proc = launch(
+        "tests/scripts/faults.py", case, str(work), str(TIMEOUT_S), timeout=LIMIT_S + 60
     )
     return proc.returncode, time.monotonic() - start, proc.stdout + proc.stderr
 

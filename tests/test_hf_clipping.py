@@ -21,32 +21,18 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import transformers
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
 from tests._ranks import run_ranks
-from tests.models import HF_VOCAB, tiny_bert_config, tiny_gpt2_config
+from tests.models import hf_bert_mlm, hf_gpt2_lm, hf_ids
 
 WORLD, STEPS, GLOBAL_BATCH, LENGTH = 2, 3, 4, 12
 
 
-def _gpt2() -> tuple[nn.Module, type]:
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
-    return model, transformers.models.gpt2.modeling_gpt2.GPT2Block
-
-
-def _bert() -> tuple[nn.Module, type]:
-    torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(tiny_bert_config())
-    return model, transformers.models.bert.modeling_bert.BertLayer
-
-
 def _batch(step: int) -> Tensor:
-    g = torch.Generator().manual_seed(step)
-    return torch.randint(2, HF_VOCAB, (GLOBAL_BATCH, LENGTH), generator=g)
+    return hf_ids(step, GLOBAL_BATCH, LENGTH)
 
 
 def _loss(model: nn.Module, ids: Tensor) -> Tensor:
@@ -70,7 +56,7 @@ def _train(
     return totals, per_param
 
 
-@pytest.mark.parametrize("family", [_gpt2, _bert], ids=["gpt2", "bert"])
+@pytest.mark.parametrize("family", [hf_gpt2_lm, hf_bert_mlm], ids=["gpt2", "bert"])
 @pytest.mark.parametrize(
     ("norm_type", "foreach"), [(2.0, None), (2.0, True), (1.0, None), (float("inf"), True)]
 )

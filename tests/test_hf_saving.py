@@ -23,32 +23,18 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
 from tests._ranks import run_ranks
-from tests.models import HF_VOCAB, tiny_bert_config, tiny_gpt2_config
+from tests.models import hf_bert_mlm, hf_gpt2_lm, hf_ids
 
 WORLD, STEPS, GLOBAL_BATCH, LENGTH = 2, 2, 4, 10
 
 
-def _gpt2() -> tuple[nn.Module, type]:
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
-    return model, transformers.models.gpt2.modeling_gpt2.GPT2Block
-
-
-def _bert() -> tuple[nn.Module, type]:
-    torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(tiny_bert_config())
-    return model, transformers.models.bert.modeling_bert.BertLayer
-
-
 def _batch(step: int) -> Tensor:
-    g = torch.Generator().manual_seed(step)
-    return torch.randint(2, HF_VOCAB, (GLOBAL_BATCH, LENGTH), generator=g)
+    return hf_ids(step, GLOBAL_BATCH, LENGTH)
 
 
 def _train(model: nn.Module, rank: int, world: int) -> None:
@@ -70,7 +56,7 @@ def _assert_loads_as(folder: Path, ref: nn.Module) -> None:
         )
 
 
-@pytest.mark.parametrize("family", [_gpt2, _bert], ids=["gpt2", "bert"])
+@pytest.mark.parametrize("family", [hf_gpt2_lm, hf_bert_mlm], ids=["gpt2", "bert"])
 @pytest.mark.parametrize("how", ["plain", "full_state_dict"])
 def test_save_pretrained_loads_back_as_the_trained_model(
     family: Any, how: str, tmp_path: Path
@@ -95,7 +81,7 @@ def test_save_pretrained_loads_back_as_the_trained_model(
 
 
 def test_shards_and_unsupported_options_are_refused(tmp_path: Path) -> None:
-    model, layer = _gpt2()
+    model, layer = hf_gpt2_lm()
 
     def fn(rank: int, pg: ProcessGroup) -> int:
         m = ShardedModule(copy.deepcopy(model), auto_wrap=layer, process_group=pg)

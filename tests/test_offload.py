@@ -8,6 +8,7 @@ whole global batch:
 - parity at world sizes 1 and 2: SGD with momentum (parameters within 1e-5, momentum made from
   the gradient), AdamW (losses within 1e-5), a tied GPT and a model with frozen parameters; a
   model built on the meta device materialised into the store; resuming from a checkpoint;
+  exporting, streamed from the store;
 - the optimizer state and the gradients live in the store's files;
 - the memory a rank holds outside the store (allocation tracking during training steps) does
   not grow with the model's depth, while without offload it does;
@@ -26,10 +27,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwrap import Offload, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap import Offload, ShardedModule, export, load_checkpoint, save_checkpoint
 from tests._memory import StorageTracker
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, FrozenPart, LoRALinear, make_batch
@@ -149,6 +151,9 @@ def test_meta_model_materialises_into_the_store_and_resumes(tmp_path: Path) -> N
         )
         again_opt = _adamw(again.parameters())
         load_checkpoint(tmp_path / "ckpt", again, again_opt)
+        export(tmp_path / "export", again)  # streamed from the store, one unit at a time
+        exported = load_file(tmp_path / "export" / "model.safetensors")
+        torch.testing.assert_close(exported, m.full_state_dict(), atol=0, rtol=0)
         first = [loss.item()]
         rest = []
         for model, opt_, out in ((m, opt, first), (again, again_opt, rest)):

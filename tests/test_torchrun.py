@@ -19,8 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> None:
-    """Run ``script`` under ``torchrun --standalone`` (a free port each time); fail on error."""
+def launch(
+    script: str, *args: str, nproc: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under ``torchrun --standalone`` (a free port each time), however it ends."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [
         sys.executable,
@@ -31,8 +33,13 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> N
         script,
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> None:
+    """Run ``script`` under ``torchrun``; fail on error."""
+    proc = launch(script, *args, nproc=nproc, timeout=timeout)
+    assert proc.returncode == 0, f"{script} {args} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
 @pytest.mark.process
