@@ -233,19 +233,23 @@ def tiny_gpt2_config(**overrides: Any) -> Any:
     return transformers.GPT2Config(**{**fields, **overrides})
 
 
+# A decoder of grouped-query attention (3 heads, 1 key-value head), 2 layers of width 36.
+_TINY_DECODER = dict(
+    vocab_size=HF_VOCAB,
+    hidden_size=36,
+    intermediate_size=52,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+)
+
+
 def tiny_llama_config() -> Any:
     """Llama with grouped-query attention (3 heads, 1 key-value head), 2 layers of width 36."""
     import transformers
 
-    return transformers.LlamaConfig(
-        vocab_size=HF_VOCAB,
-        hidden_size=36,
-        intermediate_size=52,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    return transformers.LlamaConfig(**_TINY_DECODER)
 
 
 def tiny_t5_config() -> Any:
@@ -288,16 +292,7 @@ def tiny_qwen2_config() -> Any:
     """Qwen2 (grouped-query attention with biases, head tied to the embedding), 2 layers."""
     import transformers
 
-    return transformers.Qwen2Config(
-        vocab_size=HF_VOCAB,
-        hidden_size=36,
-        intermediate_size=52,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
+    return transformers.Qwen2Config(**_TINY_DECODER, tie_word_embeddings=True)
 
 
 def hf_gpt2_lm() -> tuple[nn.Module, type]:

@@ -35,6 +35,7 @@ from transformers.models.t5.modeling_t5 import T5Block
 from shardwrap import ShardedModule
 from tests._ranks import run_ranks
 from tests.models import HF_VOCAB, tiny_llama_config, tiny_qwen2_config, tiny_t5_config
+from tests.test_parity import train_steps
 
 WORLD, STEPS, GLOBAL_BATCH = 2, 3, 4
 SOURCE, TARGET = 10, 6
@@ -83,18 +84,8 @@ def _loss(model: nn.Module, source: Tensor, target: Tensor) -> Tensor:
 
 def _train(model: nn.Module, rank: int, world: int, pg: ProcessGroup | None) -> list[float]:
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for source, target in _batches():
-        loss = _loss(model, source.chunk(world)[rank], target.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if pg is not None:
-            pg.allreduce([total]).wait()
-        losses.append(total.item() / world)
-    return losses
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    return train_steps(model, rank, world, pg, sgd, _batches(), _loss)
 
 
 def _sharded_runs(

@@ -29,6 +29,7 @@ from shardwrap import ShardedModule, load_pretrained
 from tests._hybrid import hybrid_mesh
 from tests._ranks import run_ranks
 from tests.models import HF_VOCAB, tiny_bert_config, tiny_llama_config
+from tests.test_parity import train_steps
 
 STEPS, GLOBAL_BATCH, LENGTH = 3, 8, 10
 
@@ -50,20 +51,14 @@ def _batch(step: int) -> Tensor:
     return torch.randint(2, HF_VOCAB, (GLOBAL_BATCH, LENGTH), generator=g)
 
 
+def _lm_loss(model: nn.Module, ids: Tensor, labels: Tensor) -> Tensor:
+    return model(input_ids=ids, labels=labels).loss
+
+
 def _train(model: nn.Module, rank: int, world: int, pg: ProcessGroup | None) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step).chunk(world)[rank]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if pg is not None:
-            pg.allreduce([total]).wait()
-        losses.append(total.item() / world)
-    return losses
+    adamw = lambda params: torch.optim.AdamW(params, lr=3e-3)  # noqa: E731
+    batches = [(_batch(step), _batch(step)) for step in range(STEPS)]
+    return train_steps(model, rank, world, pg, adamw, batches, _lm_loss)
 
 
 @pytest.mark.parametrize("family", [_llama, _bert], ids=["llama", "bert"])

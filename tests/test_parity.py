@@ -69,7 +69,7 @@ class Trained:
     finished: Any  # what ``finish(model)`` returned after the last step
 
 
-def _train(
+def train_steps(
     model: nn.Module,
     rank: int,
     world_size: int,
@@ -101,7 +101,7 @@ def train_reference(
 ) -> Trained:
     """Train a deep copy of ``model`` unsharded, on every global batch whole."""
     ref = copy.deepcopy(model)
-    losses = _train(ref, 0, 1, None, make_optimizer, batches, loss_fn)
+    losses = train_steps(ref, 0, 1, None, make_optimizer, batches, loss_fn)
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     return Trained(losses, state, finish(ref) if finish else None)
 
@@ -125,7 +125,7 @@ def train_sharded(
     def fn(rank: int, pg: ProcessGroup | None) -> Trained:
         group = hybrid_mesh(pg) if hybrid else pg
         sharded = ShardedModule(copy.deepcopy(model), process_group=group, **wrap)
-        losses = _train(sharded, rank, world_size, pg, make_optimizer, batches, loss_fn)
+        losses = train_steps(sharded, rank, world_size, pg, make_optimizer, batches, loss_fn)
         state = sharded.full_state_dict()
         return Trained(losses, state, finish(sharded) if finish else None)
 
