@@ -34,14 +34,15 @@ class Checksum:
     def add(self, block: Tensor) -> None:
         """Add the next block: 1-D ``uint8`` on the CPU, 8-byte aligned, at most ``BLOCK``
         bytes (only the stream's last block may be shorter)."""
-        n = block.numel()
-        body = n // 8 * 8
-        total = int(block[:body].view(torch.int64).sum()) if body else 0
-        if body < n:
-            total += int.from_bytes(bytes(block[body:].tolist()), "little")
-        self._fold(total)
+        body = block.numel() // 8 * 8
+        words = block[:body].view(torch.int64) if body else None
+        self.add_words(words, bytes(block[body:].tolist()))
 
-    def _fold(self, total: int) -> None:
+    def add_words(self, words: Tensor | None, tail: bytes) -> None:
+        """Add the next block given as its 64-bit words and the bytes after the last whole
+        word (fewer than 8, zero-padded into one more word)."""
+        total = int(words.sum()) if words is not None else 0
+        total += int.from_bytes(tail, "little")
         self._a = (self._a + total) & _MASK
         self._b = (self._b + self._a) & _MASK
 
@@ -71,14 +72,10 @@ def buffer_checksum(buffer: bytes | mmap.mmap | Any, offset: int = 0, nbytes: in
         for at in range(0, nbytes, BLOCK):
             n = min(BLOCK, nbytes - at)
             body = n // 8 * 8
-            total = 0
-            if body:
-                words = torch.frombuffer(
-                    buffer, dtype=torch.int64, count=body // 8, offset=offset + at
-                )
-                total = int(words.sum())
-            if body < n:
-                start = offset + at + body
-                total += int.from_bytes(bytes(buffer[start : offset + at + n]), "little")
-            digest._fold(total)
+            words = (
+                torch.frombuffer(buffer, dtype=torch.int64, count=body // 8, offset=offset + at)
+                if body
+                else None
+            )
+            digest.add_words(words, bytes(buffer[offset + at + body : offset + at + n]))
     return digest.hexdigest()

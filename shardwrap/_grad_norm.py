@@ -50,12 +50,6 @@ def _nothing() -> None:
     return None
 
 
-class _NoOwner:
-    store = None
-
-
-_NO_OWNER = _NoOwner()
-
 
 def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
     """``view`` (sharing its memory) typed as a :class:`ShardGrad` of ``owner``'s group."""
@@ -127,9 +121,9 @@ class ShardGrad(Tensor):
         order = _norm_order(func, args, kwargs)
         if order is not None:
             return _local_norms(func, order, args, kwargs)
-        store = getattr(args[0], "_shardwrap_owner", _NO_OWNER).store if args else None
-        if store is not None:
-            stored = _stored_from_grad(store, func, args, kwargs)
+        owner = getattr(args[0], "_shardwrap_owner", None) if args else None
+        if owner is not None and owner.store is not None:
+            stored = _stored_from_grad(owner.store, func, args, kwargs)
             if stored is not None:
                 return stored
         with _DisableSubclass():

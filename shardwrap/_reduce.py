@@ -103,9 +103,9 @@ class Reductions:
                 self._complete_oldest()
             group = self.order[i]
             grad = group.take_grad()
-            fresh = all(p.grad is None for p in group.shard_params)
-            if group.stored_grad is not None and fresh:
-                out = group.stored_grad  # the disk tier: straight into the store
+            stored = group.stored_grad
+            if stored is not None and all(p.grad is None for p in group.shard_params):
+                out = stored  # the disk tier: straight into the store
             else:
                 out = torch.empty_like(group.shard, dtype=group.grad_dtype)
             work = reduce_scatter(out, grad, self.mesh.shard, self.stats)
