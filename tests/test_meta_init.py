@@ -37,11 +37,11 @@ from tests.test_parity import (
     GPT_BATCHES,
     HF_BATCHES,
     STEPS,
-    _train,
     gpt_loss,
     hf_loss,
     sgd,
     train_reference,
+    train_steps,
 )
 
 SEED = 1234
@@ -240,7 +240,7 @@ def test_meta_initialised_model_trains_like_plain_model_with_its_weights(
 ) -> None:
     def train(model: nn.Module, rank: int, pg: ProcessGroup | None) -> tuple:
         start = model.full_state_dict()
-        losses = _train(model, rank, world_size, pg, sgd, GPT_BATCHES, gpt_loss)
+        losses = train_steps(model, rank, world_size, pg, sgd, GPT_BATCHES, gpt_loss)
         return start, losses, model.full_state_dict()
 
     runs = wrap_on_ranks(on_meta(lambda: GPT(tied=tied)), world_size, train, auto_wrap=Block)
@@ -384,7 +384,7 @@ def test_hf_gpt2_initialises_with_its_init_weights_and_trains() -> None:
 
     def train(model: nn.Module, rank: int, pg: ProcessGroup | None) -> tuple:
         start = model.full_state_dict()
-        losses = _train(model, rank, 2, pg, sgd, HF_BATCHES, hf_loss)
+        losses = train_steps(model, rank, 2, pg, sgd, HF_BATCHES, hf_loss)
         return start, losses, model.full_state_dict()
 
     torch.manual_seed(SEED)
