@@ -15,7 +15,11 @@ typed so that those calls allocate in the store instead.
 
 Files are created with ``posix_fallocate``, so a full disk fails when the store is made (a
 clear ``OSError``), never later as a signal inside a mapped write; a lock file keeps two runs
-from sharing a store.
+from sharing a store. A mapping outlives its file being deleted (the state would vanish
+unseen) or replaced, and touching a mapped page past a truncated file's end kills the process
+with ``SIGBUS``; so every forward, backward and optimizer step first checks each file by path
+(one ``stat``: the same inode, at least the mapped size) and raises :class:`StoreError`
+before anything reads the store.
 """
 
 from __future__ import annotations
@@ -24,17 +28,28 @@ import fcntl
 import mmap
 import os
 import shutil
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Offload", "Store", "StoredParam", "offload_warning", "stored_like", "stored_param"]
+__all__ = [
+    "Offload",
+    "Store",
+    "StoreError",
+    "StoredParam",
+    "offload_warning",
+    "stored_like",
+    "stored_param",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +83,23 @@ class Offload:
             raise ValueError('Offload.path is for device="disk"; the cpu tier keeps no files.')
 
 
+class StoreError(RuntimeError):
+    """A file of the disk tier's store was deleted, replaced or truncated while its model lives.
+
+    Raised on the rank that sees it, before the store is read; the model's state can no longer
+    be trusted. Other ranks wait in their next collective and raise
+    :class:`~shardwrap.CollectiveFailed` once the process group's timeout passes.
+    """
+
+
+class _File(NamedTuple):
+    """A store file as made: where it is, which inode it is, how many bytes are mapped."""
+
+    path: Path
+    inode: tuple[int, int]  # (st_dev, st_ino)
+    nbytes: int
+
+
 class Store:
     """One rank's files of the disk tier: tensors backed by preallocated, mapped files.
 
@@ -94,7 +126,9 @@ class Store:
         for stale in self.folder.glob("*.bin"):  # left by a run that was killed
             stale.unlink()
         self._maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
+        self._files = [_File(self.folder / "lock", _inode(os.fstat(self._lock.fileno())), 0)]
         self.nbytes = 0
+        _STEP_HOOK.hold()
 
     def tensor(self, numel: int, dtype: torch.dtype, name: str = "") -> Tensor:
         """A new 1-D tensor of ``numel`` zeros whose memory is a file of this store.
@@ -120,6 +154,7 @@ class Store:
                     "store); free space or choose a larger disk",
                 ) from e
             mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            self._files.append(_File(path, _inode(os.fstat(fd)), nbytes))
         finally:
             os.close(fd)
         self._maps.append((_address(mapped), nbytes, mapped))
@@ -143,11 +178,45 @@ class Store:
                 return mapped
         return None
 
+    def check(self) -> None:
+        """Check that every file of the store is still the one mapped, whole (a ``stat`` each).
+
+        Raises:
+            StoreError: a file was deleted (or moved away), replaced by another file, or
+                truncated; touching its mapping could end the process with ``SIGBUS``.
+        """
+        for file in self._files:
+            try:
+                st = os.stat(file.path)
+            except FileNotFoundError:
+                self._fail(file, "was deleted (or moved away)")
+            if _inode(st) != file.inode:
+                self._fail(file, "was replaced by another file")
+            if st.st_size < file.nbytes:
+                self._fail(file, f"was truncated to {st.st_size} of its {file.nbytes} bytes")
+
+    def _fail(self, file: _File, what: str) -> None:
+        role = "lock" if file.nbytes == 0 else "training state"
+        raise StoreError(
+            f"Offload: the store file {file.path} ({role}) {what} while the model is live, so "
+            "this rank's training state can no longer be trusted. The store is not a place to "
+            "clean up while a run is live: keep cleaners (rm, tmpwatch, systemd-tmpfiles) and "
+            "other programs out of Offload.path, and restart from the last checkpoint."
+        )
+
     def close(self) -> None:
         """Release the lock and delete the files (the model is being freed)."""
+        if self._lock.closed:
+            return
         self._maps.clear()
+        self._files.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
         self._lock.close()
+        _STEP_HOOK.release()
+
+
+def _inode(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _address(mapped: mmap.mmap) -> int:
@@ -236,3 +305,44 @@ def stored_param(data: Tensor, requires_grad: bool, store: Store) -> StoredParam
     param = StoredParam(data, requires_grad)
     param._shardwrap_store = store
     return param
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimizer's step: check the stores of the disk tier's shard parameters."""
+    stores: dict[int, Store] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, StoredParam):
+                stores[id(p._shardwrap_store)] = p._shardwrap_store
+    for store in stores.values():
+        store.check()
+
+
+class _StepHook:
+    """torch's step pre-hook for all optimizers, registered while at least one store lives.
+
+    NOTE: process-wide by necessity (a model never sees the optimizers built over its
+    parameters), but inert for any group without shard parameters of the disk tier, so
+    models and optimizers in one process do not affect each other through it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handle: RemovableHandle | None = None
+
+    def hold(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._handle is None:
+                self._handle = register_optimizer_step_pre_hook(_before_step)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
+
+_STEP_HOOK = _StepHook()

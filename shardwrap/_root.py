@@ -180,6 +180,7 @@ class Root:
             unit.use_full(torch.is_grad_enabled())
             return
         if unit is self.root:
+            self.check_store()
             self.phase = Phase.FORWARD
             self.schedule.passes += 1
             self._recording = []
@@ -339,6 +340,7 @@ class Root:
     # backward ------------------------------------------------------------------------
 
     def _start_backward(self) -> None:
+        self.check_store()
         self.phase = Phase.BACKWARD
         self._recording = []
         self._backward_seen = set()
@@ -440,6 +442,13 @@ class Root:
         self._stop_saving()
         self._leave_backward()
 
+    def check_store(self) -> None:
+        """Before a forward, a backward or a call that reads every unit: check the disk tier's
+        files (``Store.check``; it raises ``StoreError`` naming a file that was deleted,
+        replaced or truncated, before anything touches its mapping)."""
+        if self.store is not None:
+            self.store.check()
+
     # gathering -----------------------------------------------------------------------
 
     def _ensure_gathered(self, unit: Unit, backward: bool) -> None:
@@ -516,6 +525,7 @@ class Root:
         self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
+        self.check_store()
         self.schedule.enter("gathered")
         for unit in self.units:
             unit.reshard()

@@ -258,6 +258,7 @@ class ShardedModule(nn.Module):
         """
         root = self._shardwrap_root
         root.settle()
+        root.check_store()
         root.schedule.enter("full_state_dict")
         keep = not rank0_only or root.mesh.rank == 0
         full: dict[int, Tensor] = {}

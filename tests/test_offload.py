@@ -13,7 +13,10 @@ whole global batch:
 - the memory a rank holds outside the store (allocation tracking during training steps) does
   not grow with the model's depth, while without offload it does;
 - errors: a stage other than 3, a store folder another live model holds, a malformed
-  ``Offload``; the cpu tier on a CPU device says it changes nothing.
+  ``Offload``; the cpu tier on a CPU device says it changes nothing; a store file deleted,
+  replaced or truncated under a live model raises ``StoreError`` naming it at the next
+  forward, backward or step, before anything reads it (truncation in a subprocess, where a
+  missed check would be a ``SIGBUS``), and the other rank fails within the group's timeout.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_offload.py -q``
 """
@@ -21,6 +24,10 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_offload.py -q``
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +38,15 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwrap import Offload, ShardedModule, export, load_checkpoint, save_checkpoint
+from shardwrap import (
+    CollectiveFailed,
+    Offload,
+    ShardedModule,
+    export,
+    load_checkpoint,
+    save_checkpoint,
+)
+from shardwrap._offload import StoreError
 from tests._memory import StorageTracker
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, FrozenPart, LoRALinear, make_batch
@@ -214,3 +229,108 @@ def test_bad_offload_is_refused(tmp_path: Path) -> None:
     del first
     with pytest.warns(UserWarning, match="changes nothing"):
         ShardedModule(GPT(), offload=Offload(device="cpu"))
+
+
+def _store_file(tmp_path: Path, kind: str) -> Path:
+    """One of the store's files: ``shard``, ``grad`` or ``tensor`` (optimizer state)."""
+    return sorted((tmp_path / "rank-00000").glob(f"{kind}-*.bin"))[1]
+
+
+def _replace(path: Path) -> None:
+    """Put another file of the same size at ``path``, as a copy-then-rename would."""
+    other = path.with_suffix(".new")
+    other.write_bytes(path.read_bytes())
+    other.replace(path)
+
+
+@pytest.mark.parametrize("damage", [os.remove, _replace])
+def test_a_store_file_deleted_or_replaced_under_a_live_model_is_named(
+    tmp_path: Path, damage: Callable[[Path], None]
+) -> None:
+    torch.manual_seed(0)
+    m = ShardedModule(GPT(), auto_wrap=Block, offload=Offload(device="disk", path=tmp_path))
+    opt = _adamw(m.parameters())
+    _train(m, opt, 0, 1)
+    what = "deleted" if damage is os.remove else "replaced"
+    x, y = make_batch(0, 2)
+
+    victim = _store_file(tmp_path, "tensor")  # optimizer state: found before the step
+    loss = m(x, y)
+    loss.backward()
+    damage(victim)
+    with pytest.raises(StoreError, match=f"{victim.name} .training state. was {what}"):
+        opt.step()
+    with pytest.raises(StoreError, match="restart from the last checkpoint"):
+        m(x, y)  # and at every later call
+
+
+def test_a_store_file_truncated_under_a_live_model_is_named_not_a_crash(tmp_path: Path) -> None:
+    # Touching a mapped page past a truncated file's end is SIGBUS: a missed check must fail
+    # this test, not kill the test run.
+    script = textwrap.dedent(
+        f"""
+        import os, pathlib, sys, torch
+        from shardwrap import Offload, ShardedModule
+        from shardwrap._offload import StoreError
+        from tests.models import GPT, Block, make_batch
+
+        def truncate(folder, kind):
+            path = sorted((folder / "rank-00000").glob(kind + "-*.bin"))[1]
+            os.truncate(path, 8)
+            return path.name
+
+        x, y = make_batch(0, 2)
+        for case, kind in (("forward", "shard"), ("backward", "grad"), ("step", "tensor")):
+            folder = pathlib.Path({str(tmp_path)!r}) / case
+            m = ShardedModule(GPT(), auto_wrap=Block, offload=Offload(device="disk", path=folder))
+            opt = torch.optim.AdamW(m.parameters())
+            m(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            try:
+                if case == "forward":
+                    name = truncate(folder, kind)
+                    m(x, y)
+                loss = m(x, y)
+                if case == "backward":
+                    name = truncate(folder, kind)
+                loss.backward()
+                name = truncate(folder, kind)
+                opt.step()
+            except StoreError as e:
+                assert name in str(e) and "truncated to 8 of its" in str(e), str(e)
+                print(case, "named")
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stdout.split() == ["forward", "named", "backward", "named", "step", "named"]
+
+
+def test_the_other_rank_fails_within_the_timeout_when_one_finds_its_store_damaged(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        offload = Offload(device="disk", path=tmp_path)
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, offload=offload)
+        x, y = make_batch(0, 2)
+        m(x, y).backward()
+        if rank == 0:
+            os.remove(_store_file(tmp_path, "shard"))
+        with pytest.raises((StoreError, CollectiveFailed)) as raised:
+            m(x, y)
+        return type(raised.value).__name__
+
+    # The groups' timeout is 2 s; run_ranks fails a run still going after 4 s.
+    assert run_ranks(2, fn, timeout=4.0) == ["StoreError", "CollectiveFailed"]
