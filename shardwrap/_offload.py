@@ -20,6 +20,11 @@ unseen) or replaced, and touching a mapped page past a truncated file's end kill
 with ``SIGBUS``; so every forward, backward and optimizer step first checks each file by path
 (one ``stat``: the same inode, at least the mapped size) and raises :class:`StoreError`
 before anything reads the store.
+
+Optimizer steps: torch picks its fast multi-tensor path only for plain ``Parameter`` types,
+so for the shard parameters it would fall back to a per-tensor loop several times slower. A
+step pre-hook, held while any store lives, turns on the fused kernel for groups of shard
+parameters that left ``fused`` and ``foreach`` unset (:func:`prefer_fused`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = [
     "StoreError",
     "StoredParam",
     "offload_warning",
+    "prefer_fused",
     "stored_like",
     "stored_param",
 ]
@@ -307,15 +313,49 @@ def stored_param(data: Tensor, requires_grad: bool, store: Store) -> StoredParam
     return param
 
 
+# torch's optimizers that have a fused kernel for CPU tensors, and their subclasses.
+_FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """Turn on the fused kernel for ``group`` where the user left the choice to torch.
+
+    1. The optimizer is one of torch's with a fused CPU kernel (Adam, AdamW, SGD, Adagrad, or
+       a subclass), the group left ``fused`` and ``foreach`` unset (``None``), is not
+       ``differentiable``, and all its parameters are floating point on the CPU: ``fused``
+       becomes ``True``. State made before (a step already taken, a checkpoint loaded) keeps
+       working: each ``step`` count becomes the fp32 tensor the fused kernels count in.
+    2. Anything else, an explicit ``fused=False`` or ``foreach=...`` included: unchanged.
+    """
+    if (
+        not isinstance(optimizer, _FUSED_OPTIMIZERS)
+        or group.get("fused", False) is not None
+        or group.get("foreach", False) is not None
+        or group.get("differentiable", False)
+        or not all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"])
+    ):
+        return
+    for p in group["params"]:
+        state = optimizer.state.get(p)
+        if state and "step" in state:
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+    group["fused"] = True
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before any optimizer's step: check the stores of the disk tier's shard parameters."""
+    """Before any optimizer's step: for groups holding shard parameters of the disk tier,
+    prefer the fused kernel and check their stores' files."""
     stores: dict[int, Store] = {}
+    groups = []
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            if isinstance(p, StoredParam):
-                stores[id(p._shardwrap_store)] = p._shardwrap_store
+        held = [p._shardwrap_store for p in group["params"] if isinstance(p, StoredParam)]
+        if held:
+            stores.update((id(store), store) for store in held)
+            groups.append(group)
     for store in stores.values():
         store.check()
+    for group in groups:
+        prefer_fused(optimizer, group)
 
 
 class _StepHook:
