@@ -8,6 +8,7 @@ shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 from ._checkpoint import latest_checkpoint, save_checkpoint
 from ._checkpoint_load import load_checkpoint
 from ._collectives import CollectiveFailed, CommStats
+from ._estimate import estimate_memory
 from ._export import export, load_pretrained
 from ._grad_scaler import ShardedGradScaler
 from ._mesh import Mesh
@@ -23,6 +24,7 @@ __all__ = [
     "Offload",
     "ShardedGradScaler",
     "ShardedModule",
+    "estimate_memory",
     "export",
     "latest_checkpoint",
     "load_checkpoint",
