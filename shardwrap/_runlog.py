@@ -103,7 +103,7 @@ def _figures(run: Run) -> dict[str, str]:
         "spikes": str(run.count("spike")),
         "rollbacks": str(run.count("rollback")),
         "batches skipped": str(skipped),
-        "learning-rate scale": f"{scales[-1]:g}" if scales else "1",
+        "learning-rate scale, lowest": f"{min(scales):g}" if scales else "1",
         "resumes": str(run.count("resumed")),
         "steps abandoned": str(sum(len(a) for a in run.abandoned)),
     }
@@ -118,9 +118,8 @@ def require_matplotlib() -> None:
         ) from e
 
 
-_MARKS = {  # event -> colour, label
-    "spike": ("tab:red", "spike"),
-    "rollback": ("tab:orange", "rollback"),
+_MARKS = {  # event -> colour, label of a vertical line at its step
+    "rollback": ("tab:orange", "rolled back to"),
     "resumed": ("tab:green", "resumed"),
 }
 
@@ -137,17 +136,30 @@ def draw(folder: Path) -> None:
     x = [s["step"] for s in run.steps]
     fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for ax, key, label in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm", "gradient norm")):
-        for gone in run.abandoned:
-            ys = [s[key] for s in gone]
-            ax.plot([s["step"] for s in gone], _finite(ys), color="0.75", lw=0.8)
+        for n, gone in enumerate(run.abandoned):
+            ys = _finite([s[key] for s in gone])
+            ax.plot(
+                [s["step"] for s in gone], ys, color="0.7", lw=0.8, label="abandoned" * (n == 0)
+            )
         ax.plot(x, _finite([s[key] for s in run.steps]), color="tab:blue", lw=1, label=label)
+        spikes = [e for e in run.events if e["event"] == "spike"]
+        if spikes:
+            ax.scatter(
+                [e["spike_step"] for e in spikes],
+                _finite([e[key] for e in spikes]),
+                marker="x",
+                color="tab:red",
+                zorder=3,
+                label="spike (not applied)",
+            )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         _mark_events(ax, run)
     ax_grad.set_yscale("log")
     ax_grad.set_xlabel("step")
     ax_loss.set_title(f"{Path(folder).resolve().name}: grey, steps abandoned by a rollback")
-    handles = {h.get_label(): h for h in ax_loss.get_lines() + ax_loss.collections}
+    lines = ax_loss.get_lines() + ax_loss.collections
+    handles = {h.get_label(): h for h in lines if not h.get_label().startswith("_")}
     ax_loss.legend(handles.values(), handles.keys(), fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(Path(folder) / "loss.png", dpi=90)
@@ -175,8 +187,7 @@ def _mark_events(ax: Any, run: Run) -> None:
         kind = event["event"]
         if kind in _MARKS:
             colour, label = _MARKS[kind]
-            at = event.get("spike_step", event["step"])
-            ax.axvline(at, color=colour, ls="--", lw=1, label=label)
+            ax.axvline(event["step"], color=colour, ls="--", lw=1, label=label)
     saved = [e["step"] for e in run.events if e["event"] == "checkpoint"]
     if saved:
         ax.scatter(
