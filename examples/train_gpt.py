@@ -5,23 +5,21 @@
 
 Every ``Block`` becomes a shardwrap unit; each rank keeps 1/N of the parameters, gradients
 and AdamW state. Each rank trains on its own random windows of the corpus (the ``.py`` files
-of the standard library, or any file or folder given with ``--data``, read as bytes). Rank 0
-shows a progress bar, then a table of throughput and memory and a greedy sample, and writes
-``runs/<name>/``: ``metrics.jsonl`` (one line per step), ``loss.png`` and ``summary.json``.
+of the standard library, or any file or folder given with ``--data``, read as bytes), drawn
+from the data position the logbook gives, so that a rollback past a loss spike can skip them.
 
-Every ``--save-every`` steps all ranks save a sharded checkpoint to ``runs/<name>/checkpoints/``
-(the newest ``--keep-last`` kept); ``--resume`` continues a run from its latest one, at any
-number of ranks. The final model is exported to ``runs/<name>/model/model.safetensors``.
+A :class:`shardwrap.logbook.Logbook` keeps ``runs/<name>/``: ``logbook.jsonl``, ``loss.png``,
+``system.png`` and ``checkpoints/`` (every ``--save-every`` steps); rerunning with the same
+``--name`` (or ``--resume``: the newest run) continues it, at any number of ranks. At the end
+the model is exported to ``runs/<name>/model/model.safetensors``, rank 0 prints the run's
+summary and a sample drawn with a temperature and top-k.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import resource
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -31,10 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from tqdm import tqdm
 
 import shardwrap
 from shardwrap import ShardedModule
+from shardwrap.logbook import Logbook, summary
 
 
 class Block(nn.Module):
@@ -98,11 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, help="a file or folder; default: the stdlib's .py files")
     p.add_argument("--name", help="default: gpt-<time>; with --resume, the newest run")
     p.add_argument("--out-dir", type=Path, default=Path("runs"))
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps; 0: never")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints kept")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--sample-bytes", type=int, default=200)
-    p.add_argument("--prompt", default="\n\ndef ", help="start of the greedy sample")
+    p.add_argument("--print-every", type=int, default=25, help="a progress line every N steps")
+    p.add_argument("--resume", action="store_true", help="continue the newest run")
+    p.add_argument("--sample-bytes", type=int, default=300)
+    p.add_argument("--prompt", default="\n\ndef ", help="start of the closing sample")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -138,12 +139,6 @@ def run_name(args: argparse.Namespace) -> str:
     return time.strftime("gpt-%Y%m%d-%H%M%S")
 
 
-def peak_rss_bytes() -> int:
-    """This process's resident-set high-water mark (``ru_maxrss`` is KiB on Linux)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def lr_at(step: int, args: argparse.Namespace) -> float:
     warmup = max(1, args.steps // 20)
     if step < warmup:
@@ -153,13 +148,20 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: bytes, n: int, device: torch.device) -> bytes:
-    """Greedy continuation. Every rank must call it alike: each forward gathers the shards."""
+def sample(
+    model: GPT, prompt: bytes, n: int, args: argparse.Namespace, device: torch.device
+) -> bytes:
+    """Continue ``prompt`` by ``n`` bytes, each drawn from the ``top_k`` likeliest at
+    ``temperature``. Every rank must call it alike (each forward gathers the shards), with
+    the same seed, so that every rank draws the same bytes."""
     model.eval()
+    generator = torch.Generator(device).manual_seed(args.seed)
     idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     for _ in range(n):
-        logits = model(idx[:, -model.context :])
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        logits = model(idx[:, -model.context :])[:, -1] / args.temperature  # (1, vocab)
+        top, which = logits.topk(args.top_k)
+        pick = torch.multinomial(top.softmax(-1), 1, generator=generator)
+        idx = torch.cat([idx, which.gather(-1, pick)], dim=1)
     model.train()
     return bytes(idx[0, len(prompt) :].tolist())
 
@@ -171,20 +173,17 @@ def main(args: argparse.Namespace) -> None:
         dist.init_process_group(backend)
     else:  # plain `python examples/train_gpt.py`: one rank, the same code path
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     names = [run_name(args) if rank == 0 else ""]
     dist.broadcast_object_list(names, src=0)  # one run folder for all ranks
-    args.name = names[0]
+    out = args.out_dir / names[0]
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     corpus = load_corpus(args.data)
     windows = corpus.unfold(0, args.context + 1, 1)  # (n, T+1), a view
-    rng = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)  # own windows per rank
 
-    rss_before = peak_rss_bytes()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(args.width, args.depth, args.heads, args.context)
-    n_params = sum(p.numel() for p in model.parameters())
     decay = {n for n, p in model.named_parameters() if p.ndim >= 2}
     model = ShardedModule(model, auto_wrap=Block)
     device = model.wte.weight.device  # where shardwrap put the shards
@@ -197,135 +196,29 @@ def main(args: argparse.Namespace) -> None:
         lr=args.lr,
         betas=(0.9, 0.95),
     )
-
-    out = args.out_dir / args.name
-    checkpoints = out / "checkpoints"
-    first_step = 0
-    losses: list[float] = []
-    if args.resume:  # any world size: each rank reads the pieces its shards need
-        extra = shardwrap.load_checkpoint(checkpoints, model, opt)
-        first_step, losses = extra["step"], extra["losses"]
-        rng.set_state(extra["rng"])
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        previous = out / "metrics.jsonl"
-        kept = previous.read_text().splitlines()[:first_step] if previous.is_file() else []
-        metrics = open(previous, "w")
-        metrics.writelines(line + "\n" for line in kept)
-        print(f"{n_params:,} parameters; {len(corpus):,} bytes of corpus; {world} ranks, {device}")
-        if args.resume:
-            print(f"resumed from step {first_step} ({shardwrap.latest_checkpoint(checkpoints)})")
-    tokens_per_step = world * args.batch * args.context
-    bar = tqdm(
-        range(first_step, args.steps),
-        initial=first_step,
-        total=args.steps,
-        disable=rank != 0,
-        unit="step",
-        dynamic_ncols=True,
-    )
-    start = last = time.perf_counter()
-    for step in bar:
-        lr = lr_at(step, args)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(len(windows), (args.batch,), generator=rng)
-        batch = windows[starts].to(device, torch.long)  # (B, T+1)
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        model.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-        now = time.perf_counter()
-        tokens_per_s, last = tokens_per_step / (now - last), now
-        if rank == 0:
-            record = dict(step=step + 1, loss=losses[-1], lr=lr, tokens_per_s=tokens_per_s)
-            metrics.write(json.dumps({**record, "elapsed": now - start}) + "\n")
-            metrics.flush()
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-        done = step + 1
-        if args.save_every and (done % args.save_every == 0 or done == args.steps):
-            shardwrap.save_checkpoint(
-                checkpoints / f"step-{done:06d}",
-                model,
-                opt,
-                keep_last=args.keep_last,
-                step=done,
-                losses=losses,
-                rng=rng.get_state(),
+        print(f"{out}: {len(corpus):,} bytes of corpus, {dist.get_world_size()} ranks, {device}")
+    every = dict(save_every=args.save_every, print_every=args.print_every)
+    with Logbook(out, model, opt, keep_last=args.keep_last, clip=1.0, **every) as book:
+        for step in book.steps(args.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args)
+            draw = torch.Generator().manual_seed(
+                args.seed * 1_000_003 + book.position * 1009 + rank
             )
-            last = time.perf_counter()  # the save does not count against the next step
-    bar.close()
-    train_s = time.perf_counter() - start
+            starts = torch.randint(len(windows), (args.batch,), generator=draw)
+            batch = windows[starts].to(device, torch.long)  # (B, T+1)
+            loss = model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            book.step(loss, tokens=batch[:, 1:].numel(), samples=starts.tolist())
     shardwrap.export(out / "model", model)  # one consolidated model.safetensors
-
-    # This rank's shards of parameters, gradients (as large, while they exist) and AdamW state.
-    held = sum(t.nbytes for _, p in named for t in [p, p, *opt.state[p].values()] if t.ndim > 0)
-    if cuda:
-        memory = {"peak allocated": torch.cuda.max_memory_allocated(device)}
-    else:
-        peak = peak_rss_bytes()
-        memory = {"peak RSS": peak, "RSS before model": rss_before}
-        memory["peak RSS - RSS before model"] = peak - rss_before
-    per_rank: list[dict] = [{}] * world
-    dist.all_gather_object(per_rank, {"params+grads+AdamW held": held, **memory})
-    sample = generate(model, args.prompt.encode(), args.sample_bytes, device)
-
+    text = sample(model, args.prompt.encode(), args.sample_bytes, args, device)
     if rank == 0:
-        metrics.close()
-        summary = {
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "world_size": world,
-            "device": device.type,
-            "parameters": n_params,
-            "loss_first": losses[0],
-            "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
-            "tokens_per_s": tokens_per_step * (args.steps - first_step) / train_s,
-            "train_seconds": train_s,
-            "unsharded_bytes_computed": 16 * n_params,
-            "per_rank_bytes": per_rank,
-            "sample": sample.decode(errors="replace"),
-        }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot_loss(losses, out / "loss.png")
-        print_report(summary, args.prompt, out)
+        print(summary(out))
+        print(f"\nsample (temperature {args.temperature}, top-{args.top_k}):")
+        print(args.prompt + text.decode(errors="replace"))
+        print(f"\nwrote {out}/ (python -m shardwrap.logbook {out} to summarise it again)")
     dist.destroy_process_group()
-
-
-def plot_loss(losses: list[float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(losses) + 1), losses, lw=1)
-    ax.set(xlabel="step", ylabel="loss (nats per byte)", title=path.parent.name)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def print_report(s: dict, prompt: str, out: Path) -> None:
-    mib = 2.0**20
-    loss = f"{s['loss_first']:.3f} -> {s['loss_last10']:.3f} nats/byte"
-    rows = [
-        ("parameters", f"{s['parameters']:,}"),
-        ("loss: first step -> mean of last 10", loss),
-        (f"tokens/s, all {s['world_size']} ranks", f"{s['tokens_per_s']:,.0f}"),
-        ("training time", f"{s['train_seconds']:.0f} s"),
-        ("unsharded params+grads+AdamW", f"{s['unsharded_bytes_computed'] / mib:.1f} MiB"),
-    ]
-    for r, measured in enumerate(s["per_rank_bytes"]):
-        rows += [(f"rank {r}: {k}", f"{v / mib:.1f} MiB") for k, v in measured.items()]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
-    print("  (unsharded: computed at 16 B/param, not measured; 'held': this rank's shards)")
-    print(f"\ngreedy sample:\n{prompt}{s['sample']}\n\nwrote {out}/")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from ._root import Root
 from ._spikes import SpikeCheck, Spikes
 from ._storage import remove_folder
 
-__all__ = ["Logbook", "SpikeError", "Spikes"]
+__all__ = ["Logbook", "SpikeError", "Spikes", "main", "summary"]
 
 _CHECKPOINT = re.compile(r"step-(\d+)")
 DEFAULT_SPIKES = Spikes()
@@ -76,6 +76,8 @@ class Logbook:
             detection off; a non-finite loss or gradient norm still rolls back, with the
             defaults of :class:`Spikes`.
         plot_every: seconds between redraws of the plots (and at the end); ``None``: never.
+        print_every: rank 0 prints a line every this many steps, and every event but a
+            checkpoint as it happens; ``None``: silent.
         resume: continue from the latest checkpoint in ``folder/checkpoints`` if there is one.
         stateful: more objects with ``state_dict()``/``load_state_dict()`` (a learning-rate
             scheduler, say) saved in every checkpoint and restored by resume and rollback.
@@ -96,6 +98,7 @@ class Logbook:
         clip: float | None = None,
         spikes: Spikes | None = DEFAULT_SPIKES,
         plot_every: float | None = 60.0,
+        print_every: int | None = None,
         resume: bool = True,
         stateful: Mapping[str, Any] | None = None,
     ) -> None:
@@ -103,6 +106,8 @@ class Logbook:
             raise ValueError(f"Logbook: save_every must be 0 (never) or more, got {save_every}")
         if keep_last < 1:
             raise ValueError(f"Logbook: keep_last must be at least 1, got {keep_last}")
+        if print_every is not None and print_every < 1:
+            raise ValueError(f"Logbook: print_every must be at least 1 or None, got {print_every}")
         if clip is not None and not clip > 0:
             raise ValueError(f"Logbook: clip must be a positive norm or None, got {clip}")
         if plot_every is not None:
@@ -119,7 +124,7 @@ class Logbook:
         self.save_every, self.keep_last, self.clip = save_every, keep_last, clip
         self.spikes = spikes or Spikes()
         self.detect = spikes is not None
-        self.plot_every = plot_every
+        self.plot_every, self.print_every = plot_every, print_every
         self.stateful = dict(stateful or {})
         self._root = getattr(model, "_shardwrap_root", None)
         if not isinstance(self._root, Root):
@@ -259,6 +264,12 @@ class Logbook:
         if samples is not None:
             record["samples"] = self._gather_object(list(map(int, samples)))
         self._write(record)
+        if self._file is not None and self.print_every and self.done % self.print_every == 0:
+            print(
+                f"step {self.done}/{self._total}  loss {mean_loss:.4f}  grad norm "
+                f"{grad_norm:.3g}  lr {record['lr']:.3g}  {record['tokens_per_s']:,.0f} tokens/s",
+                flush=True,
+            )
         if self.save_every and (self.done % self.save_every == 0 or self.done == self._total):
             self._save()
         if self.plot_every is not None and time.monotonic() - self._plotted > self.plot_every:
@@ -268,6 +279,9 @@ class Logbook:
     def event(self, kind: str, **fields: Any) -> None:
         """Append an event line (``kind`` and ``fields``, JSON-serialisable) to the logbook."""
         self._write({"event": kind, "step": self.done, **fields})
+        if self._file is not None and self.print_every and kind != "checkpoint":
+            said = ", ".join(f"{k} {v}" for k, v in fields.items())
+            print(f"step {self.done}: {kind}: {said}", flush=True)
 
     def plot(self) -> None:
         """Redraw ``loss.png`` and ``system.png`` from the logbook (rank 0; others return)."""
@@ -434,6 +448,11 @@ def _peak_memory() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def summary(*folders: str | Path) -> str:
+    """A table of the runs logged in ``folders``, one column each (what the command prints)."""
+    return _runlog.summary([_runlog.read(Path(folder)) for folder in folders])
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m shardwrap.logbook FOLDER [FOLDER]``: summarise runs, redraw their plots."""
     import argparse
@@ -444,8 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if len(args.folders) > 2:
         parser.error("give one run folder, or two to compare side by side")
-    runs = [_runlog.read(folder) for folder in args.folders]
-    print(_runlog.summary(runs))
+    print(summary(*args.folders))
     if not args.no_plots:
         for folder in args.folders:
             _runlog.draw(folder)
