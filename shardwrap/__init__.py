@@ -11,19 +11,24 @@ from ._collectives import CollectiveFailed, CommStats
 from ._estimate import estimate_memory
 from ._export import export, load_pretrained
 from ._grad_scaler import ShardedGradScaler
+from ._logbook import Logbook, SpikeError, Spikes
 from ._mesh import Mesh
-from ._offload import Offload
+from ._offload import Offload, StoreError
 from ._options import MixedPrecision
 from ._sharded_module import ShardedModule
 
 __all__ = [
     "CollectiveFailed",
     "CommStats",
+    "Logbook",
     "Mesh",
     "MixedPrecision",
     "Offload",
     "ShardedGradScaler",
     "ShardedModule",
+    "SpikeError",
+    "Spikes",
+    "StoreError",
     "estimate_memory",
     "export",
     "latest_checkpoint",

@@ -677,6 +677,7 @@ def test_export_of_a_transformers_model_loads_with_from_pretrained(tmp_path: Pat
 @pytest.mark.process
 def test_demo_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
     """Rewind a finished run to its step-3 checkpoint and resume: steps 4-6 repeat exactly."""
+    from shardwrap._runlog import read
     from tests.test_torchrun import torchrun
 
     data = tmp_path / "data.txt"
@@ -686,11 +687,17 @@ def test_demo_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
     args += ["--save-every", "3", "--name", "run"]
     torchrun("examples/train_gpt.py", *args)
     run = tmp_path / "run"
-    first = (run / "metrics.jsonl").read_text().splitlines()
-    assert shardwrap.latest_checkpoint(run / "checkpoints") == run / "checkpoints" / "step-000006"
+    checkpoints = run / "checkpoints"
+    assert shardwrap.latest_checkpoint(checkpoints) == checkpoints / "step-00000006"
     assert (run / "model" / "model.safetensors").is_file()
-    (run / "checkpoints" / "latest").write_text("step-000003\n")
+    (checkpoints / "latest").write_text("step-00000003\n")
     torchrun("examples/train_gpt.py", *args, "--resume")
-    second = (run / "metrics.jsonl").read_text().splitlines()
-    losses = [[json.loads(line)["loss"] for line in lines] for lines in (first, second)]
-    assert len(losses[0]) == 6 and losses[1] == losses[0]
+    book = read(run)  # the first run's steps 4-6 are abandoned by the resume
+    assert [e["event"] for e in book.events if e["event"] != "checkpoint"] == [
+        "started",
+        "resumed",
+    ]
+    (abandoned,) = book.abandoned
+    assert [s["step"] for s in abandoned] == [4, 5, 6]
+    assert [s["loss"] for s in abandoned] == [s["loss"] for s in book.steps[3:]]
+    assert [s["samples"] for s in abandoned] == [s["samples"] for s in book.steps[3:]]
