@@ -72,7 +72,7 @@ def wrapped_root(model: nn.Module, caller: str) -> Root:
     root.settle()
     if root.phase is not Phase.IDLE:
         raise RuntimeError(f"{caller} cannot run during forward or backward")
-    root.check_store()
+    root.check_state()
     root.schedule.enter(caller)
     return root
 

@@ -24,9 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from ._collectives import CommStats, Pending, all_gather
+from ._home import Home
 from ._layout import FlatLayout, LocalPiece
 from ._mesh import Mesh
-from ._offload import Store, stored_param
+from ._offload import HOME_ATTR, Store, stored_param
 from ._pool import BufferPool
 
 __all__ = ["FlatGroup", "Slot", "views_of"]
@@ -57,6 +58,8 @@ class FlatGroup:
             the other ranks' slices.
         store: the disk tier's files (``_offload.py``): the shard, a gradient buffer and the
             optimizer state made like the shard parameters live there.
+        home: where the shard lives and how it reaches the compute device (``_home.py``);
+            default: on the mesh's device, read in place.
     """
 
     def __init__(
@@ -70,12 +73,14 @@ class FlatGroup:
         grad_dtype: torch.dtype | None = None,
         resident: bool = False,
         store: Store | None = None,
+        home: Home | None = None,
     ) -> None:
         self.names = names
         self.pool = pool
         self.slots = slots
         self.mesh = mesh
-        device = mesh.device
+        self.home = home = home or Home(mesh.device)
+        device = home.device
         self.shapes = [p.shape for p in params]
         self.dtype = params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype
@@ -88,14 +93,14 @@ class FlatGroup:
         lo, hi = self.layout.shard_range(rank)
         # 1-D, padded numel, compute_dtype: the full buffer kept for good (resident groups only).
         self._resident: Tensor | None = None
-        if resident and self.compute_dtype == self.dtype:
+        if resident and self.compute_dtype == self.dtype and not home.staged:
             self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
             pool.owner[self._resident.data_ptr()] = self
             self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N
         elif store is not None:
             self.shard = store.tensor(hi - lo, self.dtype, "shard")  # zeros
         else:
-            self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=device)
+            self.shard = home.tensor(hi - lo, self.dtype)
         with torch.no_grad():
             for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
                 a, b = max(lo, offset), min(hi, offset + n)
@@ -108,10 +113,17 @@ class FlatGroup:
             make(self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad)
             for pc in self.pieces
         ]
+        if home.staged:  # the optimizer's step pre-hook finds the home through them
+            for p in self.shard_params:
+                setattr(p, HOME_ATTR, home)
         # 1-D, padded/N, grad_dtype: where a step's reduced gradient lands in the disk tier.
         self.stored_grad: Tensor | None = None
         if store is not None and self.requires_grad:
             self.stored_grad = store.tensor(hi - lo, self.grad_dtype, "grad")
+        # 1-D, padded/N, dtype: where a step's reduced gradient lands in a staged home.
+        self.home_grad: Tensor | None = None
+        if home.staged and self.requires_grad:
+            self.home_grad = home.tensor(hi - lo, self.dtype)
 
         # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
         # parameters. Its gradient is the flat gradient (grad_dtype); the values live in a
@@ -179,7 +191,7 @@ class FlatGroup:
         """
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.gathered_version = self.shard._version
-        return all_gather(self._buffer, self.shard, self.mesh.shard, stats)
+        return all_gather(self._buffer, self.home.gather_input(self), self.mesh.shard, stats)
 
     def make_views(self, track_grad: bool) -> None:
         """Shape the gathered buffer into the parameters and shadow the shard params with them."""
@@ -203,9 +215,7 @@ class FlatGroup:
     def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
         """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
         the padding): one copy, which also casts."""
-        flat = torch.empty(
-            self.layout.padded_numel, dtype=self.grad_dtype, device=self.shard.device
-        )
+        flat = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device)
         for g, offset, n in zip(grads, self.layout.offsets, self.layout.numels):
             if g is None:
                 flat[offset : offset + n].zero_()
@@ -248,7 +258,7 @@ class FlatGroup:
         self.full.grad = None
         if grad is None:
             grad = torch.zeros(
-                self.layout.padded_numel, dtype=self.grad_dtype, device=self.shard.device
+                self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
             )
         return grad
 

@@ -39,9 +39,10 @@ class _Owner:
     """The group a gradient is sharded over, the counters its completions add to, and what
     every rank calls first to agree it is completing a norm (``enter``)."""
 
-    def __init__(self, group: Group, stats: CommStats) -> None:
+    def __init__(self, group: Group, stats: CommStats, device: torch.device | None) -> None:
         self.group = group
         self.stats = stats
+        self.device = device  # where the group's collectives take tensors
         self.enter: Callable[[], None] = _nothing
         self.store: Any = None  # the disk tier's Store: state made from gradients goes there
 
@@ -58,9 +59,11 @@ def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
     return grad
 
 
-def shard_grad_owner(group: Group, stats: CommStats) -> _Owner:
-    """What :func:`as_shard_grad` records for gradients sharded over ``group``."""
-    return _Owner(group, stats)
+def shard_grad_owner(group: Group, stats: CommStats, device: torch.device | None) -> _Owner:
+    """What :func:`as_shard_grad` records for gradients sharded over ``group``, whose
+    collectives take tensors on ``device`` (the compute device; the gradients may be on the
+    host)."""
+    return _Owner(group, stats, device)
 
 
 def _norm_order(func: Callable[..., Any], args: tuple, kwargs: dict) -> float | None:
@@ -275,9 +278,9 @@ class PartialNorm(Tensor):
 def _complete(part: PartialNorm) -> Tensor:
     order, owner = part._shardwrap_order, part._shardwrap_owner
     with _DisableSubclass():
-        local = part.detach().to(torch.float32, copy=True)
+        local = part.detach().to(owner.device if owner else None, torch.float32, copy=True)
     if owner is None or owner.group is None:
-        return local.to(part.dtype)
+        return local.to(part.device, part.dtype)
     owner.enter()
     if order == float("inf"):
         all_reduce(local, owner.group, dist.ReduceOp.MAX, owner.stats).wait()
@@ -289,4 +292,4 @@ def _complete(part: PartialNorm) -> Tensor:
         local = local.pow_(order)
         all_reduce(local, owner.group, dist.ReduceOp.SUM, owner.stats).wait()
         local = local.pow_(1.0 / order)
-    return local.to(part.dtype)
+    return local.to(part.device, part.dtype)

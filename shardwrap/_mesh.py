@@ -42,7 +42,8 @@ class Mesh:
         control: a group spanning every rank of ``shard`` x ``replicate``, for handshakes and
             agreements; ``None`` means ``shard`` (which must then span every rank).
         control_device: where the control group's tensors live (``cpu`` for gloo).
-        device: where shards live and compute runs; ``None`` until resolved.
+        device: where compute runs, and shards live unless an offload tier keeps them apart
+            (``_home.py``); ``None`` until resolved.
     """
 
     shard: Group = None

@@ -6,7 +6,8 @@ preallocated file per tensor, mapped into memory (``MAP_SHARED``). The kernel pa
 when a gather, the optimizer or a save reads them and writes them back when they change; the
 page cache is reclaimable, so what a rank holds in anonymous memory is the gathered working set
 (a few units), activations and the unit being read ahead. Each unit's files are read ahead
-(``MADV_WILLNEED``) when the unit before it is gathered.
+(``MADV_WILLNEED``) when the unit before it is gathered. The host tier (``"cpu"``) is a
+home for shards apart from the compute device, in ``_home.py``.
 
 Optimizer state is placed without knowing the optimizer: every torch optimizer creates its
 per-parameter state with ``torch.zeros_like(param)`` (Adam, AdamW, RMSprop), ``full_like``
@@ -21,10 +22,12 @@ with ``SIGBUS``; so every forward, backward and optimizer step first checks each
 (one ``stat``: the same inode, at least the mapped size) and raises :class:`StoreError`
 before anything reads the store.
 
-Optimizer steps: torch picks its fast multi-tensor path only for plain ``Parameter`` types,
-so for the shard parameters it would fall back to a per-tensor loop several times slower. A
-step pre-hook, held while any store lives, turns on the fused kernel for groups of shard
-parameters that left ``fused`` and ``foreach`` unset (:func:`prefer_fused`).
+Optimizer steps: torch picks its fast multi-tensor path only for plain ``Parameter`` types
+on an accelerator, so for the disk tier's shard parameters, and for the host tier's (plain,
+but on the CPU), it would fall back to a per-tensor loop several times slower. A step
+pre-hook, held while any store or host tier (``_home.py``) lives, turns on the fused kernel
+for groups of such shard parameters that left ``fused`` and ``foreach`` unset
+(:func:`prefer_fused`).
 """
 
 from __future__ import annotations
@@ -47,11 +50,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "HOME_ATTR",
     "Offload",
     "Store",
     "StoreError",
     "StoredParam",
-    "offload_warning",
     "prefer_fused",
     "stored_like",
     "stored_param",
@@ -65,8 +68,10 @@ class Offload:
     Attributes:
         device: ``"disk"``: the shards, their gradients and the optimizer state live in
             files under ``path`` (ZeRO-Infinity's tier); memory holds a few units at a time.
-            ``"cpu"``: the same state in host memory while the model computes on a GPU
-            (ZeRO-Offload's tier); with a CPU compute device it changes nothing, and says so.
+            ``"cpu"``: the same state in (pinned) host memory while the model computes on a
+            GPU (ZeRO-Offload's tier): gathers copy the shards in, reduced gradients are
+            copied out, and the optimizer steps on the CPU; any stage. With a CPU compute
+            device it changes nothing, and says so.
         path: the folder for the disk tier's files (a fast local disk); each rank uses its
             own subfolder, locked while the model lives and removed when it is freed.
     """
@@ -232,17 +237,6 @@ def _address(mapped: mmap.mmap) -> int:
         return torch.frombuffer(mapped, dtype=torch.uint8, count=1).data_ptr()
 
 
-def offload_warning(offload: Offload, device: torch.device) -> None:
-    """The cpu tier on a CPU compute device keeps everything where it already is: say so."""
-    if offload.device == "cpu" and device.type == "cpu":
-        warnings.warn(
-            'Offload(device="cpu") with a CPU compute device changes nothing: the state is in '
-            "host memory already. Use it with a GPU, or the disk tier for a model larger than "
-            "memory.",
-            stacklevel=3,
-        )
-
-
 def store_like(store: Store, t: Tensor, fill: Any = None, copy: bool = False) -> Tensor:
     """A store tensor shaped like ``t``: zeros, filled with ``fill``, or a copy of ``t``."""
     out = store.tensor(t.numel(), t.dtype).view(t.shape)
@@ -313,6 +307,9 @@ def stored_param(data: Tensor, requires_grad: bool, store: Store) -> StoredParam
     return param
 
 
+# On a shard parameter of the host tier: its home (``_home.HostHome``), for the step pre-hook.
+HOME_ATTR = "_shardwrap_home"
+
 # torch's optimizers that have a fused kernel for CPU tensors, and their subclasses.
 _FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
@@ -343,26 +340,35 @@ def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before any optimizer's step: for groups holding shard parameters of the disk tier,
-    prefer the fused kernel and check their stores' files."""
-    stores: dict[int, Store] = {}
+    """Before any optimizer's step: for groups holding shard parameters of an offload tier,
+    prefer the fused kernel; check the disk tier's files, and let the host tier's copies in
+    flight finish before the step writes the shards they read."""
+    stores: dict[int, Any] = {}
     groups = []
     for group in optimizer.param_groups:
         held = [p._shardwrap_store for p in group["params"] if isinstance(p, StoredParam)]
+        held += [getattr(p, HOME_ATTR) for p in group["params"] if hasattr(p, HOME_ATTR)]
         if held:
             stores.update((id(store), store) for store in held)
             groups.append(group)
     for store in stores.values():
-        store.check()
+        if isinstance(store, Store):
+            store.check()
+        else:
+            store.quiesce()
     for group in groups:
         prefer_fused(optimizer, group)
+        # NOTE: torch's fused kernels write the parameters without bumping their version
+        # counters, by which a gathered copy or a staged one knows it is stale; count the
+        # write here, just before it happens.
+        torch.autograd.graph.increment_version(group["params"])
 
 
 class _StepHook:
-    """torch's step pre-hook for all optimizers, registered while at least one store lives.
+    """torch's step pre-hook for all optimizers, registered while a store or a host tier lives.
 
     NOTE: process-wide by necessity (a model never sees the optimizers built over its
-    parameters), but inert for any group without shard parameters of the disk tier, so
+    parameters), but inert for any group without shard parameters of an offload tier, so
     models and optimizers in one process do not affect each other through it.
     """
 

@@ -30,7 +30,7 @@ class BufferPool:
         self._free: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
 
     def take(self, group: FlatGroup, dtype: torch.dtype) -> Tensor:
-        key = (group.layout.padded_numel, dtype, group.shard.device)
+        key = (group.layout.padded_numel, dtype, group.home.device)
         free = self._free.get(key)
         buf = free.pop() if free else torch.empty(key[0], dtype=key[1], device=key[2])
         self.owner[buf.data_ptr()] = group

@@ -11,7 +11,9 @@ At most ``MAX_REDUCTIONS_IN_FLIGHT`` are in flight: each holds a unit's full-siz
 gradient, and one overlaps the next unit's backward (a reduction takes less time than a
 unit's backward) at the least memory. A landed reduction's shard is added to the shard
 parameters' ``.grad`` at the end of backward, and only for groups some rank used: a group no
-rank used keeps a ``None`` gradient, as in plain PyTorch.
+rank used keeps a ``None`` gradient, as in plain PyTorch. Reductions run on the compute
+device; a landed shard goes to the group's home (``_home.py``: the host tier copies it to host
+memory), and the copies are waited for before any ``.grad`` is set.
 
 When reductions run is the strategy's choice: during backward, as groups become ready, or
 deferred to the end of backward (``defer``; ZeRO stage 1). Inside ``no_sync`` nothing is
@@ -29,6 +31,7 @@ from torch import Tensor
 from ._collectives import CommStats, Pending, all_reduce, reduce_scatter
 from ._flat_group import FlatGroup
 from ._grad_norm import as_shard_grad, shard_grad_owner
+from ._home import Home
 from ._mesh import Mesh
 
 __all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions"]
@@ -45,16 +48,20 @@ class Reductions:
         stats: collective counters shared by the whole model.
         defer: hold every reduction until the end of backward rather than issuing each
             once its gradient is ready.
+        home: where the shards and their gradients live (the groups' home).
     """
 
-    def __init__(self, order: list[FlatGroup], mesh: Mesh, stats: CommStats, defer: bool) -> None:
+    def __init__(
+        self, order: list[FlatGroup], mesh: Mesh, stats: CommStats, defer: bool, home: Home
+    ) -> None:
         self.order = order
+        self.home = home
         self.mesh = mesh
         self.stats = stats
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
-        self.grad_owner = shard_grad_owner(mesh.shard, stats)
+        self.grad_owner = shard_grad_owner(mesh.shard, stats, mesh.device)
         self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
         self.reset()
 
@@ -107,7 +114,9 @@ class Reductions:
             if stored is not None and all(p.grad is None for p in group.shard_params):
                 out = stored  # the disk tier: straight into the store
             else:
-                out = torch.empty_like(group.shard, dtype=group.grad_dtype)
+                out = torch.empty(
+                    group.shard.numel(), dtype=group.grad_dtype, device=group.home.device
+                )
             work = reduce_scatter(out, grad, self.mesh.shard, self.stats)
             self._pending.append((i, work, out, grad))
         self._issued = max(self._issued, upto)
@@ -123,11 +132,12 @@ class Reductions:
         if self.mesh.replicate is not None:
             all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
             out.div_(self.mesh.replicate_size)
-        self._landed.append((i, out))
+        self._landed.append((i, self.home.land(self.order[i], out)))
 
     def finish(self, used_anywhere: list[bool]) -> None:
         """Wait for every reduction and add the landed shards to the shard parameters' grads."""
         self.drain()
+        self.home.quiesce()
         for i, out in self._landed:
             if used_anywhere[i]:
                 self.order[i].accumulate(out, self._as_grad)

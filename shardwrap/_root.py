@@ -9,7 +9,9 @@ autograd engine at the start of backward releases whatever is still gathered, re
 what no hook reduced (unused units send zeros) and waits for every reduction.
 
 The order in which units ran in the previous forward and backward drives prefetch: when a
-unit starts, the next one's all-gather is issued so that it overlaps this unit's compute.
+unit starts, the next one's all-gather is issued so that it overlaps this unit's compute; as
+a unit is gathered, the shards' home is told which unit follows it (the host tier starts
+copying that unit's shards to the device, ``_home.py``).
 Collectives go through :class:`~shardwrap._schedule.Schedule`, which keeps every rank's
 sequence identical.
 
@@ -40,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._collectives import CommStats
 from ._flat_group import FlatGroup
+from ._home import Home
 from ._mesh import Mesh
 from ._offload import Store
 from ._options import MixedPrecision
@@ -85,6 +88,7 @@ class Root:
         pool: the buffers units gather into.
         precision: mixed-precision casts of inputs and outputs, or ``None``.
         store: the disk tier's files, or ``None``.
+        home: where the shards live (``_home.py``); default: on the mesh's device.
     """
 
     def __init__(
@@ -96,9 +100,11 @@ class Root:
         pool: BufferPool,
         precision: MixedPrecision | None = None,
         store: Store | None = None,
+        home: Home | None = None,
     ) -> None:
         self.units = units
         self.store = store
+        self.home = home or Home(mesh.device)
         self.input_dtype = precision.param_dtype if precision else None
         self.output_dtype = precision.output_dtype if precision else None
         self.pool = pool
@@ -116,7 +122,9 @@ class Root:
         ]
         self.param_of = {id(p.shard): p for p in self.params}  # keyed by id(shard parameter)
         order = [g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable]
-        self.reductions = Reductions(order, mesh, stats, defer=strategy.defer_reductions)
+        self.reductions = Reductions(
+            order, mesh, stats, defer=strategy.defer_reductions, home=self.home
+        )
         self.schedule = Schedule(units, mesh, stats, self.reductions)
         # Weakly: shard grads hold their owner, and the model holds its grads (through C++,
         # where the garbage collector cannot follow a cycle back).
@@ -131,6 +139,7 @@ class Root:
         self.reductions.grad_owner.store = store
         if store is not None:
             weakref.finalize(self, store.close)
+        weakref.finalize(self, self.home.close)
         self.phase = Phase.IDLE
         self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
@@ -180,7 +189,7 @@ class Root:
             unit.use_full(torch.is_grad_enabled())
             return
         if unit is self.root:
-            self.check_store()
+            self.check_state()
             self.phase = Phase.FORWARD
             self.schedule.passes += 1
             self._recording = []
@@ -272,6 +281,8 @@ class Root:
                 if u.state is not ShardState.SHARDED and u is not last and release:
                     u.reshard()
             self.schedule.end_forward()
+            if last is not None:  # backward starts with it: stage the unit it gathers next
+                self._stage_after(last, backward=True)
             self._forward_last = self._recording[-1] if len(self._recording) > 1 else None
             self._forward_next = _successors(self._recording)
             self.phase = Phase.IDLE
@@ -340,7 +351,7 @@ class Root:
     # backward ------------------------------------------------------------------------
 
     def _start_backward(self) -> None:
-        self.check_store()
+        self.check_state()
         self.phase = Phase.BACKWARD
         self._recording = []
         self._backward_seen = set()
@@ -442,10 +453,12 @@ class Root:
         self._stop_saving()
         self._leave_backward()
 
-    def check_store(self) -> None:
-        """Before a forward, a backward or a call that reads every unit: check the disk tier's
-        files (``Store.check``; it raises ``StoreError`` naming a file that was deleted,
-        replaced or truncated, before anything touches its mapping)."""
+    def check_state(self) -> None:
+        """Before a forward, a backward or a call that reads or writes every unit: let the
+        host tier's copies in flight finish (``Home.quiesce``), and check the disk tier's files
+        (``Store.check``; it raises ``StoreError`` naming a file that was deleted, replaced or
+        truncated, before anything touches its mapping)."""
+        self.home.quiesce()
         if self.store is not None:
             self.store.check()
 
@@ -461,12 +474,28 @@ class Root:
             step = -1 if backward else 1
             following = self.units[(unit.index + step) % len(self.units)]
             self.store.read_ahead([g.shard for g in following.groups])
+        self._stage_after(unit, backward)
         unit.finish_gather()
 
     def _prefetch(self, successors: dict[int, Unit], current: Unit, backward: bool) -> None:
         nxt = successors.get(current.index)
         if nxt is not None and (nxt.state is ShardState.SHARDED or nxt.is_stale):
             self.schedule.gather(nxt, backward)
+            self._stage_after(nxt, backward)
+
+    def _stage_after(self, unit: Unit, backward: bool) -> None:
+        """``unit`` is being gathered: have the home start moving the unit expected after it
+        to the compute device (the host tier's copies; nothing for a home on the device).
+
+        With prefetch that is two units ahead of the one about to compute, so the copy has a
+        whole unit's compute to hide behind before its gather waits for it.
+        """
+        successors = self._backward_next if backward else self._forward_next
+        following = successors.get(unit.index)
+        if following is None:
+            following = self.units[(unit.index + (-1 if backward else 1)) % len(self.units)]
+        if following.state is ShardState.SHARDED or following.is_stale:
+            self.home.read_ahead(following.groups)
 
     # checkpointing and compilation ---------------------------------------------------
 
@@ -525,7 +554,7 @@ class Root:
         self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
-        self.check_store()
+        self.check_state()
         self.schedule.enter("gathered")
         for unit in self.units:
             unit.reshard()

@@ -36,9 +36,10 @@ from ._hf import (
     is_transformers_model,
     refuse_stock_trainer,
 )
+from ._home import Home, make_home
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._mesh import Mesh, resolve_mesh
-from ._offload import Offload, Store, offload_warning
+from ._offload import Offload, Store
 from ._options import MixedPrecision
 from ._pool import BufferPool
 from ._root import Root
@@ -101,7 +102,9 @@ class ShardedModule(nn.Module):
             Such a model is materialised one unit at a time, each unit in full on every rank
             from a seed rank 0 draws, then sharded: memory stays near one unit.
         offload: ``Offload(device="disk", path=...)`` keeps the shards, their gradients and
-            the optimizer state in files under ``path`` (stage 3; see :class:`Offload`).
+            the optimizer state in files under ``path`` (stage 3, CPU compute device);
+            ``Offload(device="cpu")`` keeps them in pinned host memory while a GPU computes
+            (any stage). See :class:`Offload`.
         sync_module_states: ``None`` (default): check that every parameter and buffer has
             the same values on every rank (one pass over the weights, one small
             collective). ``True``: copy them from rank 0 before sharding (weights loaded on
@@ -168,7 +171,8 @@ class ShardedModule(nn.Module):
         compile_options = resolve_compile(compile)
         disk = offload is not None and offload.device == "disk"
         store = Store(Path(offload.path), mesh.rank) if disk else None  # type: ignore[union-attr]
-        _wrap(module, policy, mesh, strategy, mixed_precision, param_init_fn, store)
+        home = make_home(offload, device)
+        _wrap(module, policy, mesh, strategy, mixed_precision, param_init_fn, store, home)
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
@@ -194,14 +198,15 @@ class ShardedModule(nn.Module):
         refuse_stock_trainer()
         for unit in self._shardwrap_root.units:
             for g in unit.groups:
-                probe = g.shard.new_empty(0)
+                probe = torch.empty(0, dtype=g.dtype, device=g.home.device)
                 out = fn(probe)
                 if out.dtype != probe.dtype or not _same_device(out.device, probe.device):
                     raise ValueError(
                         f"ShardedModule: moving or casting a sharded model (to {out.device}, "
-                        f"{out.dtype}; its shards are {probe.device}, {probe.dtype}) would detach "
-                        "its parameters from the flat shards. Choose the device when wrapping "
-                        "(move the model first, or pass device=...), and the compute dtype with "
+                        f"{out.dtype}; it computes on {probe.device}, its shards are "
+                        f"{probe.dtype}) would detach its parameters from the flat shards. "
+                        "Choose the device when wrapping (move the model first, or pass "
+                        "device=...), and the compute dtype with "
                         "mixed_precision=MixedPrecision(...)."
                     )
         return self
@@ -258,7 +263,7 @@ class ShardedModule(nn.Module):
         """
         root = self._shardwrap_root
         root.settle()
-        root.check_store()
+        root.check_state()
         root.schedule.enter("full_state_dict")
         keep = not rank0_only or root.mesh.rank == 0
         full: dict[int, Tensor] = {}
@@ -350,6 +355,7 @@ class ShardedModule(nn.Module):
             ValueError: naming every parameter or buffer whose shape differs.
         """
         root = self._shardwrap_root
+        root.check_state()
         own = nn.Module.state_dict(self, keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -418,6 +424,7 @@ def _wrap(
     precision: MixedPrecision | None,
     param_init_fn: ParamInitFn | None = None,
     store: Store | None = None,
+    home: Home | None = None,
 ) -> None:
     device = mesh.device
     placement = place_parameters(module, policy)
@@ -451,6 +458,7 @@ def _wrap(
                 precision.gradient_dtype(dtype) if precision else None,
                 resident=strategy.keeps_params,
                 store=store,
+                home=home,
             )
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
                 setattr(shard_param, SHARD_ATTR, True)
@@ -467,7 +475,7 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision, store)
+    root = Root(units, mesh, stats, strategy, pool, precision, store, home)
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
@@ -492,12 +500,12 @@ def _check_offload(offload: Offload | None, stage: int, device: torch.device) ->
             f"Offload(device=\"disk\") needs stage=3: stage {stage} keeps the full parameters "
             "in memory between steps, the opposite of keeping the state on disk."
         )
-    if offload.device == "cpu" and device.type != "cpu":
-        raise NotImplementedError(
-            'Offload(device="cpu") with a GPU compute device is not built yet; use '
-            'Offload(device="disk", ...) or no offload.'
+    if offload.device == "disk" and device.type != "cpu":
+        raise ValueError(
+            f'Offload(device="disk") runs on a CPU compute device, got {device}: its files are '
+            "mapped into host memory and gathered from there. With a GPU use "
+            'Offload(device="cpu") (shards, gradients and optimizer state in pinned host memory).'
         )
-    offload_warning(offload, device)
 
 
 def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:

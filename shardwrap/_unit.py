@@ -101,7 +101,7 @@ class Unit:
             self.finish_gather()
         buffer = group.pool.take(group, group.dtype)
         try:
-            all_gather(buffer, group.shard, group.mesh.shard, self.stats).wait()
+            all_gather(buffer, group.home.gather_input(group), group.mesh.shard, self.stats).wait()
             yield views_of(buffer, group)
         finally:
             group.pool.give(buffer, keep=group.dtype == group.compute_dtype)

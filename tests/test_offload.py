@@ -13,7 +13,8 @@ whole global batch:
 - the memory a rank holds outside the store (allocation tracking during training steps) does
   not grow with the model's depth, while without offload it does;
 - the optimizer's step takes torch's fused kernel unless the user chose otherwise (Adam,
-  AdamW, SGD and Adagrad; state loaded from an in-memory run's checkpoint keeps working);
+  AdamW, SGD and Adagrad; state loaded from an in-memory run's checkpoint keeps working), and
+  a unit kept gathered by a ``no_grad`` forward sees the fused step's write;
 - errors: a stage other than 3, a store folder another live model holds, a malformed
   ``Offload``; the cpu tier on a CPU device says it changes nothing; a store file deleted,
   replaced or truncated under a live model raises ``StoreError`` naming it at the next
@@ -393,3 +394,23 @@ def test_the_other_rank_fails_within_the_timeout_when_one_finds_its_store_damage
 
     # The groups' timeout is 2 s; run_ranks fails a run still going after 4 s.
     assert run_ranks(2, fn, timeout=4.0) == ["StoreError", "CollectiveFailed"]
+
+
+def test_a_unit_kept_gathered_by_a_no_grad_forward_sees_the_fused_step(tmp_path: Path) -> None:
+    # The fused kernels write parameters without bumping their version counters; the root,
+    # kept gathered after a no_grad forward, must still be gathered afresh after the step.
+    torch.manual_seed(0)
+    model = GPT()
+    ref = copy.deepcopy(model)
+    m = ShardedModule(model, auto_wrap=Block, offload=Offload(device="disk", path=tmp_path))
+    x, y = make_batch(0, GLOBAL_BATCH)
+    outputs = []
+    for net in (ref, m):
+        opt = _adamw(net.parameters())
+        net(x, y).backward()
+        with torch.no_grad():
+            net(x, y)
+        opt.step()
+        with torch.no_grad():
+            outputs.append(net(x, y))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
