@@ -343,19 +343,19 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     """Before any optimizer's step: for groups holding shard parameters of an offload tier,
     prefer the fused kernel; check the disk tier's files, and let the host tier's copies in
     flight finish before the step writes the shards they read."""
-    stores: dict[int, Any] = {}
+    places: dict[int, Any] = {}  # the disk tier's stores and the host tier's homes
     groups = []
     for group in optimizer.param_groups:
         held = [p._shardwrap_store for p in group["params"] if isinstance(p, StoredParam)]
         held += [getattr(p, HOME_ATTR) for p in group["params"] if hasattr(p, HOME_ATTR)]
         if held:
-            stores.update((id(store), store) for store in held)
+            places.update((id(place), place) for place in held)
             groups.append(group)
-    for store in stores.values():
-        if isinstance(store, Store):
-            store.check()
+    for place in places.values():
+        if isinstance(place, Store):
+            place.check()
         else:
-            store.quiesce()
+            place.quiesce()
     for group in groups:
         prefer_fused(optimizer, group)
         # NOTE: torch's fused kernels write the parameters without bumping their version
