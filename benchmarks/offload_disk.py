@@ -15,6 +15,10 @@ Three parts, each under ``torchrun --nproc_per_node=2`` where it trains:
    scaled by the ratio of parameters. The I/O floor: the bytes one step moves on both ranks
    divided by the measured bandwidths.
 
+``--deepspeed`` and ``--deepspeed-nvme`` add DeepSpeed ZeRO-3 on the same model, its
+parameters and optimizer offloaded to host memory, or to files through its NVMe path (which
+needs libaio: ``apt install libaio-dev``; its first run compiles the op, several minutes).
+
 Prints a report and, with ``--out``, writes it. The temporary folders are removed at the end.
 """
 
@@ -81,14 +85,14 @@ def worker(args: argparse.Namespace) -> None:
     peak = _PeakAnon()
     depth = 2 if args.worker == "memory" else args.depth
     torch.manual_seed(0)
-    with torch.device("cpu" if args.worker == "deepspeed" else "meta"):
+    with torch.device("cpu" if args.worker.startswith("deepspeed") else "meta"):
         model = GPT(
             vocab=256, width=args.width, heads=args.width // 128, depth=depth, context=args.context
         )
     n_params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    if args.worker == "deepspeed":
-        model, opt = _deepspeed(model)
+    if args.worker.startswith("deepspeed"):
+        model, opt = _deepspeed(model, args.store if args.worker == "deepspeed-nvme" else None)
     else:
         offload = Offload(device="disk", path=args.store) if args.worker == "disk" else None
         model = ShardedModule(model, auto_wrap=Block, offload=offload)
@@ -102,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
         read0, written0 = _io()
         t = time.perf_counter()
         loss = model(tokens[:, :-1], tokens[:, 1:])
-        if args.worker == "deepspeed":
+        if args.worker.startswith("deepspeed"):
             model.backward(loss)
             model.step()
         else:
@@ -140,15 +144,18 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _deepspeed(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """DeepSpeed ZeRO-3 with its parameters and optimizer offloaded to host memory, the same
-    AdamW (torch's: its own CPU Adam needs a compiler toolchain this machine may lack)."""
+def _deepspeed(
+    model: torch.nn.Module, nvme: str | None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """DeepSpeed ZeRO-3 with its parameters and optimizer offloaded to host memory, or with
+    ``nvme`` to files in that folder (its NVMe path, through libaio), the same AdamW (torch's:
+    its own CPU Adam needs a compiler toolchain this machine may lack)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MAX_JOBS", "1")
     import deepspeed
 
     deepspeed.init_distributed("gloo")
-    offload = {"device": "cpu"}
+    offload: dict = {"device": "cpu"} if nvme is None else {"device": "nvme", "nvme_path": nvme}
     engine, opt, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
@@ -213,7 +220,10 @@ def main() -> None:
     parser.add_argument(
         "--deepspeed", action="store_true", help="also DeepSpeed ZeRO-3 offloaded to host memory"
     )
-    parser.add_argument("--worker", choices=["disk", "memory", "deepspeed"])
+    parser.add_argument(
+        "--deepspeed-nvme", action="store_true", help="also DeepSpeed ZeRO-3 offloaded to files"
+    )
+    parser.add_argument("--worker", choices=["disk", "memory", "deepspeed", "deepspeed-nvme"])
     parser.add_argument("--result")
     parser.add_argument("--store")
     args = parser.parse_args()
@@ -230,6 +240,11 @@ def main() -> None:
         ds = (
             _launch(args, "deepspeed", folder / "ds.json", folder / "unused")
             if args.deepspeed
+            else None
+        )
+        nvme = (
+            _launch(args, "deepspeed-nvme", folder / "nvme.json", folder / "nvme")
+            if args.deepspeed_nvme
             else None
         )
         free_after = shutil.disk_usage(folder).free
@@ -285,26 +300,33 @@ def main() -> None:
         f"- I/O floor of the last step: {io_floor:.1f} s (its bytes over the measured bandwidths).",
         f"- Last step against the larger floor: {step_s / floor:.2f}x (target 1.3x).",
     ]
-    if ds is not None:
-        ds_last = max(r["steps"][-1]["step_s"] for r in ds)
-        ds_peak = max(s["peak_rss_anon"] for r in ds for s in r["steps"])
+    others = [(n, r) for n, r in (("host offload", ds), ("NVMe offload", nvme)) if r is not None]
+    if others:
         ours_peak = max(s["peak_rss_anon"] for r in disk for s in r["steps"])
-        ds_losses = [s["loss"] for s in ds[0]["steps"]]
         lines += [
             "",
-            "Against DeepSpeed ZeRO-3 with parameters and optimizer offloaded to host memory "
-            "(torch's AdamW), the same model, batch and steps:",
+            "Against DeepSpeed ZeRO-3 with parameters and optimizer offloaded (to host memory; "
+            "to files through libaio, its NVMe path), torch's AdamW, the same model, batch and "
+            "steps:",
             "",
             "| | last step | peak RssAnon per rank | loss by step |",
             "|---|---|---|---|",
             f"| shardwrap, disk tier | {step_s:.2f} s | {ours_peak / GIB:.2f} GiB | "
             f"{', '.join(f'{v:.4f}' for v in losses)} |",
-            f"| DeepSpeed, host offload | {ds_last:.2f} s | {ds_peak / GIB:.2f} GiB | "
-            f"{', '.join(f'{v:.4f}' for v in ds_losses)} |",
-            "",
-            f"Step time, shardwrap / DeepSpeed: {step_s / ds_last:.2f}; memory: "
-            f"{ours_peak / ds_peak:.2f}.",
         ]
+        ratios = []
+        for name, runs in others:
+            last_s = max(r["steps"][-1]["step_s"] for r in runs)
+            peak_b = max(s["peak_rss_anon"] for r in runs for s in r["steps"])
+            their = ", ".join(f"{s['loss']:.4f}" for s in runs[0]["steps"])
+            lines.append(
+                f"| DeepSpeed, {name} | {last_s:.2f} s | {peak_b / GIB:.2f} GiB | {their} |"
+            )
+            ratios.append(
+                f"against its {name}: step time {step_s / last_s:.2f}x, memory "
+                f"{ours_peak / peak_b:.2f}x"
+            )
+        lines += ["", "shardwrap " + "; ".join(ratios) + "."]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

@@ -7,7 +7,7 @@ lands a gradient asks the group's :class:`Home` rather than deciding itself:
 
 1. :class:`Home` (no offload, or the disk tier on a CPU device): the home is the compute
    device. A gather reads the shard in place; a reduced gradient stays where it landed.
-2. :class:`HostHome` (``Offload(device="cpu")`` with a CUDA device; ZeRO-Offload's tier):
+2. :class:`HostHome` (``Offload(device="cpu")`` with a CUDA device):
    shards and their gradients in pinned host memory, so the optimizer makes its state there
    and steps on the CPU. A gather first *stages* the shard: a host-to-device copy on a side
    stream into a device tensor of its own, issued when the unit before it is gathered
