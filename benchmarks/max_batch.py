@@ -11,7 +11,9 @@ is a fresh ``torchrun`` launch of ``benchmarks/_worker.py`` (one warm-up and two
 steps). The budget is CPU resident memory above the level before the model was built, or
 ``max_memory_allocated`` on GPU. The methods are ``compare.py``'s; by default DDP, shardwrap
 at each stage, FSDP2 and DeepSpeed at each stage (skipped, with a notice, where DeepSpeed is not
-installed). Output: ``benchmarks/results/max_batch_<hardware>_<date>.md``.
+installed). The time column is ``--samples`` samples over all ranks at each method's largest
+batch: its step time times the steps needed. Output:
+``benchmarks/results/max_batch_<hardware>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--limit", type=int, default=256, help="largest batch tried")
     parser.add_argument(
+        "--samples", type=int, default=4096, help="samples (all ranks) the time column trains"
+    )
+    parser.add_argument(
         "--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config"
     )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -153,19 +158,21 @@ def main() -> None:
         f"at commit {commit()}",
         "",
         "| method | max batch per rank | peak MB at it | step (s) at it | tokens/s per rank "
-        "| batch vs DDP |",
-        "|---|---|---|---|---|---|",
+        f"| time for {args.samples} samples | batch vs DDP |",
+        "|---|---|---|---|---|---|---|",
     ]
     for method, f in found.items():
         b = f["best"]
         if b is None:
-            lines.append(f"| {method} | none fits | - | - | - | - |")
+            lines.append(f"| {method} | none fits | - | - | - | - | - |")
             continue
         context = config.get("context", 64)
         ratio = f"{b['batch'] / ddp['batch']:.2f}" if ddp else "-"
+        steps = -(-args.samples // (b["batch"] * args.nproc))  # at that batch, rounded up
         lines.append(
             f"| {method} | {b['batch']} | {b['peak_mb']:.0f} | {b['step_s']:.2f} | "
-            f"{b['batch'] * context / b['step_s']:.1f} | {ratio} |"
+            f"{b['batch'] * context / b['step_s']:.1f} | {steps * b['step_s']:.0f} s "
+            f"({steps} steps) | {ratio} |"
         )
     lines += ["", "Trials (batch: peak MB, fits):", ""]
     for method, f in found.items():
