@@ -142,18 +142,18 @@ class Logbook:
         self._trusted = -1  # the step of the last rollback's target
         self._calls = 0
         self._total: int | None = None
-        self._started = time.perf_counter()
+        self._step_began = time.perf_counter()
         self._plotted = time.monotonic()
-        self._file = None
-        if self._mesh.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.folder / _runlog.LOGBOOK, "a", encoding="utf-8")
         latest = latest_checkpoint(self.checkpoints)
         if latest is not None and not resume:
             raise ValueError(
                 f"Logbook: {self.checkpoints} holds checkpoints of an earlier run (latest: "
                 f"{latest.name}); pass resume=True to continue it, or give a new folder"
             )
+        self._file = None
+        if self._mesh.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.folder / _runlog.LOGBOOK, "a", encoding="utf-8")
         if latest is not None:
             self._restore(load_checkpoint(self.checkpoints, model, optimizer), resume=True)
             self.event("resumed", checkpoint=latest.name, world_size=self._mesh.world_size)
@@ -169,9 +169,7 @@ class Logbook:
         rollback, climbing back to 1 over ``lr_recover`` steps once past the spike."""
         low, spike = self._backoff
         recover = self.spikes.lr_recover
-        if low == 1.0 or self.done < spike:
-            return low
-        if recover == 0:
+        if low == 1.0 or self.done < spike or recover == 0:
             return low
         return low + (1.0 - low) * min(1.0, (self.done + 1 - spike) / recover)
 
