@@ -12,7 +12,6 @@ world size and batch from the meta device. The report goes to ``benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -22,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,31 +44,9 @@ def measure(stage: int, config: dict[str, object]) -> dict[str, object]:
 def tracked(stage: int, model: dict[str, int], batch: int, steps: int) -> int:
     """The same training with ranks as threads, every storage each rank creates from wrapping
     on tracked (``tests/_memory.py``); the larger rank's peak of live bytes."""
-    from examples.train_gpt import GPT, Block
-    from shardwrap import ShardedModule
-    from tests._memory import StorageTracker
-    from tests._ranks import run_ranks
+    from tests.test_estimate import measured_peak
 
-    torch.manual_seed(0)
-    gpt = GPT(vocab=256, **model)
-
-    def fn(rank: int, pg: torch.distributed.ProcessGroup) -> int:
-        plain = copy.deepcopy(gpt)
-        gen = torch.Generator().manual_seed(rank)
-        seq = model["context"]
-        tokens = [torch.randint(256, (batch, seq + 1), generator=gen) for _ in range(steps)]
-        with StorageTracker(existing=tuple(tokens)) as tracker:
-            m = ShardedModule(plain, auto_wrap=Block, process_group=pg, stage=stage)
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-            for t in tokens:
-                logits = m(t[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), t[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-        return tracker.peak
-
-    return max(run_ranks(2, fn, timeout=600.0))
+    return measured_peak({"vocab": 256, **model}, stage, batch, steps, timeout=600.0)
 
 
 def main() -> None:

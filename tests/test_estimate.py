@@ -36,16 +36,25 @@ BATCH = 2
 STEPS = 2  # the second runs in steady state: optimizer state, prefetch
 
 
-def _measured_peak(stage: int, precision: MixedPrecision | None) -> int:
-    """The largest peak over two ranks training like ``benchmarks/_worker.py``, in bytes."""
+def measured_peak(
+    config: dict[str, int],
+    stage: int,
+    batch: int,
+    steps: int,
+    precision: MixedPrecision | None = None,
+    timeout: float = 60.0,
+) -> int:
+    """The larger peak of two ranks (threads) training the GPT of ``examples/train_gpt.py``
+    like ``benchmarks/_worker.py``, every storage each creates from wrapping on tracked
+    (``tests/_memory.py``), in bytes. ``benchmarks/estimate.py`` measures with it too."""
     torch.manual_seed(0)
-    model = GPT(**CONFIG)
-    seq = CONFIG["context"]
+    model = GPT(**config)
+    seq = config["context"]
 
     def fn(rank: int, pg: ProcessGroup) -> int:
         plain = copy.deepcopy(model)
         gen = torch.Generator().manual_seed(rank)
-        tokens = [torch.randint(256, (BATCH, seq + 1), generator=gen) for _ in range(STEPS)]
+        tokens = [torch.randint(256, (batch, seq + 1), generator=gen) for _ in range(steps)]
         with StorageTracker(existing=tuple(tokens)) as tracker:
             m = ShardedModule(
                 plain, auto_wrap=Block, process_group=pg, stage=stage, mixed_precision=precision
@@ -59,7 +68,7 @@ def _measured_peak(stage: int, precision: MixedPrecision | None) -> int:
                 opt.zero_grad()
         return tracker.peak
 
-    return max(run_ranks(2, fn, timeout=60.0))
+    return max(run_ranks(2, fn, timeout=timeout))
 
 
 @pytest.mark.stage3  # names its stages itself: once is enough
@@ -77,7 +86,7 @@ def test_estimate_is_within_10_percent_of_the_measured_peak_at_every_stage(
     )
     for stage in (1, 2, 3):
         estimate = plan.row(stage).peak
-        measured = _measured_peak(stage, precision)
+        measured = measured_peak(CONFIG, stage, BATCH, STEPS, precision)
         assert abs(estimate - measured) <= 0.1 * measured, (
             f"stage {stage}: estimated {estimate / 2**20:.2f} MiB, measured "
             f"{measured / 2**20:.2f} MiB\n{plan}"
