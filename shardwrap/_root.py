@@ -422,6 +422,12 @@ class Root:
         for unit in self.units:
             if unit.state is not ShardState.SHARDED:
                 self._release_unit_after_backward(unit)
+            if self.reductions.sync:
+                # The optimizer steps next, and not every write to a shard is counted in its
+                # version counter (``.data`` writes are not); a unit that stays gathered
+                # gathers again before it is next read.
+                for g in unit.trainable:
+                    g.gathered_version = -1
         self.schedule.finish_backward()
         self._backward_next = _successors(self._recording)
         self._leave_backward()

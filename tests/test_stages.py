@@ -88,6 +88,26 @@ def test_fused_optimizers_train_like_the_plain_model(stage: int) -> None:
         assert_parity(model, 2, make, GPT_BATCHES, gpt_loss, auto_wrap=Block, stage=stage)
 
 
+class _SGDThroughData(torch.optim.Optimizer):
+    """Plain SGD written the old way, through ``.data``, which torch does not count in a
+    tensor's version counter."""
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.05})
+
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_update_through_data_is_seen_at_the_next_forward(stage: int) -> None:
+    assert_parity(build_gpt(tied=False), 2, _SGDThroughData, GPT_BATCHES, gpt_loss,
+                  auto_wrap=Block, stage=stage)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def gpt2() -> HFCase:
     return build_hf("gpt2")
