@@ -263,6 +263,9 @@ class Logbook:
         if samples is not None:
             record["samples"] = self._gather_object(list(map(int, samples)))
         self._write(record)
+        if self._backoff[0] < 1.0 and self.lr_scale == 1.0:  # back on the schedule
+            self._backoff = (1.0, 0)
+            self.event("lr_scale", scale=1.0)
         if self._file is not None and self.print_every and self.done % self.print_every == 0:
             print(
                 f"step {self.done}/{self._total}  loss {mean_loss:.4f}  grad norm "

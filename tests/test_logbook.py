@@ -101,13 +101,14 @@ def base() -> nn.Module:
 
 def test_rollback_then_trains_exactly_the_recorded_batches(tmp_path: Path, base: nn.Module) -> None:
     states = train(base, tmp_path, 45, bad=frozenset({30}))
-    spike, rollback, skipped, lowered = events(tmp_path)
+    spike, rollback, skipped, lowered, restored = events(tmp_path)
     assert (spike["event"], spike["spike_step"]) == ("spike", 31)
     assert "loss" in spike["reason"]
     # The last checkpoint at least `suspect` (5) steps before the spike: step 20.
     assert (rollback["event"], rollback["to_step"], rollback["retry"]) == ("rollback", 20, 1)
     assert (skipped["positions"], skipped["batches"]) == ([20, 31], 11)
     assert (lowered["event"], lowered["scale"]) == ("lr_scale", 0.5)
+    assert (restored["event"], restored["scale"], restored["step"]) == ("lr_scale", 1.0, 40)
 
     run = read(tmp_path)
     assert [s["step"] for s in run.steps] == list(range(1, 46))
@@ -153,7 +154,7 @@ def test_resume_continues_the_logbook(tmp_path: Path, base: nn.Module) -> None:
     train(base, tmp_path, 25, bad=frozenset({18}))
     states = train(base, tmp_path, 45, bad=frozenset({18}))
     kinds = [e["event"] for e in events(tmp_path)]
-    assert kinds == ["spike", "rollback", "skipped", "lr_scale", "resumed"]
+    assert kinds == ["spike", "rollback", "skipped", "lr_scale", "resumed", "lr_scale"]
     run = read(tmp_path)
     assert [s["step"] for s in run.steps] == list(range(1, 46))
     assert run.steps[-1]["lr"] == LR  # recovered after resume, as the uninterrupted run would
