@@ -19,6 +19,7 @@ When a gathered buffer is released is the strategy's decision (``_strategy.py``)
 here ask it at each point. The root unit is not resharded after forward (backward needs it
 first), nor after a ``no_grad`` forward, so decoding loops do not re-gather it on every call;
 a gathered unit whose shard has changed since (an optimizer step, a load) is gathered afresh.
+Views of gathered buffers that autograd saves are kept by address (``_saved.py``).
 
 The root also holds the model's index of parameters: which flat group and slot hold each
 original parameter, built once here and read by state dicts, checkpoints and export.
@@ -48,6 +49,7 @@ from ._offload import Store
 from ._options import MixedPrecision
 from ._pool import BufferPool
 from ._reduce import Reductions
+from ._saved import SavedViews
 from ._schedule import Schedule
 from ._strategy import Strategy
 from ._unit import ShardState, Unit
@@ -109,8 +111,9 @@ class Root:
         self.output_dtype = precision.output_dtype if precision else None
         self.pool = pool
         self._unit_of = {id(g): u for u in units for g in u.groups}
-        self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._saving_owner: Unit | nn.Module | None = None
+        self.saved = SavedViews(
+            pool, lambda group: self._ensure_gathered(self._unit_of[id(group)], backward=True)
+        )
         self._called_alone: dict[int, list[Unit]] = {}  # id(module) -> units its call gathered
         self._inside_gathered = False  # gathered() exposes exact full parameters: leave them be
         self._call_hooks: dict[int, list[RemovableHandle]] = {}  # id(module) -> its call hooks
@@ -193,10 +196,10 @@ class Root:
             self.phase = Phase.FORWARD
             self.schedule.passes += 1
             self._recording = []
-            self._stop_saving()  # left over from a forward that raised
+            self.saved.stop()  # left over from a forward that raised
             self.pool.holding = True
         if torch.is_grad_enabled():
-            self._start_saving(unit)
+            self.saved.start(unit)
         self._recording.append(unit)
         self._ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
@@ -236,7 +239,7 @@ class Root:
                 return
             self.settle()
             if grad:
-                self._start_saving(module)
+                self.saved.start(module)
             gathered = []
             for unit in units:
                 if unit.state is not ShardState.GATHERED or unit.is_stale:
@@ -253,8 +256,8 @@ class Root:
             gathered = self._called_alone.pop(id(module), None)
             if gathered is None:
                 return
-            if module is self._saving_owner:
-                self._stop_saving()
+            if module is self.saved.owner:
+                self.saved.stop()
             release = self.strategy.release_after_forward(grad_enabled=torch.is_grad_enabled())
             for unit in gathered:
                 if unit is not self.root and release and self.phase is Phase.IDLE:
@@ -265,8 +268,8 @@ class Root:
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if self.phase is Phase.BACKWARD:
             return output
-        if unit is self._saving_owner:
-            self._stop_saving()
+        if unit is self.saved.owner:
+            self.saved.stop()
         grad = torch.is_grad_enabled()
         release = self.strategy.release_after_forward(grad_enabled=grad)
         # The unit that ran last in forward runs first in backward: keep it gathered.
@@ -293,43 +296,6 @@ class Root:
         for t in leaves:
             if isinstance(t, Tensor) and t.requires_grad:
                 t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
-
-    # saved tensors ---------------------------------------------------------------------
-
-    def _start_saving(self, owner: Unit | nn.Module) -> None:
-        """Save views of gathered buffers by address until ``owner``'s call returns, unless an
-        enclosing call already does."""
-        if self._saving_owner is None:
-            self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saving.__enter__()
-            self._saving_owner = owner
-
-    def _stop_saving(self) -> None:
-        if self._saving is not None:
-            self._saving.__exit__(None, None, None)
-        self._saving, self._saving_owner = None, None
-
-    def _pack(self, t: Tensor) -> Any:
-        """Autograd saves a view of a gathered buffer by address within its group, not by memory.
-
-        The buffer may serve another unit before backward; the unpack hook rebuilds the view
-        over wherever the group is gathered then.
-        """
-        try:
-            group = self.pool.owner.get(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # tensors without plain storage
-            return t
-        if group is None:
-            return t
-        return _SavedView(group, t.storage_offset(), t.shape, t.stride())
-
-    def _unpack(self, saved: Any) -> Tensor:
-        if not isinstance(saved, _SavedView):
-            return saved
-        group = saved.group
-        if not group.is_allocated:
-            self._ensure_gathered(self._unit_of[id(group)], backward=True)
-        return group.full_data.as_strided(saved.shape, saved.stride, saved.offset)
 
     def _hook_inputs(self, unit: Unit, inputs: Any) -> None:
         """Count this call's input gradients, so frozen groups are released once they exist.
@@ -456,7 +422,7 @@ class Root:
             unit.reshard()
             for g in unit.trainable:
                 g.full.grad = None
-        self._stop_saving()
+        self.saved.stop()
         self._leave_backward()
 
     def check_state(self) -> None:
@@ -626,12 +592,3 @@ def _successors(order: list[Unit]) -> dict[int, Unit]:
     for a, b in zip(order, order[1:]):
         nxt.setdefault(a.index, b)
     return nxt
-
-
-class _SavedView(NamedTuple):
-    """A tensor autograd saved that views a gathered buffer: where in the group it lies."""
-
-    group: FlatGroup
-    offset: int
-    shape: torch.Size
-    stride: tuple[int, ...]
