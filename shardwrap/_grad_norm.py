@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._collectives import CommStats, Group, all_reduce
-from ._offload import store_like, stored_like
+from ._offload import count_fused_write, store_like, stored_like
 
 __all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "shard_grad_owner"]
 
@@ -133,11 +133,7 @@ class ShardGrad(Tensor):
             out = func(*args, **kwargs)
         if func in _GRAD_ALIASES and isinstance(out, Tensor):
             return as_shard_grad(out, args[0]._shardwrap_owner)
-        if _name(func).startswith("_fused_") and args and isinstance(args[0], (list, tuple)):
-            # NOTE: torch's fused optimizer kernels write the parameters (argument 0) without
-            # counting the write in their version counters, which is how a unit that stays
-            # gathered (stages 1 and 2) learns that its shards changed; count it here.
-            torch.autograd.graph.increment_version([p for p in args[0] if isinstance(p, Tensor)])
+        count_fused_write(func, args)
         return out
 
     def __deepcopy__(self, memo: dict) -> Tensor:

@@ -55,6 +55,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoredParam",
+    "count_fused_write",
     "prefer_fused",
     "stored_like",
     "stored_param",
@@ -276,6 +277,20 @@ def stored_like(
     return out
 
 
+def count_fused_write(func: Callable[..., Any], args: tuple) -> None:
+    """After one of torch's fused optimizer kernels (``torch._fused_adamw_``, ...): count its
+    write to the parameters (argument 0) in their version counters.
+
+    NOTE: those kernels write without counting it, and a version counter is how a unit that
+    stays gathered, or a copy staged for the host tier, learns that its shard changed. The
+    shard parameters' and shard gradients' torch-function handlers, whichever torch calls,
+    count it here.
+    """
+    if getattr(func, "__name__", "").startswith("_fused_") and args:
+        if isinstance(args[0], (list, tuple)):
+            torch.autograd.graph.increment_version([p for p in args[0] if isinstance(p, Tensor)])
+
+
 class StoredParam(torch.nn.Parameter):
     """A shard parameter of the disk tier: state the optimizer makes "like" it is stored too."""
 
@@ -291,7 +306,9 @@ class StoredParam(torch.nn.Parameter):
             if out is not None:
                 return out
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        count_fused_write(func, args)
+        return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled (``torch.save``) as the plain parameter it is on this rank."""
@@ -358,10 +375,6 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             place.quiesce()
     for group in groups:
         prefer_fused(optimizer, group)
-        # NOTE: torch's fused kernels write the parameters without bumping their version
-        # counters, by which a gathered copy or a staged one knows it is stale; count the
-        # write here, just before it happens.
-        torch.autograd.graph.increment_version(group["params"])
 
 
 class _StepHook:
