@@ -219,7 +219,11 @@ class Logbook:
                 when there is no checkpoint to roll back to.
         """
         self._calls += 1
-        norm = self.model.clip_grad_norm_(self.clip if self.clip is not None else math.inf)
+        if self.clip is not None:
+            norm = self.model.clip_grad_norm_(self.clip)
+        else:  # the norm alone: no pass that multiplies every gradient by 1
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
         grad_norm = float(norm)
         mine = torch.tensor(
             [float(loss.detach()), float(tokens), float(_peak_memory())], dtype=torch.float64
