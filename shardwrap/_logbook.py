@@ -142,6 +142,7 @@ class Logbook:
         self._trusted = -1  # the step of the last rollback's target
         self._calls = 0
         self._total: int | None = None
+        self._saved_at = -1  # the step of the last checkpoint saved or loaded
         self._step_began = time.perf_counter()
         self._plotted = time.monotonic()
         latest = latest_checkpoint(self.checkpoints)
@@ -197,7 +198,7 @@ class Logbook:
                     f"Logbook: book.step(loss) was called {self._calls - calls} times in step "
                     f"{self.done}; call it exactly once in every step of book.steps()"
                 )
-        if self.save_every and self._saved_step() != self.done:
+        if self.save_every and self._saved_at != self.done:
             self._save()
         self.plot()
 
@@ -375,7 +376,7 @@ class Logbook:
         for name, obj in self.stateful.items():
             obj.load_state_dict(extra["stateful"][name])
         book = extra["logbook"]
-        self.done = book["done"]
+        self.done = self._saved_at = book["done"]
         self._check.load(book["history"])
         if resume:
             self.offset, self._backoff = book["offset"], tuple(book["backoff"])
@@ -392,20 +393,17 @@ class Logbook:
             logbook=self._state(),
             stateful={name: obj.state_dict() for name, obj in self.stateful.items()},
         )
+        self._saved_at = self.done
         if self._mesh.rank == 0:
-            keep = {p for _, p in _saved(self.checkpoints)[-self.keep_last :]}
+            saved = [p for _, p in _saved(self.checkpoints)]
+            keep = set(saved[-self.keep_last :])
             target = self._target(self.done)  # where a spike in the next step would go
             keep |= {target[1]} if target else set()
-            for _, old in _saved(self.checkpoints):
+            for old in saved:
                 if old not in keep and old != path:
                     remove_folder(old)
         if replace is None:
             self.event("checkpoint", checkpoint=path.name)
-
-    def _saved_step(self) -> int | None:
-        latest = latest_checkpoint(self.checkpoints)
-        match = _CHECKPOINT.fullmatch(latest.name) if latest else None
-        return int(match.group(1)) if match else None
 
     # communication and files -------------------------------------------------------------
 
