@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.train_gpt import GPT, Block  # noqa: E402
 from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
+from tests._memory import StorageTracker  # noqa: E402
 
 METHODS = (
     "shardwrap-s1",
@@ -98,8 +99,15 @@ class Config:
     seed: int = 0
     precision: str = "fp32"
     """``fp32``, or ``bf16``: bf16 compute on fp32 master weights, gradients reduced in fp32."""
+    track: bool = False
+    """Also count every storage created from building the model through the warm-up steps
+    (``tests/_memory.py``) and report the peak of live bytes after wrapping: the CPU's
+    counterpart of ``max_memory_allocated``. Its Python hook slows those steps, so only timed
+    steps, untracked, are timed; it needs two warm-up steps (the second is a steady step)."""
 
     def __post_init__(self) -> None:
+        if self.track and self.warmup < 2:
+            raise ValueError(f"track needs at least 2 warm-up steps, got {self.warmup}")
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.precision not in PRECISIONS:
@@ -303,8 +311,13 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
     importlib.import_module("torch._dynamo")
     dist.barrier()
     rss_before = rss_mb("VmRSS")
+    tracker = StorageTracker() if cfg.track else None
+    if tracker is not None:
+        tracker.__enter__()
     trainer = build(method, cfg, device, counter)
     built = peak_mb(device, rss_before)
+    if tracker is not None:
+        tracker.reset_peak()  # the unsharded model each rank built is gone
     model = trainer.model
     gen = torch.Generator().manual_seed(cfg.seed + rank)
     autocast = torch.autocast(
@@ -315,6 +328,8 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
     times, losses = [], []
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
             counter.bytes = counter.calls = 0
             if method.startswith("shardwrap"):
                 model.comm_stats.reset()
@@ -341,7 +356,8 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         comm_calls = sum(model.comm_stats.calls.values())
     else:
         comm_bytes, comm_calls = counter.bytes, counter.calls
-    peak = torch.tensor([peak_mb(device, rss_before), built])
+    tracked = -1.0 if tracker is None else tracker.peak / 2**20
+    peak = torch.tensor([peak_mb(device, rss_before), built, tracked])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {
         "method": method,
@@ -353,6 +369,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         "tokens_per_s_per_rank": cfg.batch * cfg.context / statistics.median(times),
         "peak_mb_per_rank": peak[0].item(),
         "build_peak_mb_per_rank": peak[1].item(),
+        **({"tracked_peak_mb_per_rank": peak[2].item()} if cfg.track else {}),
         "comm_bytes_per_step": comm_bytes / cfg.steps,
         "comm_calls_per_step": comm_calls / cfg.steps,
         "losses": losses,

@@ -4,16 +4,17 @@
     python benchmarks/max_batch.py --methods shardwrap-s3 ddp --config '{"width": 512}' \
         --budget-mb 800
 
-The shape of the ZeRO paper's table (DeepSpeed's row against DDP's): for every method, trials
-at batch 8 and 16 fit a line to peak memory against batch, the line guesses the largest batch
-within the budget, and bisection finds the edge (see :func:`search`); each trial
-is a fresh ``torchrun`` launch of ``benchmarks/_worker.py`` (one warm-up and two timed
-steps). The budget is CPU resident memory above the level before the model was built, or
-``max_memory_allocated`` on GPU. The methods are ``compare.py``'s; by default DDP, shardwrap
-at each stage, FSDP2 and DeepSpeed at each stage (skipped, with a notice, where DeepSpeed is not
-installed). The time column is ``--samples`` samples over all ranks at each method's largest
-batch: its step time times the steps needed. Output:
-``benchmarks/results/max_batch_<hardware>_<date>.md``.
+The shape of the ZeRO paper's table (DeepSpeed's row against DDP's): for every method, trials at
+batch 8 and 16 fit a line to peak memory against batch, the line guesses the largest batch within
+the budget, and bisection finds the edge (see :func:`search`); each trial is a fresh ``torchrun``
+launch of ``benchmarks/_worker.py`` (one warm-up step, then two timed steps unless the config says
+``"steps"``: the first step allocates AdamW's state, so the peak is reached in the second). The
+budget is CPU resident memory above the level before the model was built, or
+``max_memory_allocated`` on GPU. The methods are ``compare.py``'s; by default DDP, shardwrap at each
+stage, FSDP2 and DeepSpeed at each stage (skipped, with a notice, where DeepSpeed is not installed).
+The time column is ``--samples`` samples over all ranks at each method's largest batch: its step
+time times the steps needed. Output:
+``benchmarks/results/<name>_<hardware>_<date>.md`` (``--name``, default ``max_batch``).
 """
 
 from __future__ import annotations
@@ -53,9 +54,7 @@ def fits(
     nproc: int,
     trials: list[dict[str, Any]],
 ) -> bool:
-    result = run_once(
-        method, {**config, "batch": batch, "warmup": 1, "steps": 2}, nproc, timeout=1800
-    )
+    result = run_once(method, {"steps": 2, **config, "batch": batch, "warmup": 1}, nproc, 1800)
     ok = result["peak_mb_per_rank"] <= budget
     trials.append(
         {
@@ -129,6 +128,7 @@ def main() -> None:
         "--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config"
     )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--name", default="max_batch", help="the report's file name stem")
     args = parser.parse_args()
     methods, skipped = select_methods(args.methods, DEFAULT, deepspeed_installed())
     if skipped:
@@ -185,7 +185,7 @@ def main() -> None:
         )
     report = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"max_batch_{hardware()}_{datetime.date.today().isoformat()}.md").write_text(
+    (args.out_dir / f"{args.name}_{hardware()}_{datetime.date.today().isoformat()}.md").write_text(
         report
     )
     print(report)

@@ -5,18 +5,19 @@ world size and model size, against each stage's memory formula.
     python benchmarks/scaling.py --sizes 25m 100m --world-sizes 1 2 --stages 2 3 --steps 2
     python benchmarks/scaling.py --sizes 64x2x2 --world-sizes 1 2   # WIDTHxDEPTHxHEADS
 
-Each cell is one ``torchrun`` launch of ``benchmarks/_worker.py`` (``compare.run_once``) with
+Each cell is two ``torchrun`` launches of ``benchmarks/_worker.py`` (``compare.run_once``) with
 ``shardwrap-s<stage>``: the GPT of ``examples/train_gpt.py`` trained in fp32 with AdamW, the
 per-rank batch and context fixed, so the work per rank is the same at every world size N (the
-global batch grows with N). Measured: the median step time (slowest rank) and the per-rank peak
-memory (the worst rank; on CPU the resident-set high-water mark above the resident set before
-the model was built, so activations and transient buffers count). Predicted: the README's fp32
-AdamW bytes per rank for Ψ parameters (``FORMULAS``); a cell meets the project's requirement
-when measured / predicted is within ``TOLERANCE`` of 1. One launch of ``PROBE``, a GPT too small
-to matter, per world size measures the fixed cost that every cell's peak includes (library
-imports, first-use buffers); the report also gives each ratio net of it, as an aid to reading.
-Output: ``benchmarks/results/scaling_<hardware>_<date>.md``, a JSON file and a PNG plot beside
-it.
+global batch grows with N). The first launch measures the median step time (slowest rank) and
+the resident-set peak; the second counts every storage each rank creates (``"track"``: the
+CPU's counterpart of ``max_memory_allocated``, what the library and the model allocate, without
+the allocator's retention) over a first and a steady second step. Predicted: each stage's
+formula (README, "Memory per stage"): the model states of ``FORMULAS`` plus the working set and
+activations, evaluated on this model, batch and N by ``shardwrap.estimate_memory`` on the meta
+device. A cell meets the project's requirement when the allocated peak is within
+``TOLERANCE`` of the prediction; on GPU the first launch's ``max_memory_allocated`` is that
+peak and the second launch is skipped. Output: ``benchmarks/results/scaling_<hardware>_<date>.md``,
+a JSON file and a PNG plot beside it.
 """
 
 from __future__ import annotations
@@ -36,26 +37,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compare import HERE, commit, hardware, run_once
+from compare import HERE, ROOT, commit, hardware, run_once
+
+sys.path.insert(0, str(ROOT))
+
+from shardwrap import estimate_memory  # noqa: E402
 
 VOCAB = 256  # the worker's byte vocabulary
 TOLERANCE = 0.10
-# Bytes per rank for Ψ parameters on N ranks, fp32 AdamW: (a, b) in a·Ψ + b·Ψ/N.
+# Model states per rank for Ψ parameters on N ranks, fp32 AdamW, bytes: (a, b) in a·Ψ + b·Ψ/N.
 FORMULAS = {
-    # Peak: the full parameters (the shard is their 1/N slice), the gradient shard and both
-    # AdamW moments (4 + 8 per parameter, over N), and every unit's full gradient, alive
-    # together at the end of backward.
+    # The full parameters (the shard is their 1/N slice), the gradient shard and both AdamW
+    # moments, and at the end of backward every unit's full gradient.
     1: (8, 12),
     # The full parameters, the gradient shard and both AdamW moments.
     2: (4, 12),
     # The parameter shard, its gradient and both AdamW moments.
     3: (0, 16),
-}
-REASONS = {
-    1: "activations and transient buffers",
-    2: "activations and the full gradients of the units being reduced (about two)",
-    3: "activations and the gathered working set (a unit or two of full parameters and one "
-    "unit's full gradient)",
 }
 
 
@@ -77,7 +75,6 @@ class Size:
             raise ValueError(f"heads must divide width, got heads={self.heads} of {self.width}")
 
 
-PROBE = Size(name="64x2x2", width=64, depth=2, heads=2)  # 137K parameters, 0.5 MB
 SIZES = {
     s.name: s
     for s in (
@@ -120,82 +117,65 @@ def formula(stage: int) -> str:
     return " + ".join(([f"{a}Ψ"] if a else []) + [f"{b}Ψ/N"])
 
 
-def predicted_bytes(stage: int, params: int, world_size: int) -> float:
+def states_bytes(stage: int, params: int, world_size: int) -> float:
     a, b = FORMULAS[stage]
     return a * params + b * params / world_size
 
 
+def planned(size: Size, stage: int, world_size: int, config: dict[str, Any]) -> dict[str, float]:
+    """The stage's formula on this model: ``estimate_memory``'s parts at its peak, in MB."""
+    context = config["context"]
+    kwargs = {"vocab": VOCAB, "width": size.width, "depth": size.depth, "heads": size.heads}
+    plan = estimate_memory(
+        "examples.train_gpt:GPT",
+        world_size=world_size,
+        stage=stage,
+        batch=config["batch"],
+        seq=context,
+        kwargs={**kwargs, "context": context},
+    )
+    row = plan.row(stage)
+    parts = ("params", "grads", "optimizer", "working_set", "activations", "peak")
+    return {part: getattr(row, part) / 2**20 for part in parts} | {"phase": row.phase}
+
+
 def summarize(
-    size: Size, stage: int, result: dict[str, Any], fixed_mb: float | None
+    size: Size, stage: int, timed: dict[str, Any], allocated_mb: float, plan: dict[str, Any]
 ) -> dict[str, Any]:
-    """One table row from the worker's result and ``PROBE``'s peak at its world size."""
-    params, world, peak = result["params"], result["world_size"], result["peak_mb_per_rank"]
-    predicted = predicted_bytes(stage, params, world) / 2**20
-    ratio = peak / predicted
-    net = None if fixed_mb is None else (peak - fixed_mb) / predicted
+    """One table row from the timed launch, the allocated peak and the plan."""
+    params, world = timed["params"], timed["world_size"]
+    ratio = allocated_mb / plan["peak"]
     return {
         "size": size.name,
         "stage": stage,
         "world_size": world,
         "params": params,
         "block_mb": 4 * block_params(size) / 2**20,
-        "step_s": result["step_s"],
-        "peak_mb": peak,
-        "build_peak_mb": result["build_peak_mb_per_rank"],
-        "predicted_mb": predicted,
+        "step_s": timed["step_s"],
+        "resident_mb": timed["peak_mb_per_rank"],
+        "build_resident_mb": timed["build_peak_mb_per_rank"],
+        "allocated_mb": allocated_mb,
+        "states_mb": states_bytes(stage, params, world) / 2**20,
+        "plan": plan,
+        "predicted_mb": plan["peak"],
         "ratio": ratio,
         "within": abs(ratio - 1) <= TOLERANCE,
-        "fixed_mb": fixed_mb,
-        "net_ratio": net,
-        "net_within": None if net is None else abs(net - 1) <= TOLERANCE,
     }
-
-
-def miss_reason(row: dict[str, Any]) -> str:
-    """The likely reason a row is outside ``TOLERANCE``, from what its runs measured."""
-    if row["build_peak_mb"] >= 0.99 * row["peak_mb"]:
-        return (
-            "the peak was set before training: every rank builds the unsharded model "
-            f"(4Ψ = {4 * row['params'] / 2**20:.0f} MB) and wraps it, more than this stage "
-            "holds at this N"
-        )
-    excess = row["peak_mb"] - row["predicted_mb"]
-    if excess < 0:
-        return "below the formula: not every term it counts was resident at the same time"
-    parts, rest = [f"{excess:.0f} MB above the formula"], excess
-    if row["fixed_mb"] is not None:
-        parts.append(f"{row['fixed_mb']:.0f} MB of it is the fixed cost")
-        rest -= row["fixed_mb"]
-        if row["net_within"] or rest < 0:
-            return "; ".join([*parts, f"net of it, {row['net_ratio']:.2f}x"])
-    parts.append(
-        f"the other {rest:.0f} MB ({rest / row['predicted_mb']:.0%} of the prediction) is "
-        f"{REASONS[row['stage']]}, which the formula leaves out (one block's full parameters "
-        f"are {row['block_mb']:.0f} MB)"
-    )
-    return "; ".join(parts)
 
 
 def verdict_lines(rows: Sequence[dict[str, Any]], failed: Sequence[dict[str, Any]]) -> list[str]:
     misses = [r for r in rows if not r["within"]]
     lines = [
-        f"{len(rows) - len(misses)} of {len(rows)} cells within {TOLERANCE:.0%} of their "
-        f"stage's formula as measured (the requirement's check)"
+        f"{len(rows) - len(misses)} of {len(rows)} cells have their allocated peak within "
+        f"{TOLERANCE:.0%} of their stage's formula (the requirement's check)"
         f"{'.' if not misses else '; outside it:'}",
         "",
     ]
     lines += [
-        f"- {r['size']}, stage {r['stage']}, N={r['world_size']}: {r['ratio']:.2f}x, "
-        f"{miss_reason(r)}."
+        f"- {r['size']}, stage {r['stage']}, N={r['world_size']}: {r['ratio']:.2f}x "
+        f"({r['allocated_mb']:.0f} MB allocated, {r['predicted_mb']:.0f} MB predicted)."
         for r in misses
     ]
-    netted = [r for r in rows if r["net_within"] is not None]
-    if netted:
-        lines += [
-            "",
-            f"Net of the fixed cost, {sum(r['net_within'] for r in netted)} of {len(netted)} "
-            f"cells are within {TOLERANCE:.0%}.",
-        ]
     if failed:
         lines += ["", "Cells that did not finish:", ""]
         lines += [
@@ -212,12 +192,10 @@ def markdown(
     rows: Sequence[dict[str, Any]],
     failed: Sequence[dict[str, Any]],
     sizes: Sequence[Size],
-    fixed_mb: dict[int, float],
     config: dict[str, Any],
     command: str,
 ) -> str:
     context = config["context"]
-    fixed = ", ".join(f"{mb:.0f} MB at N={n}" for n, mb in sorted(fixed_mb.items())) or "not run"
     at_one = {(r["size"], r["stage"]): r["step_s"] for r in rows if r["world_size"] == 1}
     lines = [
         "# scaling: shardwrap's per-rank memory and step time by ZeRO stage, world size and "
@@ -229,63 +207,74 @@ def markdown(
         f"- software: Python {platform.python_version()}, torch {torch.__version__}, backend "
         f"{'nccl' if torch.cuda.is_available() else 'gloo'}, OMP_NUM_THREADS=1 per rank",
         f"- command: `{command}`, at commit {commit()}",
-        f"- training: fp32 AdamW, batch {config['batch']} per rank, context {context}, "
-        f"{config['warmup']} warm-up + {config['steps']} timed steps, one launch per cell; the "
-        "work per rank is the same at every N (the global batch grows with N), and the N ranks "
-        f"share the machine's {os.cpu_count()} cores",
+        f"- training: fp32 AdamW, batch {config['batch']} per rank, context {context}; the timed "
+        f"launch runs {config['warmup']} warm-up + {config['steps']} timed steps, the tracked "
+        "launch 2 steps; the work per rank is the same at every N (the global batch grows with "
+        f"N), and the N ranks share the machine's {os.cpu_count()} cores",
         *(
             f"- {s.name}: GPT of `examples/train_gpt.py`, {s.depth} blocks of width {s.width}, "
             f"{s.heads} heads, byte vocabulary: Ψ = {gpt_params(s, context):,} parameters "
-            f"(4Ψ = {4 * gpt_params(s, context) / 2**20:.0f} MB)"
+            f"(4Ψ = {4 * gpt_params(s, context) / 2**20:.0f} MB; one block "
+            f"{4 * block_params(s) / 2**20:.0f} MB)"
             for s in sizes
         ),
-        "- predicted: the README's fp32 AdamW bytes per rank for Ψ parameters on N ranks. "
-        f"Stage 1, its peak `{formula(1)}`: the full parameters 4Ψ (the shard is their 1/N "
-        "slice), the gradient shard 4Ψ/N, both AdamW moments 8Ψ/N, and every unit's full "
-        "gradient, 4Ψ, alive together at the end of backward. "
-        f"Stage 2, `{formula(2)}`: the same without the full gradients. "
-        f"Stage 3, `{formula(3)}`: the parameter shard, its gradient and both moments. None "
-        "counts activations, the gathered working set, transient buffers or the unsharded "
-        "model each rank builds before wrapping",
-        f"- within {TOLERANCE:.0%}: |measured / predicted - 1| <= {TOLERANCE}; MB = 2^20 bytes",
-        f"- fixed cost per rank: {fixed}, the peak of the same run of a "
-        f"{gpt_params(PROBE, context) / 1e3:.0f}K-parameter GPT ({PROBE.name}, stage 3): library "
-        "imports (AdamW's constructor imports torch._dynamo) and first-use buffers, which every "
-        "cell pays whatever its size. The last two columns subtract it, an aid to reading the "
-        "table, not the requirement's check",
+        "- model states: "
+        + "; ".join(f"stage {st}: `{formula(st)}`" for st in FORMULAS)
+        + " (fp32 parameters, gradients and AdamW's two moments; stage 1 counts every unit's "
+        "full gradient, alive together at the end of backward)",
+        "- predicted: the stage's formula, model states plus the working set (stage 3's gathered "
+        "units, every stage's per-parameter and flat gradients of the units in backward, "
+        "the reductions in flight) and activations, evaluated by `shardwrap.estimate_memory` "
+        "on the meta device for this model, batch and N, at its peak",
+        "- allocated: the worst rank's peak of live bytes in every storage created after wrapping "
+        "(the tracked launch; on CPU the counterpart of max_memory_allocated), the "
+        f"requirement's check: within {TOLERANCE:.0%} means |allocated / predicted - 1| <= "
+        f"{TOLERANCE}. MB = 2^20 bytes",
+        "- resident: the worst rank's resident-set high-water mark above its resident set before "
+        "the model was built (the timed launch): what the operating system sees, adding the "
+        "allocator's retention and fragmentation, library code paged in on first use, and the "
+        "unsharded model each rank builds before wrapping",
         "",
-        "| model | Ψ | stage | N | step (s, median) | step vs N=1 | peak MB per rank "
-        "| peak MB when wrapped | predicted MB | formula | measured / predicted "
-        f"| within {TOLERANCE:.0%} | (peak - fixed) / predicted | within {TOLERANCE:.0%} net |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | stage | N | step (s, median) | step vs N=1 | model states MB | predicted MB "
+        f"| allocated MB | allocated / predicted | within {TOLERANCE:.0%} | resident MB "
+        "| resident / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         one = at_one.get((r["size"], r["stage"]))
         vs_one = f"{r['step_s'] / one:.2f}" if one else "-"
-        net = (
-            "- | -" if r["net_ratio"] is None else f"{r['net_ratio']:.2f} | " + yes(r["net_within"])
-        )
         lines.append(
-            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['stage']} | {r['world_size']} "
-            f"| {r['step_s']:.2f} | {vs_one} | {r['peak_mb']:.0f} | {r['build_peak_mb']:.0f} "
-            f"| {r['predicted_mb']:.0f} | {formula(r['stage'])} | {r['ratio']:.2f} "
-            f"| {yes(r['within'])} | {net} |"
+            f"| {r['size']} | {r['stage']} | {r['world_size']} | {r['step_s']:.2f} | {vs_one} "
+            f"| {r['states_mb']:.0f} | {r['predicted_mb']:.0f} | {r['allocated_mb']:.0f} "
+            f"| {r['ratio']:.3f} | {yes(r['within'])} | {r['resident_mb']:.0f} "
+            f"| {r['resident_mb'] / r['predicted_mb']:.2f} |"
         )
     lines += ["", *verdict_lines(rows, failed)]
     lines += [
         "",
-        "Step time: median over the timed steps, each the slowest rank's. Peak MB per rank: the "
-        "worst rank's resident-set high-water mark above its resident set just before the model "
-        "was built (CPU), or max_memory_allocated (GPU); it counts activations, transient "
-        "buffers and the unsharded model every rank builds before wrapping. Peak MB when wrapped: "
-        "the same mark when wrapping had ended, before the first step; where it equals the peak, "
-        "building set the peak, not training.",
+        "The prediction's parts at its peak (MB: params, grads, optimizer, working set, "
+        "activations; where the peak falls):",
+        "",
+    ]
+    lines += [
+        f"- {r['size']}, stage {r['stage']}, N={r['world_size']}: "
+        + ", ".join(
+            f"{r['plan'][k]:.0f}"
+            for k in ("params", "grads", "optimizer", "working_set", "activations")
+        )
+        + f"; {r['plan']['phase']}"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "Step time: median over the timed steps, each the slowest rank's.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Per-rank peak memory (predicted dashed) and step time against N, one column per size."""
+    """Per-rank allocated peak (predicted dashed, model states dotted) and step time against
+    N, one column per size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,24 +289,21 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
             line = sorted((r for r in mine if r["stage"] == stage), key=lambda r: r["world_size"])
             ns = [r["world_size"] for r in line]
             color = f"C{stage - 1}"
-            memory.plot(ns, [r["peak_mb"] for r in line], "o-", color=color, label=f"stage {stage}")
             memory.plot(
-                ns,
-                [r["predicted_mb"] for r in line],
-                "--",
-                color=color,
-                label=f"{formula(stage)} (predicted)",
+                ns, [r["allocated_mb"] for r in line], "o-", color=color, label=f"stage {stage}"
             )
+            memory.plot(ns, [r["predicted_mb"] for r in line], "--", color=color)
+            memory.plot(ns, [r["states_mb"] for r in line], ":", color=color)
             time.plot(ns, [r["step_s"] for r in line], "o-", color=color, label=f"stage {stage}")
         memory.set_title(f"{name}: Ψ = {mine[0]['params'] / 1e6:.1f}M")
-        memory.set_ylabel("peak memory per rank (MB)")
+        memory.set_ylabel("allocated peak per rank (MB)")
         time.set_ylabel("step time (s, median)")
         for ax in (memory, time):
             ax.set_xlabel("world size N")
             ax.set_xticks(sorted({r["world_size"] for r in mine}))
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-        memory.legend(fontsize=7)
+        memory.legend(title="measured; predicted --; model states ..", fontsize=7, title_fontsize=7)
         time.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -326,7 +312,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 def run_cell(
     size: Size, stage: int, world_size: int, config: dict[str, Any], timeout: float
 ) -> dict[str, Any]:
-    """Launch one cell; on failure the error, so that the rest of the grid still runs."""
+    """Launch one run of a cell; on failure the error, so that the rest of the grid still runs."""
     cfg = {**config, "width": size.width, "depth": size.depth, "heads": size.heads}
     try:
         return run_once(f"shardwrap-s{stage}", cfg, world_size, timeout)
@@ -356,7 +342,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="per rank")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     args = parser.parse_args()
     config = {
         "precision": "fp32",
@@ -365,45 +351,41 @@ def main() -> None:
         "warmup": args.warmup,
         "steps": args.steps,
     }
+    tracked = {**config, "warmup": 2, "steps": 1, "track": True}
     sizes = list(dict.fromkeys(args.sizes))
     world_sizes = sorted(set(args.world_sizes))
     rows: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
-    fixed_mb: dict[int, float] = {}
-
-    def launch(size: Size, stage: int, world_size: int) -> dict[str, Any] | None:
-        result = run_cell(size, stage, world_size, config, args.timeout)
-        cell = {"size": size.name, "stage": stage, "world_size": world_size}
-        runs.append({**cell, "result": result})
-        if "error" in result:
-            failed.append({**cell, "error": result["error"]})
-            print(f"{size.name} stage {stage} N={world_size}: {result['error']}", flush=True)
-            return None
-        return result
-
-    for world_size in world_sizes:
-        probe = launch(PROBE, 3, world_size)
-        if probe is not None:
-            fixed_mb[world_size] = probe["peak_mb_per_rank"]
-            print(f"fixed cost N={world_size}: {fixed_mb[world_size]:.0f} MB", flush=True)
     for size in sizes:
         for stage in sorted(set(args.stages)):
             for world_size in world_sizes:
-                result = launch(size, stage, world_size)
-                if result is None:
+                cell = {"size": size.name, "stage": stage, "world_size": world_size}
+                timed = run_cell(size, stage, world_size, config, args.timeout)
+                counted = (
+                    {"tracked_peak_mb_per_rank": timed.get("peak_mb_per_rank")}
+                    if torch.cuda.is_available()
+                    else run_cell(size, stage, world_size, tracked, args.timeout)
+                )
+                runs.append({**cell, "timed": timed, "tracked": counted})
+                error = timed.get("error") or counted.get("error")
+                if error:
+                    failed.append({**cell, "error": error})
+                    print(f"{size.name} stage {stage} N={world_size}: {error}", flush=True)
                     continue
-                row = summarize(size, stage, result, fixed_mb.get(world_size))
+                plan = planned(size, stage, world_size, config)
+                row = summarize(size, stage, timed, counted["tracked_peak_mb_per_rank"], plan)
                 rows.append(row)
                 print(
                     f"{size.name} stage {stage} N={world_size}: {row['step_s']:.2f} s/step, "
-                    f"{row['peak_mb']:.0f} MB per rank, {row['ratio']:.2f}x predicted",
+                    f"{row['allocated_mb']:.0f} MB allocated, {row['ratio']:.3f}x predicted, "
+                    f"{row['resident_mb']:.0f} MB resident",
                     flush=True,
                 )
     command = shlex.join(["python", "benchmarks/scaling.py", *sys.argv[1:]])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"scaling_{hardware()}_{datetime.date.today().isoformat()}"
-    report = markdown(rows, failed, sizes, fixed_mb, config, command)
+    report = markdown(rows, failed, sizes, config, command)
     (args.out_dir / f"{stem}.md").write_text(report)
     sizes_json = {s.name: {**asdict(s), "params": gpt_params(s, args.context)} for s in sizes}
     (args.out_dir / f"{stem}.json").write_text(
@@ -413,7 +395,6 @@ def main() -> None:
                 "sizes": sizes_json,
                 "formulas": {stage: formula(stage) for stage in FORMULAS},
                 "tolerance": TOLERANCE,
-                "fixed_mb": fixed_mb,
                 "rows": rows,
                 "failed": failed,
                 "runs": runs,

@@ -7,9 +7,10 @@ only that every output file exists and holds what the report promises, that ever
 like DDP (same per-step losses), and that bf16 really ran in mixed precision (shardwrap and FSDP2
 gather bf16 bytes; every loss moves, slightly). The test suite never needs DeepSpeed.
 
-``benchmarks/scaling.py``: its parameter count is the example GPT's, its predictions are the
-README's stage formulas, and its report from a made-up result set judges every cell against
-them and names a likely reason for each miss; (process tier) one tiny cell end to end.
+``benchmarks/scaling.py``: its parameter count is the example GPT's, its model states are the
+README's stage formulas, its prediction is the planner's, and its report from a made-up result
+set judges every cell's allocated peak against it; (process tier) one tiny cell end to end,
+measured within 10% of its prediction.
 Run: ``pytest tests/test_benchmarks.py`` (``-m process`` for the end-to-end runs only).
 """
 
@@ -173,59 +174,59 @@ def test_scaling_counts_the_example_gpts_parameters_and_its_sizes_land_near_thei
             scaling.size_arg(bad)
 
 
-def test_scaling_predicts_the_readmes_fp32_adamw_bytes_per_stage(scaling: ModuleType) -> None:
+def test_scaling_states_the_readmes_fp32_adamw_model_states_per_stage(scaling: ModuleType) -> None:
     psi = 1000
     assert [scaling.formula(s) for s in (1, 2, 3)] == ["8Ψ + 12Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"]
-    assert [scaling.predicted_bytes(s, psi, 1) for s in (1, 2, 3)] == [20_000, 16_000, 16_000]
-    assert [scaling.predicted_bytes(s, psi, 4) for s in (1, 2, 3)] == [11_000, 7_000, 4_000]
+    assert [scaling.states_bytes(s, psi, 1) for s in (1, 2, 3)] == [20_000, 16_000, 16_000]
+    assert [scaling.states_bytes(s, psi, 4) for s in (1, 2, 3)] == [11_000, 7_000, 4_000]
 
 
-def test_scaling_report_judges_every_cell_and_gives_a_reason_for_each_miss(
+def test_scaling_predicts_with_the_planner_whose_model_states_follow_the_formula(
+    scaling: ModuleType,
+) -> None:
+    size = scaling.size_arg("64x2x2")
+    config = {"batch": 2, "context": 16}
+    psi = scaling.gpt_params(size, 16)
+    one, four = (scaling.planned(size, 3, n, config) for n in (1, 4))
+    assert one["params"] + one["optimizer"] == pytest.approx(12 * psi / 2**20, rel=0.01)
+    assert four["params"] + four["optimizer"] == pytest.approx(12 * psi / 4 / 2**20, rel=0.02)
+    parts = ("params", "grads", "optimizer", "working_set", "activations")
+    assert four["peak"] == pytest.approx(sum(four[k] for k in parts))
+    assert four["working_set"] > 0 and four["phase"] in ("forward", "backward", "optimizer step")
+
+
+def test_scaling_report_judges_every_cell_by_its_allocated_peak(
     scaling: ModuleType, tmp_path: Path
 ) -> None:
     size = scaling.size_arg("64x2x2")
     config = {"precision": "fp32", "batch": 2, "context": 16, "warmup": 1, "steps": 2}
     psi = 10_000_000  # the rows take Ψ from the worker's result
 
-    def row(stage: int, world: int, ratio: float, build: float, fixed: float | None) -> dict:
-        predicted = scaling.predicted_bytes(stage, psi, world) / 2**20
-        result = {
+    def row(stage: int, world: int, ratio: float) -> dict:
+        plan = {"params": 10.0, "grads": 20.0, "optimizer": 30.0, "working_set": 5.0}
+        plan |= {"activations": 35.0, "peak": 100.0, "phase": "backward"}
+        timed = {
             "params": psi,
             "world_size": world,
             "step_s": 0.5 * world + stage,
-            "peak_mb_per_rank": ratio * predicted,
-            "build_peak_mb_per_rank": build * ratio * predicted,
+            "peak_mb_per_rank": 130.0,
+            "build_peak_mb_per_rank": 40.0,
         }
-        return scaling.summarize(size, stage, result, None if fixed is None else fixed * predicted)
+        return scaling.summarize(size, stage, timed, 100.0 * ratio, plan)
 
-    rows = [
-        row(1, 2, 1.15, 0.3, 0.1),  # above, within net of the fixed cost
-        row(1, 4, 1.00, 0.3, None),  # within, no fixed cost measured
-        row(2, 1, 1.05, 0.3, 0.1),  # within
-        row(2, 2, 0.85, 0.3, 0.1),  # below
-        row(3, 1, 1.08, 0.2, 0.1),  # within
-        row(3, 2, 1.30, 0.5, 0.1),  # above, in training
-        row(3, 4, 1.60, 1.0, 0.1),  # set while building
-    ]
-    assert [r["within"] for r in rows] == [False, True, True, False, True, False, False]
-    assert [r["net_within"] for r in rows] == [True, None, True, False, True, False, False]
-    assert rows[6]["ratio"] == pytest.approx(1.6) and rows[6]["net_ratio"] == pytest.approx(1.5)
-    failed = [{"size": "64x2x2", "stage": 1, "world_size": 1, "error": "timed out after 9 s"}]
-    fixed = {1: 91.0, 2: 92.0}
-    report = scaling.markdown(rows, failed, [size], fixed, config, "python scaling.py -x")
+    rows = [row(1, 1, 1.0), row(2, 1, 1.05), row(2, 2, 0.85), row(3, 4, 1.2)]
+    assert [r["within"] for r in rows] == [True, True, False, False]
+    assert rows[3]["states_mb"] == pytest.approx(16 * psi / 4 / 2**20)
+    failed = [{"size": "64x2x2", "stage": 1, "world_size": 2, "error": "timed out after 9 s"}]
+    report = scaling.markdown(rows, failed, [size], config, "python scaling.py -x")
     assert f"Ψ = {scaling.gpt_params(size, 16):,} parameters" in report
-    assert "`python scaling.py -x`" in report and "91 MB at N=1, 92 MB at N=2" in report
-    assert "| 16Ψ/N | 1.60 | NO | 1.50 | NO |" in report
-    assert "| 4Ψ + 12Ψ/N | 1.05 | yes | 0.95 | yes |" in report
-    assert "| 8Ψ + 12Ψ/N | 1.00 | yes | - | - |" in report
+    assert "`python scaling.py -x`" in report
+    assert "| 100 | 105 | 1.050 | yes | 130 | 1.30 |" in report
     assert "| 2 | 2 | 3.00 | 1.20 |" in report  # stage 2, N=2: step time 1.2x that at N=1
-    assert "3 of 7 cells within 10% of their stage's formula as measured" in report
-    assert "- 64x2x2, stage 1, N=2: 1.15x, " in report and "net of it, 1.05x." in report
-    assert "- 64x2x2, stage 2, N=2: 0.85x, below the formula" in report
-    assert "- 64x2x2, stage 3, N=2: 1.30x, " in report and "gathered working set" in report
-    assert "- 64x2x2, stage 3, N=4: 1.60x, the peak was set before training" in report
-    assert "Net of the fixed cost, 3 of 6 cells are within 10%." in report
-    assert "- 64x2x2, stage 1, N=1: timed out after 9 s" in report
+    assert "2 of 4 cells have their allocated peak within 10% of their stage's formula" in report
+    assert "- 64x2x2, stage 2, N=2: 0.85x (85 MB allocated, 100 MB predicted)." in report
+    assert "- 64x2x2, stage 3, N=4: 10, 20, 30, 5, 35; backward" in report
+    assert "- 64x2x2, stage 1, N=2: timed out after 9 s" in report
     scaling.plot(rows, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
@@ -248,7 +249,8 @@ def test_scaling_runs_one_tiny_cell_and_writes_markdown_json_and_png(tmp_path: P
     (row,) = report["rows"]
     assert (row["size"], row["stage"], row["world_size"]) == ("32x2x2", 2, 2)
     assert row["params"] == report["sizes"]["32x2x2"]["params"]
-    assert 0 < row["build_peak_mb"] <= row["peak_mb"] and row["step_s"] > 0
+    assert 0 < row["build_resident_mb"] <= row["resident_mb"] and row["step_s"] > 0
+    assert row["ratio"] == pytest.approx(1, abs=0.1) and row["within"]
     assert report["failed"] == []
     assert "| 32x2x2 | " in md.read_text()
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
