@@ -214,8 +214,8 @@ class FlatGroup:
 
     def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
         """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
-        the padding): one copy, which also casts."""
-        flat = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device)
+        the padding): one copy, which also casts, into a buffer from the pool."""
+        flat = self.pool.take_scratch(self.layout.padded_numel, self.grad_dtype, self.home.device)
         for g, offset, n in zip(grads, self.layout.offsets, self.layout.numels):
             if g is None:
                 flat[offset : offset + n].zero_()

@@ -1,4 +1,4 @@
-"""Full flat buffers passed from unit to unit, so that a gather reuses memory."""
+"""Full flat buffers passed from unit to unit, so that a gather or a flat gradient reuses memory."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ class BufferPool:
     safe because nothing outside the owning unit keeps a buffer's address: autograd saves
     views of it by (group, offset, shape) only (see ``Root``'s saved-tensor hooks).
     ``owner`` maps a buffer's data pointer to the group gathered in it.
+
+    Flat gradients come from here too (``take_scratch``): a unit's flat gradient is the size of
+    its gathered parameters, and once reduced it is handed to the next unit's backward, which
+    then allocates nothing. They are kept apart from the parameters' free list, whatever
+    ``holding`` says, until ``trim_scratch`` at the end of backward, and never enter ``owner``.
     """
 
     def __init__(self, keep: int = 2) -> None:
@@ -28,13 +33,34 @@ class BufferPool:
         self.holding = True  # False: released buffers are freed, not kept
         self.owner: dict[int, FlatGroup] = {}
         self._free: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
+        self._scratch: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
 
     def take(self, group: FlatGroup, dtype: torch.dtype) -> Tensor:
-        key = (group.layout.padded_numel, dtype, group.home.device)
-        free = self._free.get(key)
-        buf = free.pop() if free else torch.empty(key[0], dtype=key[1], device=key[2])
+        buf = self._pop((group.layout.padded_numel, dtype, group.home.device))
         self.owner[buf.data_ptr()] = group
         return buf
+
+    def take_scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1-D buffer for a flat gradient, its values undefined."""
+        return self._pop((numel, dtype, device))
+
+    def give_scratch(self, buf: Tensor) -> None:
+        """Take back a flat gradient that nothing reads any more."""
+        if buf.is_contiguous() and buf.dim() == 1 and buf.storage_offset() == 0:
+            free = self._scratch.setdefault((buf.numel(), buf.dtype, buf.device), [])
+            if len(free) < self.keep:
+                free.append(buf)
+
+    def trim_scratch(self) -> None:
+        """Free the flat gradients kept for reuse (backward is over)."""
+        self._scratch.clear()
+
+    def _pop(self, key: tuple[int, torch.dtype, torch.device]) -> Tensor:
+        for lists in (self._scratch, self._free):
+            free = lists.get(key)
+            if free:
+                return free.pop()
+        return torch.empty(key[0], dtype=key[1], device=key[2])
 
     def give(self, buf: Tensor, keep: bool = True) -> None:
         """Take ``buf`` back; with ``keep=False`` free it (a size no gather will ask for)."""
@@ -44,5 +70,5 @@ class BufferPool:
             free.append(buf)
 
     def trim(self) -> None:
-        """Free every buffer no unit holds (nothing will be gathered for a while)."""
+        """Free every parameter buffer no unit holds (nothing will be gathered for a while)."""
         self._free.clear()

@@ -127,8 +127,9 @@ class Reductions:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        i, work, out, _grad = self._pending.pop(0)
+        i, work, out, grad = self._pending.pop(0)
         work.wait()
+        self.order[i].pool.give_scratch(grad)  # the next unit's flat gradient reuses it
         if self.mesh.replicate is not None:
             all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
             out.div_(self.mesh.replicate_size)

@@ -400,6 +400,7 @@ class Root:
 
     def _leave_backward(self) -> None:
         """Forget what one backward counted, however it ended, and return to IDLE."""
+        self.pool.trim_scratch()
         self._inputs_pending.clear()
         for unit in self.units:
             for g in unit.trainable:

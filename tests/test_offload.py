@@ -214,7 +214,10 @@ def test_memory_outside_the_store_does_not_grow_with_depth(tmp_path: Path) -> No
     shallow, deep = (_peak_outside_store(tmp_path, d, True) for d in (2, 8))
     plain_shallow, plain_deep = (_peak_outside_store(tmp_path, d, False) for d in (2, 8))
     assert plain_deep > 2.5 * plain_shallow  # without offload the state grows with depth
-    assert deep < 1.3 * shallow, (shallow, deep)
+    # What still grows is activations, well under half a block's fp32 parameters per added
+    # block; any copy of a block's state left outside the store would add at least all of them.
+    block = 4 * sum(p.numel() for p in Block(128, 4).parameters())
+    assert deep - shallow < 6 * block / 2, (shallow, deep, block)
 
 
 def test_bad_offload_is_refused(tmp_path: Path) -> None:
