@@ -8,12 +8,13 @@ path nothing waits; the schedule (``_schedule.py``) tells this pipeline how far 
 ready.
 
 At most ``MAX_REDUCTIONS_IN_FLIGHT`` are in flight: each holds a unit's full-size flat
-gradient, and one overlaps the next unit's backward (a reduction takes less time than a
-unit's backward) at the least memory. A landed reduction's shard is added to the shard
-parameters' ``.grad`` at the end of backward, and only for groups some rank used: a group no
-rank used keeps a ``None`` gradient, as in plain PyTorch. Reductions run on the compute
-device; a landed shard goes to the group's home (``_home.py``: the host tier copies it to host
-memory), and the copies are waited for before any ``.grad`` is set.
+gradient, and one overlaps the next unit's backward (a reduction takes less time than a unit's
+backward) at the least memory. A flat gradient reduced before the end of backward goes back to
+the buffer pool, where the next unit's flat gradient finds it. A landed reduction's shard is
+added to the shard parameters' ``.grad`` at the end of backward, and only for groups some rank
+used: a group no rank used keeps a ``None`` gradient, as in plain PyTorch. Reductions run on
+the compute device; a landed shard goes to the group's home (``_home.py``: the host tier copies
+it to host memory), and the copies are waited for before any ``.grad`` is set.
 
 When reductions run is the strategy's choice: during backward, as groups become ready, or
 deferred to the end of backward (``defer``; ZeRO stage 1). Inside ``no_sync`` nothing is
@@ -129,7 +130,8 @@ class Reductions:
     def _complete_oldest(self) -> None:
         i, work, out, grad = self._pending.pop(0)
         work.wait()
-        self.order[i].pool.give_scratch(grad)  # the next unit's flat gradient reuses it
+        if not self._closing:  # a later unit's flat gradient reuses it
+            self.order[i].pool.give_scratch(grad)
         if self.mesh.replicate is not None:
             all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
             out.div_(self.mesh.replicate_size)
