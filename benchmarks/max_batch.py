@@ -81,6 +81,8 @@ def search(
     give a line (at batch 1 and 2 the allocator's noise is as large as the activations), its
     crossing of the budget is the first guess, and bisection closes the bracket. Peak memory
     is not monotonic in the batch to a few tens of MB, so the edge is only as sharp as that.
+    Past a guess that fits, the search steps up by a quarter rather than doubling: the edge is
+    near, and a trial at twice the batch costs twice the time.
     """
     trials: list[dict[str, Any]] = []
     lo, hi = 0, limit + 1  # lo fits (0: nothing yet), hi does not
@@ -99,15 +101,20 @@ def search(
         if batch <= limit and batch < hi:
             trial(batch)
     line = sorted((t["batch"], t["peak_mb"]) for t in trials if t["batch"] >= 8)
+    guessed = False
     if len(line) == 2 and line[1][1] > line[0][1]:
         (b0, m0), (b1, m1) = line
         guess = int(b1 + (budget - m1) * (b1 - b0) / (m1 - m0))
         if lo < guess < hi:
+            guessed = True
             trial(guess)
             if lo == guess and guess + 1 < hi:
                 trial(guess + 1)
     while hi - lo > 1:
-        trial(min(limit, 2 * lo) if hi > limit else (lo + hi) // 2)
+        if hi <= limit:
+            trial((lo + hi) // 2)
+        else:  # no edge yet: past a fitting guess the edge is near, so step by a quarter
+            trial(min(limit, lo + max(1, lo // 4) if guessed else 2 * lo))
     return trials
 
 
