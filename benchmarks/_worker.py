@@ -61,25 +61,13 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from compare import ALIASES, METHODS, PRECISIONS  # noqa: E402  (this folder, as the script's)
+
 from examples.train_gpt import GPT, Block  # noqa: E402
 from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
 from tests._memory import StorageTracker  # noqa: E402
 
-METHODS = (
-    "shardwrap-s1",
-    "shardwrap-s2",
-    "shardwrap-s3",
-    "fsdp2",
-    "fsdp2-noreshard",
-    "ddp",
-    "single",
-    "deepspeed-s1",
-    "deepspeed-s2",
-    "deepspeed-s3",
-)
-ALIASES = {"shardwrap": "shardwrap-s3"}
 MODELS = ("gpt", "t5")
-PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
