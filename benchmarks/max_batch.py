@@ -13,7 +13,9 @@ budget is CPU resident memory above the level before the model was built, or
 ``max_memory_allocated`` on GPU. The methods are ``compare.py``'s; by default DDP, shardwrap at each
 stage, FSDP2 and DeepSpeed at each stage (skipped, with a notice, where DeepSpeed is not installed).
 The time column is ``--samples`` samples over all ranks at each method's largest batch: its step
-time times the steps needed. Output:
+time times the steps needed. That step time is the fitting trial's, or, with ``--time-steps K``,
+the median of K steps of one more launch at that batch (a search can then run one timed step
+per trial, ``"steps": 1`` in the config, and still report a steady time). Output:
 ``benchmarks/results/<name>_<hardware>_<date>.md`` (``--name``, default ``max_batch``).
 """
 
@@ -132,6 +134,12 @@ def main() -> None:
         "--samples", type=int, default=4096, help="samples (all ranks) the time column trains"
     )
     parser.add_argument(
+        "--time-steps",
+        type=int,
+        default=0,
+        help="time each largest batch in one more launch of this many steps (0: the trial's)",
+    )
+    parser.add_argument(
         "--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config"
     )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -145,6 +153,10 @@ def main() -> None:
     for method in methods:
         trials = search(method, config, args.budget_mb, args.nproc, args.limit)
         best = max((t for t in trials if t["fits"]), key=lambda t: t["batch"], default=None)
+        if best is not None and args.time_steps > 0:
+            timed = {**config, "batch": best["batch"], "warmup": 1, "steps": args.time_steps}
+            best = {**best, "step_s": run_once(method, timed, args.nproc, 3600)["step_s"]}
+            print(f"{method} batch {best['batch']}: {best['step_s']:.2f} s/step", flush=True)
         found[method] = {"best": best, "trials": trials}
     ddp = found.get("ddp", {}).get("best")
     lines = [
@@ -160,6 +172,12 @@ def main() -> None:
         else f"- budget: {args.budget_mb:.0f} MB per GPU",
         f"- model: benchmarks/_worker.py Config with {json.dumps(config)}; "
         f"{config.get('precision', 'fp32')} compute, AdamW on fp32 master weights",
+        "- step time at the largest batch: "
+        + (
+            f"median of {args.time_steps} steps of one more launch at it, after one warm-up step"
+            if args.time_steps > 0
+            else "the fitting trial's timed steps"
+        ),
         *([f"- skipped, DeepSpeed not installed: {', '.join(skipped)}"] if skipped else []),
         f"- command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`, "
         f"at commit {commit()}",

@@ -11,6 +11,10 @@ gather bf16 bytes; every loss moves, slightly). The test suite never needs DeepS
 README's stage formulas, its prediction is the planner's, and its report from a made-up result
 set judges every cell's allocated peak against it; (process tier) one tiny cell end to end,
 measured within 10% of its prediction.
+
+``benchmarks/max_batch.py``: against launches faked by a linear memory model, its search finds
+the exact edge of the budget (or none, or its limit), and ``--time-steps`` times the largest
+batch in one more launch whose step time is the one the report uses.
 Run: ``pytest tests/test_benchmarks.py`` (``-m process`` for the end-to-end runs only).
 """
 
@@ -26,6 +30,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+pytestmark = pytest.mark.stage3  # no stage of the tests' own is involved: once is enough
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"width": 32, "depth": 2, "heads": 2, "context": 16, "warmup": 1}
@@ -48,6 +54,61 @@ def load_compare() -> ModuleType:
 def scaling(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare as a script does
     return load_benchmark("scaling")
+
+
+@pytest.fixture
+def max_batch(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare as a script does
+    return load_benchmark("max_batch")
+
+
+def fake_launches(
+    module: ModuleType, monkeypatch: pytest.MonkeyPatch, mb_per_sample: float
+) -> list[dict]:
+    """Replace ``run_once`` by a model: 100 MB plus ``mb_per_sample`` per sample, one second per
+    step in a search trial, two in any other launch; returns the configs launched."""
+    launched: list[dict] = []
+
+    def run_once(method: str, config: dict, nproc: int, timeout: float) -> dict:
+        launched.append(config)
+        return {
+            "peak_mb_per_rank": 100 + mb_per_sample * config["batch"],
+            "step_s": 1.0 if config["steps"] == 2 else 2.0,
+        }
+
+    monkeypatch.setattr(module, "run_once", run_once)
+    return launched
+
+
+@pytest.mark.parametrize(
+    ("budget", "limit", "edge"),
+    [(345.0, 256, 24), (350.0, 256, 25), (105.0, 256, 0), (100000.0, 40, 40), (130.0, 256, 3)],
+)
+def test_max_batch_search_finds_the_edge_of_the_budget(
+    max_batch: ModuleType, monkeypatch: pytest.MonkeyPatch, budget: float, limit: int, edge: int
+) -> None:
+    launched = fake_launches(max_batch, monkeypatch, mb_per_sample=10.0)
+    trials = max_batch.search("ddp", {}, budget, 2, limit)
+    fitting = [t["batch"] for t in trials if t["fits"]]
+    assert max(fitting, default=0) == edge
+    assert all(t["batch"] > edge for t in trials if not t["fits"])
+    assert len(trials) == len(launched) <= 12
+
+
+def test_max_batch_times_the_largest_batch_in_one_more_launch(
+    max_batch: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    launched = fake_launches(max_batch, monkeypatch, mb_per_sample=10.0)
+    argv = ["max_batch.py", "--methods", "ddp", "--budget-mb", "345", "--samples", "96"]
+    argv += ["--time-steps", "3", "--out-dir", str(tmp_path), "--name", "t"]
+    monkeypatch.setattr(sys, "argv", argv)
+    max_batch.main()
+    assert launched[-1] == {"batch": 24, "warmup": 1, "steps": 3}
+    (report,) = tmp_path.glob("t_*.md")
+    text = report.read_text()
+    # 96 samples at batch 24 on 2 ranks: 2 steps of the timing launch's 2 s.
+    assert "| ddp | 24 | 340 | 2.00 | 768.0 | 4 s (2 steps) | 1.00 |" in text
+    assert "median of 3 steps of one more launch" in text
 
 
 def test_target_lines_judge_each_precision_against_its_own_references() -> None:
