@@ -103,12 +103,11 @@ def search(
         if batch <= limit and batch < hi:
             trial(batch)
     line = sorted((t["batch"], t["peak_mb"]) for t in trials if t["batch"] >= 8)
-    guessed = False
-    if len(line) == 2 and line[1][1] > line[0][1]:
+    guessed = len(line) == 2 and line[1][1] > line[0][1]  # the line puts the edge near
+    if guessed:
         (b0, m0), (b1, m1) = line
         guess = int(b1 + (budget - m1) * (b1 - b0) / (m1 - m0))
         if lo < guess < hi:
-            guessed = True
             trial(guess)
             if lo == guess and guess + 1 < hi:
                 trial(guess + 1)

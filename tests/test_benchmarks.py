@@ -82,7 +82,14 @@ def fake_launches(
 
 @pytest.mark.parametrize(
     ("budget", "limit", "edge"),
-    [(345.0, 256, 24), (350.0, 256, 25), (105.0, 256, 0), (100000.0, 40, 40), (130.0, 256, 3)],
+    [
+        (345.0, 256, 24),
+        (350.0, 256, 25),
+        (265.0, 256, 16),  # the line's guess is the batch that fitted last
+        (105.0, 256, 0),
+        (100000.0, 40, 40),
+        (130.0, 256, 3),
+    ],
 )
 def test_max_batch_search_finds_the_edge_of_the_budget(
     max_batch: ModuleType, monkeypatch: pytest.MonkeyPatch, budget: float, limit: int, edge: int
@@ -92,6 +99,8 @@ def test_max_batch_search_finds_the_edge_of_the_budget(
     fitting = [t["batch"] for t in trials if t["fits"]]
     assert max(fitting, default=0) == edge
     assert all(t["batch"] > edge for t in trials if not t["fits"])
+    # Near the edge the search steps by a quarter, never doubling past it.
+    assert max(t["batch"] for t in trials) <= max(16, edge) * 5 // 4 + 1
     assert len(trials) == len(launched) <= 12
 
 
