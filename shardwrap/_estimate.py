@@ -12,7 +12,8 @@ unit boundary by unit boundary, with each stage's buffer lifetimes on top (``_st
 - autograd holds a unit's per-parameter gradients until the last of them exists, then the unit's
   flat gradient (padded, in the reduce dtype) is built, and reduce-scattered with at most one
   reduction in flight (``_reduce.py``); stage 1 keeps every flat gradient until the end of
-  backward;
+  backward; on the CPU over more than two ranks a reduction in flight also receives each
+  peer's piece into a buffer of its own (``_collectives.py``), (N-1)/N of the group;
 - the reduced 1/N gradients stay until ``zero_grad()``, through the optimizer step.
 
 The peak is the largest sum over the replay, counted on the rank with the most real elements
@@ -359,6 +360,7 @@ class _Replay:
         self.flat: dict[int, int] = {}  # flat gradients alive (not yet reduced)
         self.shard_grads = 0  # reduce-scatter outputs alive
         self.pending: list[int] = []  # groups whose reduction is in flight
+        self.receive_peers = self.world - 1 if device == "cpu" and self.world > 2 else 0
         self.order = [
             i
             for u in sorted(range(len(tr.units)), key=lambda u: -u)
@@ -376,7 +378,10 @@ class _Replay:
     def check(self, activations: int) -> None:
         parts = (
             self.params,
-            sum(self.held) + sum(self.flat.values()) + self.shard_grads * self.shard_grads_here,
+            sum(self.held)
+            + sum(self.flat.values())
+            + self.shard_grads * self.shard_grads_here
+            + self.receive_peers * sum(self.tr.groups[g].shard_grad for g in self.pending),
             self.opt_step if self.phase == "optimizer step" else self.opt_state,
             self.pool.bytes,
             activations,
