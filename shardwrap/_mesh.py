@@ -17,6 +17,8 @@ holds them:
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,7 @@ class Mesh:
             )
         if self.control is None:
             self.control = self.shard
+        _LIVE.add(self)
         if self.control is not None and group_size(self.control) != self.world_size:
             raise ValueError(
                 f"Mesh.control spans {group_size(self.control)} ranks but the mesh has "
@@ -98,7 +101,7 @@ class Mesh:
         return self.replicate_rank == 0
 
     def release(self) -> None:
-        """Drop every group reference (at interpreter exit; see ``_root``)."""
+        """Drop every group reference (at interpreter exit, see ``_LIVE``)."""
         self.shard = self.replicate = self.control = None
 
 
@@ -175,3 +178,17 @@ def _control_group(group: Group, device: torch.device) -> tuple[Group, torch.dev
     if group is not None and dist.is_initialized() and group is dist.group.WORLD:
         return dist.new_group(backend="gloo", timeout=group_timeout(group)), torch.device("cpu")
     return group, device
+
+
+# NOTE: a model that outlives destroy_process_group() (a module-level global, say) would keep
+# its process groups, and so gloo's worker threads, alive into interpreter shutdown, where a
+# worker freeing the tensor of a finished collective can no longer take the GIL and aborts
+# the process ("terminate called without an active exception", about 1 run in 15 at two
+# ranks). Dropping the references while Python is still whole lets the groups shut down then.
+_LIVE: weakref.WeakSet[Mesh] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_groups_at_exit() -> None:
+    for mesh in list(_LIVE):
+        mesh.release()

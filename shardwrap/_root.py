@@ -27,7 +27,6 @@ original parameter, built once here and read by state dicts, checkpoints and exp
 
 from __future__ import annotations
 
-import atexit
 import functools
 import weakref
 from collections.abc import Callable, Iterator
@@ -151,7 +150,6 @@ class Root:
         self._backward_seen: set[int] = set()
         self._released: set[int] = set()
         self._inputs_pending: dict[int, int] = {}
-        _LIVE.add(self)
         for unit in units:
             unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
             unit.module.register_forward_hook(self._hook_post_forward(unit))
@@ -553,20 +551,6 @@ class Root:
             yield
         finally:
             self.reductions.sync = previous
-
-
-# NOTE: a model that outlives destroy_process_group() (a module-level global, say) would keep
-# its process groups, and so gloo's worker threads, alive into interpreter shutdown, where a
-# worker freeing the tensor of a finished collective can no longer take the GIL and aborts
-# the process ("terminate called without an active exception", about 1 run in 15 at two
-# ranks). Dropping the references while Python is still whole lets the groups shut down then.
-_LIVE: weakref.WeakSet[Root] = weakref.WeakSet()
-
-
-@atexit.register
-def _release_groups_at_exit() -> None:
-    for root in list(_LIVE):
-        root.mesh.release()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
