@@ -225,6 +225,8 @@ def save_checkpoint(
             is not the model's; raised on every rank before anything is written.
     """
     root = wrapped_root(model, "save_checkpoint")
+    if optimizer is not None and root.optimizers is not None:
+        root.optimizers.add(optimizer)  # its steps get the offload tier's hook from now
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     target = Path(path)

@@ -67,6 +67,8 @@ def load_checkpoint(
             other parameter groups, or one given for a checkpoint saved without.
     """
     root = wrapped_root(model, "load_checkpoint")
+    if optimizer is not None and root.optimizers is not None:
+        root.optimizers.add(optimizer)  # its steps get the offload tier's hook from now
     params = root.params
     with ExitStack() as files:
         loader: _Loader | None = None

@@ -113,7 +113,7 @@ class FlatGroup:
             make(self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad)
             for pc in self.pieces
         ]
-        if home.staged:  # the optimizer's step pre-hook finds the home through them
+        if home.staged:  # an optimizer's step pre-hook finds the home through them
             for p in self.shard_params:
                 setattr(p, HOME_ATTR, home)
         # 1-D, padded/N, grad_dtype: where a step's reduced gradient lands in the disk tier.

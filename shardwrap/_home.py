@@ -25,7 +25,8 @@ lands a gradient asks the group's :class:`Home` rather than deciding itself:
 
 Host writes to a shard (the optimizer step, loads, ``gathered(writeback=True)``) must not race
 a staged copy still reading it: :meth:`Home.quiesce` waits for every copy in flight, and runs
-before each of them (the optimizer's step pre-hook, the root's checks before a call).
+before each of them (the step pre-hook of each optimizer over the shards, ``_optimizers.py``;
+the end of backward; the root's checks before a call).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from ._offload import _STEP_HOOK, Offload
+from ._offload import Offload
 
 if TYPE_CHECKING:
     from ._flat_group import FlatGroup
@@ -112,7 +113,6 @@ class HostHome(Home):
         self._down = torch.cuda.Stream(device) if cuda else None  # device -> host copies
         self._staged: dict[int, _Staged] = {}  # id(group) -> its shard's copy, not yet used
         self._closed = False
-        _STEP_HOOK.hold()
 
     def tensor(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self._pinned).zero_()
@@ -169,7 +169,6 @@ class HostHome(Home):
         if not self._closed:
             self._closed = True
             self._staged.clear()
-            _STEP_HOOK.release()
 
 
 def make_home(offload: Offload | None, device: torch.device) -> Home:

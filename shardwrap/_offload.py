@@ -25,9 +25,8 @@ before anything reads the store.
 Optimizer steps: torch picks its fast multi-tensor path only for plain ``Parameter`` types
 on an accelerator, so for the disk tier's shard parameters, and for the host tier's (plain,
 but on the CPU), it would fall back to a per-tensor loop several times slower. A step
-pre-hook, held while any store or host tier (``_home.py``) lives, turns on the fused kernel
-for groups of such shard parameters that left ``fused`` and ``foreach`` unset
-(:func:`prefer_fused`).
+pre-hook on each optimizer over such shard parameters (``_optimizers.py``) turns on the fused
+kernel for their groups that left ``fused`` and ``foreach`` unset (:func:`prefer_fused`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ import fcntl
 import mmap
 import os
 import shutil
-import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -46,8 +44,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "HOME_ATTR",
@@ -55,6 +51,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoredParam",
+    "before_step",
     "count_fused_write",
     "prefer_fused",
     "stored_like",
@@ -140,7 +137,6 @@ class Store:
         self._maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
         self._files = [_File(self.folder / "lock", _inode(os.fstat(self._lock.fileno())), 0)]
         self.nbytes = 0
-        _STEP_HOOK.hold()
 
     def tensor(self, numel: int, dtype: torch.dtype, name: str = "") -> Tensor:
         """A new 1-D tensor of ``numel`` zeros whose memory is a file of this store.
@@ -224,7 +220,6 @@ class Store:
         self._files.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
         self._lock.close()
-        _STEP_HOOK.release()
 
 
 def _inode(st: os.stat_result) -> tuple[int, int]:
@@ -356,10 +351,11 @@ def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
     group["fused"] = True
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before any optimizer's step: for groups holding shard parameters of an offload tier,
-    prefer the fused kernel; check the disk tier's files, and let the host tier's copies in
-    flight finish before the step writes the shards they read."""
+def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before a step of an optimizer over offloaded shards (its own pre-hook, registered by
+    ``_optimizers.py``): for groups holding shard parameters of an offload tier, prefer the
+    fused kernel; check the disk tier's files, and let the host tier's copies in flight
+    finish before the step writes the shards they read."""
     places: dict[int, Any] = {}  # the disk tier's stores and the host tier's homes
     groups = []
     for group in optimizer.param_groups:
@@ -375,33 +371,3 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             place.quiesce()
     for group in groups:
         prefer_fused(optimizer, group)
-
-
-class _StepHook:
-    """torch's step pre-hook for all optimizers, registered while a store or a host tier lives.
-
-    NOTE: process-wide by necessity (a model never sees the optimizers built over its
-    parameters), but inert for any group without shard parameters of an offload tier, so
-    models and optimizers in one process do not affect each other through it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._handle: RemovableHandle | None = None
-
-    def hold(self) -> None:
-        with self._lock:
-            self._users += 1
-            if self._handle is None:
-                self._handle = register_optimizer_step_pre_hook(_before_step)
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0 and self._handle is not None:
-                self._handle.remove()
-                self._handle = None
-
-
-_STEP_HOOK = _StepHook()

@@ -44,7 +44,8 @@ from ._collectives import CommStats
 from ._flat_group import FlatGroup
 from ._home import Home
 from ._mesh import Mesh
-from ._offload import Store
+from ._offload import Store, before_step
+from ._optimizers import OptimizerHooks
 from ._options import MixedPrecision
 from ._pool import BufferPool
 from ._reduce import Reductions
@@ -142,6 +143,11 @@ class Root:
         if store is not None:
             weakref.finalize(self, store.close)
         weakref.finalize(self, self.home.close)
+        self.optimizers: OptimizerHooks | None = None  # the offload tiers' optimizer hooks
+        if store is not None or self.home.staged:
+            shards = [p for u in units for g in u.trainable for p in g.shard_params]
+            self.optimizers = OptimizerHooks(shards, before_step)
+            weakref.finalize(self, self.optimizers.close)
         self.phase = Phase.IDLE
         self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
@@ -395,6 +401,9 @@ class Root:
         self.schedule.finish_backward()
         self._backward_next = _successors(self._recording)
         self._leave_backward()
+        if self.optimizers is not None:  # an optimizer steps next: hook any new one
+            self.check_state()
+            self.optimizers.find()
 
     def _leave_backward(self) -> None:
         """Forget what one backward counted, however it ended, and return to IDLE."""

@@ -15,6 +15,10 @@ whole global batch:
 - the optimizer's step takes torch's fused kernel unless the user chose otherwise (Adam,
   AdamW, SGD and Adagrad; state loaded from an in-memory run's checkpoint keeps working), and
   a unit kept gathered by a ``no_grad`` forward sees the fused step's write;
+- the step hook is each optimizer's own, none process-wide: two optimizers over one model are
+  both hooked, an optimizer over other parameters is never touched, the hook goes with the
+  model; an optimizer built after a backward is hooked at the next one, one handed to
+  ``load_checkpoint`` at once;
 - errors: a stage other than 3, a store folder another live model holds, a malformed
   ``Offload``; the cpu tier on a CPU device says it changes nothing; a store file deleted,
   replaced or truncated under a live model raises ``StoreError`` naming it at the next
@@ -27,6 +31,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_offload.py -q``
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -292,6 +297,67 @@ def test_a_fused_step_resumes_state_an_unfused_run_saved(tmp_path: Path) -> None
     # The fused kernel rounds apart from the loop by ~4e-5 here; step counts lost or restarted
     # would move parameters by ~lr (3e-3).
     torch.testing.assert_close(disk.full_state_dict(), plain.full_state_dict(), atol=1e-4, rtol=0)
+
+
+def test_the_step_hook_is_registered_per_optimizer_not_for_the_process(tmp_path: Path) -> None:
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    torch.manual_seed(0)
+    model = GPT()
+    ref_losses, _ = _reference(model, _adamw)
+    m = ShardedModule(model, auto_wrap=Block, offload=Offload(device="disk", path=tmp_path))
+    params = list(m.parameters())
+    first, second = _adamw(params[:3]), _adamw(params[3:])  # two optimizers over one model
+    other = nn.Linear(4, 4)
+    other_opt = _adamw(other.parameters())  # over no shard: shardwrap never touches it
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch(step, GLOBAL_BATCH)
+        loss = m(x, y)
+        loss.backward()
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        other(torch.ones(2, 4)).sum().backward()
+        other_opt.step()
+        losses.append(loss.item())
+    assert not _global_optimizer_pre_hooks
+    assert all(len(o._optimizer_step_pre_hooks) == 1 for o in (first, second))
+    assert all(g["fused"] for o in (first, second) for g in o.param_groups)
+    assert not other_opt._optimizer_step_pre_hooks and other_opt.param_groups[0]["fused"] is None
+    torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+    del m, model, loss
+    gc.collect()
+    assert not first._optimizer_step_pre_hooks  # gone with the model
+
+
+def test_an_optimizer_built_after_backward_or_handed_to_a_load_is_hooked(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    ref_losses, _ = _reference(model, _adamw)
+    m = ShardedModule(model, auto_wrap=Block, offload=Offload(device="disk", path=tmp_path / "a"))
+    losses, opt = [], None
+    for step in range(STEPS):
+        x, y = make_batch(step, GLOBAL_BATCH)
+        loss = m(x, y)
+        loss.backward()
+        if opt is None:  # after the backward: its first step has no hook yet
+            opt = _adamw(m.parameters())
+            assert not opt._optimizer_step_pre_hooks
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert len(opt._optimizer_step_pre_hooks) == 1  # found at the next backward
+    assert all(g["fused"] for g in opt.param_groups)
+    torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+
+    save_checkpoint(tmp_path / "ckpt", m, opt)
+    disk = Offload(device="disk", path=tmp_path / "b")
+    fresh = ShardedModule(GPT(), auto_wrap=Block, offload=disk)
+    fresh_opt = _adamw(fresh.parameters())
+    load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    assert len(fresh_opt._optimizer_step_pre_hooks) == 1
 
 
 def _store_file(tmp_path: Path, kind: str) -> Path:
