@@ -59,7 +59,7 @@ class OptimizerHooks:
             return
         for optimizer in _holding(self._params):
             self.add(optimizer)
-        self._refs = sum(sys.getrefcount(p) for p in self._params)
+        self._refs = refs
         self._known = len(self._handles)
 
     def add(self, optimizer: Optimizer) -> None:
@@ -72,9 +72,6 @@ class OptimizerHooks:
         for handle in list(self._handles.values()):
             handle.remove()
         self._handles.clear()
-
-    def __contains__(self, optimizer: Optimizer) -> bool:
-        return optimizer in self._handles
 
 
 def _holding(params: list[Tensor]) -> list[Optimizer]:
