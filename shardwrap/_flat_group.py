@@ -262,6 +262,16 @@ class FlatGroup:
             )
         return grad
 
+    def grad_buffer_free(self, buffer: Tensor | None) -> bool:
+        """Whether ``buffer``, a gradient buffer this group keeps between steps, may take this
+        backward's reduced gradient: no shard param has a ``.grad`` and nothing else holds the
+        buffer's memory (a ``.grad`` that a user kept past ``zero_grad()``, say, which it would
+        overwrite)."""
+        if buffer is None or any(p.grad is not None for p in self.shard_params):
+            return False
+        # Held by the buffer itself and by the storage object asked; any view adds one.
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+
     def accumulate(self, new: Tensor, as_grad: Callable[[Tensor], Tensor]) -> None:
         """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
 

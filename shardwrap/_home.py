@@ -23,6 +23,11 @@ lands a gradient asks the group's :class:`Home` rather than deciding itself:
    a second side stream, into a pinned buffer kept per group; the copies are waited for at
    the end of backward, before ``.grad`` is set.
 
+A gradient buffer kept per group (this pinned buffer, the disk tier's gradient file) takes a
+backward's gradient only while nothing holds it: a ``.grad`` still set, or one a user kept
+past ``zero_grad()``, which reusing the buffer would overwrite (its storage's reference count
+tells, :meth:`FlatGroup.grad_buffer_free`); otherwise that backward lands in a new tensor.
+
 Host writes to a shard (the optimizer step, loads, ``gathered(writeback=True)``) must not race
 a staged copy still reading it: :meth:`Home.quiesce` waits for every copy in flight, and runs
 before each of them (the step pre-hook of each optimizer over the shards, ``_optimizers.py``;
@@ -145,9 +150,8 @@ class HostHome(Home):
 
     def land(self, group: FlatGroup, out: Tensor) -> Tensor:
         """``out`` in the shard's dtype (cast on the device), copied into the group's pinned
-        gradient buffer, or a new one while ``.grad`` still holds that buffer."""
-        free = all(p.grad is None for p in group.shard_params)
-        home = group.home_grad if free and group.home_grad is not None else None
+        gradient buffer, or a new one while ``.grad`` or anything else holds that buffer."""
+        home = group.home_grad if group.grad_buffer_free(group.home_grad) else None
         if home is None:
             home = self.tensor(out.numel(), group.dtype)
         src = out.to(group.dtype)

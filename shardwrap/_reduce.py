@@ -112,7 +112,7 @@ class Reductions:
             group = self.order[i]
             grad = group.take_grad()
             stored = group.stored_grad
-            if stored is not None and all(p.grad is None for p in group.shard_params):
+            if group.grad_buffer_free(stored):
                 out = stored  # the disk tier: straight into the store
             else:
                 out = torch.empty(

@@ -7,7 +7,8 @@ whole global batch:
 
 - parity at world sizes 1 and 2: SGD with momentum (parameters within 1e-5, momentum made from
   the gradient), AdamW (losses within 1e-5), a tied GPT and a model with frozen parameters; a
-  model built on the meta device materialised into the store; resuming from a checkpoint;
+  model built on the meta device materialised into the store; resuming from a checkpoint; an
+  optimizer that keeps every ``.grad`` past ``zero_grad()`` finds it unchanged at its next step;
   exporting, streamed from the store;
 - the optimizer state and the gradients live in the store's files;
 - the memory a rank holds outside the store (allocation tracking during training steps) does
@@ -58,6 +59,7 @@ from shardwrap._offload import StoreError
 from tests._memory import StorageTracker
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+from tests.test_offload_host import SGDKeepingGrads
 
 pytestmark = pytest.mark.stage3  # the disk tier is a stage-3 feature
 
@@ -112,6 +114,7 @@ def _in_store(model: Any, t: torch.Tensor) -> bool:
         ("gpt-adamw", lambda: GPT(), Block, _adamw, 67),
         ("tied-sgd", lambda: GPT(tied=True), Block, _sgd, 67),
         ("frozen-adamw", lambda: FrozenPart(), LoRALinear, _adamw, 29),
+        ("gpt-sgd-keeping-grads", lambda: GPT(), Block, SGDKeepingGrads, 67),
     ],
 )
 def test_disk_tier_trains_like_the_plain_model(
@@ -139,7 +142,7 @@ def test_disk_tier_trains_like_the_plain_model(
 
     for losses, state in _run(world, fn):
         torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
-        if make_opt is _sgd:
+        if make_opt in (_sgd, SGDKeepingGrads):
             torch.testing.assert_close(state, dict(ref_state), atol=1e-5, rtol=0)
 
 

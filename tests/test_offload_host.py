@@ -10,7 +10,8 @@ model trained on the whole global batch:
 
 - parity at world sizes 1 and 2 and at stages 1, 2 and 3: SGD with momentum (parameters
   within 1e-5), AdamW (losses within 1e-5), a tied GPT, frozen parameters; mixed precision
-  equal to the same run without offload; gradient accumulation over two backward passes;
+  equal to the same run without offload; gradient accumulation over two backward passes; an
+  optimizer that keeps every ``.grad`` past ``zero_grad()`` finds it unchanged at its next step;
   the global gradient norm;
 - placement: gathers read staged copies, never the shard itself, and after the first step each
   unit's copy was staged ahead, when the unit before it was gathered; ``.grad`` is a view of
@@ -59,6 +60,27 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3)
+
+
+class SGDKeepingGrads(torch.optim.SGD):
+    """SGD with momentum that keeps each ``.grad`` it steps on past ``zero_grad()`` and, at its
+    next step, checks that they still hold the values they had: a gradient buffer reused from
+    step to step must not be while anything else holds it."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def step(self) -> None:  # type: ignore[override]
+        for grad, values in self.kept:
+            assert torch.equal(grad, values), "a gradient kept past zero_grad() was overwritten"
+        self.kept = [
+            (p.grad, p.grad.clone())
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        super().step()
 
 
 @pytest.fixture(autouse=True)
@@ -122,6 +144,7 @@ CASES = [
     ("gpt-adamw", lambda: GPT(), Block, adamw, 67),
     ("tied-sgd", lambda: GPT(tied=True), Block, sgd, 67),
     ("frozen-adamw", lambda: FrozenPart(), LoRALinear, adamw, 29),
+    ("gpt-sgd-keeping-grads", lambda: GPT(), Block, SGDKeepingGrads, 67),
 ]
 
 
@@ -147,7 +170,7 @@ def check_parity(
 
     for losses, state in run(world, fn):
         torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
-        if make_opt is sgd:
+        if make_opt in (sgd, SGDKeepingGrads):
             torch.testing.assert_close(state, dict(ref_state), atol=1e-5, rtol=0)
 
 
