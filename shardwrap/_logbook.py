@@ -22,9 +22,9 @@ position past every batch from that checkpoint to the spike, scales the learning
 what the logbook records for every step.
 
 Rank 0 appends one JSON line per step and per event to ``logbook.jsonl`` and flushes it, so a
-crash loses at most the line being written; a resumed run appends to the same file. Lines for
-steps that a rollback or resume abandoned stay in the file; readers take the last line written
-for each step (see ``shardwrap._runlog``).
+crash loses at most the line being written; a resumed run first cuts off such a torn line, then
+appends to the same file. Lines for steps that a rollback or resume abandoned stay in the file;
+readers take the last line written for each step (see ``shardwrap._runlog``).
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ class Logbook:
         self._file = None
         if self._mesh.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
+            _drop_torn_line(self.folder / _runlog.LOGBOOK)
             self._file = open(self.folder / _runlog.LOGBOOK, "a", encoding="utf-8")
         if latest is not None:
             self._restore(load_checkpoint(self.checkpoints, model, optimizer), resume=True)
@@ -442,6 +443,27 @@ def _saved(folder: Path) -> list[tuple[int, Path]]:
         if match and (child / "metadata.json").is_file():
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut off a last line left unfinished by a run that was killed while writing it (no
+    reader takes it), so that what a resumed run appends starts on a line of its own."""
+    if not path.is_file():
+        return
+    with open(path, "r+b") as f:
+        end = f.seek(0, 2)
+        f.seek(max(0, end - 1))
+        if f.read(1) in (b"", b"\n"):  # empty, or the last line is whole
+            return
+        while end > 0:  # back from the end, a block at a time, to the last newline
+            start = max(0, end - 65536)
+            f.seek(start)
+            cut = f.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            end = start
+        f.truncate(0)
 
 
 def _peak_memory() -> int:

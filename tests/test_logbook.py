@@ -152,6 +152,8 @@ def test_a_spike_it_cannot_get_past_stops_the_run(tmp_path: Path, base: nn.Modul
 @pytest.mark.stage3
 def test_resume_continues_the_logbook(tmp_path: Path, base: nn.Module) -> None:
     train(base, tmp_path, 25, bad=frozenset({18}))
+    with open(tmp_path / "logbook.jsonl", "a") as f:
+        f.write('{"step": 26, "loss"')  # the line being written when the run was killed
     states = train(base, tmp_path, 45, bad=frozenset({18}))
     kinds = [e["event"] for e in events(tmp_path)]
     assert kinds == ["spike", "rollback", "skipped", "lr_scale", "resumed", "lr_scale"]
