@@ -10,9 +10,15 @@ from the data position the logbook gives, so that a rollback past a loss spike c
 
 A :class:`shardwrap.logbook.Logbook` keeps ``runs/<name>/``: ``logbook.jsonl``, ``loss.png``,
 ``system.png`` and ``checkpoints/`` (every ``--save-every`` steps); rerunning with the same
-``--name`` (or ``--resume``: the newest run) continues it, at any number of ranks. At the end
-the model is exported to ``runs/<name>/model/model.safetensors``, rank 0 prints the run's
-summary and a sample drawn with a temperature and top-k.
+``--name`` (or ``--resume``: the newest run) continues it, at any number of ranks. When
+torchrun restarts the ranks (``--max-restarts``), the run is named after torchrun's rendezvous
+id, the same for every restart of one launch, so a restarted run resumes itself:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
+        --max-restarts=1 examples/train_gpt.py
+
+At the end the model is exported to ``runs/<name>/model/model.safetensors``, rank 0 prints
+the run's summary and a sample drawn with a temperature and top-k.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -94,7 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3, help="peak; linear warmup, cosine decay")
     p.add_argument("--data", type=Path, help="a file or folder; default: the stdlib's .py files")
-    p.add_argument("--name", help="default: gpt-<time>; with --resume, the newest run")
+    p.add_argument(
+        "--name",
+        help="default: gpt-<time>; under torchrun with --max-restarts, gpt-<rendezvous id>; "
+        "with --resume, the newest run",
+    )
     p.add_argument("--out-dir", type=Path, default=Path("runs"))
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints kept")
@@ -127,8 +139,41 @@ def load_corpus(data: Path | None) -> Tensor:
     return corpus[:at]
 
 
+def check_restarts(args: argparse.Namespace) -> None:
+    """On every rank before any collective: refuse restarts that could not resume the run, and
+    warn (rank 0) when torchrun shares its rendezvous store with the ranks, with which torch
+    2.13's ``init_process_group`` often fails or hangs after a restart.
+
+    Raises:
+        SystemExit: torchrun may restart the ranks, no ``--name`` or ``--resume`` is given, and
+            torchrun has no rendezvous id to name the run by (neither ``--standalone`` nor
+            ``--rdzv-id``): a restart would begin a new run from step 0.
+    """
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    unnamed = args.name is None and not args.resume
+    if unnamed and os.environ["TORCHELASTIC_RUN_ID"] == "none":  # torchrun's default id
+        raise SystemExit(
+            "torchrun may restart this run (--max-restarts) but gives it no rendezvous id to "
+            "name it by, so a restart would begin a new run from step 0: pass --name NAME, or "
+            "launch torchrun with --standalone or --rdzv-id=JOB_ID"
+        )
+    first = os.environ["RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    if first and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print(
+            "warning: torchrun shares its rendezvous store with the ranks; after a restart "
+            "init_process_group then often fails or hangs (torch 2.13). Launch torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def run_name(args: argparse.Namespace) -> str:
-    """``--name``, else the newest run with a checkpoint (``--resume``), else a fresh name."""
+    """``--name``; else with ``--resume`` the newest run with a checkpoint; else, when torchrun
+    may restart the ranks (``--max-restarts`` above 0), ``gpt-<rendezvous id>``: the id is the
+    same for every restart of one launch and differs between launches, so a restarted run
+    finds its own folder and resumes from its latest checkpoint; else ``gpt-<time>``."""
     if args.name is not None:
         return args.name
     if args.resume:
@@ -136,6 +181,8 @@ def run_name(args: argparse.Namespace) -> str:
         if not runs:
             raise SystemExit(f"--resume: no run under {args.out_dir} has a checkpoint")
         return max(runs, key=lambda d: (d / "checkpoints" / "latest").stat().st_mtime).name
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        return "gpt-" + re.sub(r"[^A-Za-z0-9._-]", "-", os.environ["TORCHELASTIC_RUN_ID"])
     return time.strftime("gpt-%Y%m%d-%H%M%S")
 
 
@@ -169,6 +216,7 @@ def sample(
 def main(args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
+    check_restarts(args)
     if "RANK" in os.environ:  # under torchrun
         dist.init_process_group(backend)
     else:  # plain `python examples/train_gpt.py`: one rank, the same code path
@@ -198,6 +246,10 @@ def main(args: argparse.Namespace) -> None:
     )
     if rank == 0:
         print(f"{out}: {len(corpus):,} bytes of corpus, {dist.get_world_size()} ranks, {device}")
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            most = os.environ["TORCHELASTIC_MAX_RESTARTS"]
+            print(f"{out}: torchrun restart {restart} of at most {most}; a restart resumes it")
     every = dict(save_every=args.save_every, print_every=args.print_every)
     with Logbook(out, model, opt, keep_last=args.keep_last, clip=1.0, **every) as book:
         for step in book.steps(args.steps):
