@@ -27,7 +27,11 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def main(argv: list[str] | None = None) -> MemoryPlan:
     """Parse ``argv``, print the plan's table and return the plan."""
-    p = argparse.ArgumentParser(prog="python -m shardwrap.estimate", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m shardwrap.estimate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the examples, one a line
+    )
     p.add_argument("model", help="a transformers model type (gpt2, t5, llama) or module:factory")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")

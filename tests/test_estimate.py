@@ -167,3 +167,13 @@ def test_a_hugging_face_model_type_is_planned_from_its_config() -> None:
 def test_bad_input_is_refused_naming_the_fix(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         estimate_memory("examples.train_gpt:GPT", **{"world_size": 2, **kwargs}, kwargs=CONFIG)
+
+
+@pytest.mark.stage3
+def test_the_help_shows_each_example_on_its_own_line(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "    python -m shardwrap.estimate gpt2 --world-size 8 --batch 4 --seq 1024" in lines
+    kwargs = """        --kwargs '{"width": 1024, "depth": 8, "heads": 16, "context": 64}'"""
+    assert kwargs in lines
