@@ -284,12 +284,15 @@ class Logbook:
             self.plot()
         return True
 
-    def event(self, kind: str, **fields: Any) -> None:
-        """Append an event line (``kind`` and ``fields``, JSON-serialisable) to the logbook."""
-        self._write({"event": kind, "step": self.done, **fields})
+    def event(self, kind: str, *, step: int | None = None, **fields: Any) -> None:
+        """Append an event line (``kind``, ``step`` and ``fields``, JSON-serialisable) to the
+        logbook. ``step`` is where the event belongs on the plots' step axis; by default the
+        number of steps applied so far."""
+        step = self.done if step is None else step
+        self._write({"event": kind, "step": step, **fields})
         if self._file is not None and self.print_every and kind != "checkpoint":
             said = ", ".join(f"{k} {v}" for k, v in fields.items())
-            print(f"step {self.done}: {kind}: {said}", flush=True)
+            print(f"step {step}: {kind}: {said}", flush=True)
 
     def plot(self) -> None:
         """Redraw ``loss.png`` and ``system.png`` from the logbook (rank 0; others return)."""
@@ -312,8 +315,8 @@ class Logbook:
     # rollback ----------------------------------------------------------------------------
 
     def _roll_back(self, loss: float, grad_norm: float, why: str) -> None:
-        spike = self.done + 1  # the step that was not applied
-        self.event("spike", spike_step=spike, loss=loss, grad_norm=grad_norm, reason=why)
+        spike = self.done + 1  # the step that was not applied, numbered as its line would be
+        self.event("spike", step=spike, loss=loss, grad_norm=grad_norm, reason=why)
         spikes = self.spikes
         again = self._last_spike is not None and spike <= self._last_spike + spikes.suspect
         self._retries = self._retries + 1 if again else 1

@@ -60,6 +60,8 @@ def read(folder: Path) -> Run:
         if "event" not in record:
             alive[record["step"]] = record
             continue
+        if "spike_step" in record:  # a logbook written before spikes carried one step
+            record["step"] = record.pop("spike_step")
         run.events.append(record)
         back_to = {"rollback": record.get("to_step"), "resumed": record.get("step")}
         to = back_to.get(record["event"])
@@ -145,7 +147,7 @@ def draw(folder: Path) -> None:
         spikes = [e for e in run.events if e["event"] == "spike"]
         if spikes:
             ax.scatter(
-                [e["spike_step"] for e in spikes],
+                [e["step"] for e in spikes],
                 _finite([e[key] for e in spikes]),
                 marker="x",
                 color="tab:red",

@@ -102,7 +102,10 @@ def base() -> nn.Module:
 def test_rollback_then_trains_exactly_the_recorded_batches(tmp_path: Path, base: nn.Module) -> None:
     states = train(base, tmp_path, 45, bad=frozenset({30}))
     spike, rollback, skipped, lowered, restored = events(tmp_path)
-    assert (spike["event"], spike["spike_step"]) == ("spike", 31)
+    assert (spike["event"], spike["step"]) == ("spike", 31)  # the step not applied
+    lines = (tmp_path / "logbook.jsonl").read_text().splitlines()
+    (written,) = [json.loads(line) for line in lines if '"event":"spike"' in line]
+    assert set(written) == {"event", "step", "loss", "grad_norm", "reason", "time"}
     assert "loss" in spike["reason"]
     # The last checkpoint at least `suspect` (5) steps before the spike: step 20.
     assert (rollback["event"], rollback["to_step"], rollback["retry"]) == ("rollback", 20, 1)
@@ -223,3 +226,10 @@ def test_logbook_lines_are_json(tmp_path: Path, base: nn.Module) -> None:
         "step", "position", "loss", "grad_norm", "lr", "tokens_per_s", "seconds",
         "peak_memory", "samples", "time",
     }  # fmt: skip
+
+
+def test_a_logbook_of_an_earlier_version_reads_its_spikes_at_their_step(tmp_path: Path) -> None:
+    old_spike = {"event": "spike", "step": 30, "spike_step": 31, "loss": 9.0, "grad_norm": 1.0}
+    (tmp_path / "logbook.jsonl").write_text(json.dumps(old_spike) + "\n")
+    (spike,) = read(tmp_path).events
+    assert spike["step"] == 31 and "spike_step" not in spike
