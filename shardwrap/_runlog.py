@@ -13,9 +13,22 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["LOGBOOK", "Run", "draw", "dumps", "read", "require_matplotlib", "summary"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "LOGBOOK",
+    "Run",
+    "draw",
+    "dumps",
+    "loss_figure",
+    "read",
+    "require_matplotlib",
+    "summary",
+    "system_figure",
+]
 
 LOGBOOK = "logbook.jsonl"
 _GIB = 2.0**30
@@ -127,16 +140,20 @@ _MARKS = {  # event -> colour, label of a vertical line at its step
 
 
 def draw(folder: Path) -> None:
-    """Write ``loss.png`` (loss and gradient norm, events marked) and ``system.png``
-    (throughput and peak memory per rank) from ``folder``'s logbook."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Write ``loss.png`` and ``system.png`` from ``folder``'s logbook."""
     run = read(folder)
+    for figure, name in ((loss_figure(run), "loss.png"), (system_figure(run), "system.png")):
+        figure.savefig(Path(folder) / name, dpi=90)
+
+
+def loss_figure(run: Run) -> Figure:
+    """Loss and gradient norm by step: the surviving path, steps abandoned in grey, spikes at
+    their values, rollbacks and resumes as lines, checkpoints as ticks."""
+    from matplotlib.figure import Figure
+
     x = [s["step"] for s in run.steps]
-    fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig = Figure(figsize=(8, 6))
+    ax_loss, ax_grad = fig.subplots(2, 1, sharex=True)
     for ax, key, label in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm", "gradient norm")):
         for n, gone in enumerate(run.abandoned):
             ys = _finite([s[key] for s in gone])
@@ -159,15 +176,21 @@ def draw(folder: Path) -> None:
         _mark_events(ax, run)
     ax_grad.set_yscale("log")
     ax_grad.set_xlabel("step")
-    ax_loss.set_title(f"{Path(folder).resolve().name}: grey, steps abandoned by a rollback")
+    ax_loss.set_title(f"{run.folder.resolve().name}: grey, steps abandoned by a rollback")
     lines = ax_loss.get_lines() + ax_loss.collections
     handles = {h.get_label(): h for h in lines if not h.get_label().startswith("_")}
     ax_loss.legend(handles.values(), handles.keys(), fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(Path(folder) / "loss.png", dpi=90)
-    plt.close(fig)
+    return fig
 
-    fig, (ax_tok, ax_mem) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+
+def system_figure(run: Run) -> Figure:
+    """Throughput and each rank's peak memory by step."""
+    from matplotlib.figure import Figure
+
+    x = [s["step"] for s in run.steps]
+    fig = Figure(figsize=(8, 5))
+    ax_tok, ax_mem = fig.subplots(2, 1, sharex=True)
     ax_tok.plot(x, [s["tokens_per_s"] for s in run.steps], lw=1)
     ax_tok.set_ylabel("tokens/s, all ranks")
     ranks = len(run.steps[0]["peak_memory"]) if run.steps else 0
@@ -180,8 +203,7 @@ def draw(folder: Path) -> None:
     for ax in (ax_tok, ax_mem):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(Path(folder) / "system.png", dpi=90)
-    plt.close(fig)
+    return fig
 
 
 def _mark_events(ax: Any, run: Run) -> None:
