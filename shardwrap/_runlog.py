@@ -185,22 +185,27 @@ def loss_figure(run: Run) -> Figure:
 
 
 def system_figure(run: Run) -> Figure:
-    """Throughput and each rank's peak memory by step."""
+    """Throughput, the learning rate applied (a rollback's backoff included) and each rank's
+    peak memory by step. The memory axis starts at zero, so that its scale shows what a drift
+    weighs against the whole (a zoomed axis makes a few MB look like a leak)."""
     from matplotlib.figure import Figure
 
     x = [s["step"] for s in run.steps]
-    fig = Figure(figsize=(8, 5))
-    ax_tok, ax_mem = fig.subplots(2, 1, sharex=True)
+    fig = Figure(figsize=(8, 7))
+    ax_tok, ax_lr, ax_mem = fig.subplots(3, 1, sharex=True)
     ax_tok.plot(x, [s["tokens_per_s"] for s in run.steps], lw=1)
     ax_tok.set_ylabel("tokens/s, all ranks")
+    ax_lr.plot(x, [s["lr"] for s in run.steps], lw=1, color="tab:purple")
+    ax_lr.set_ylabel("learning rate")
     ranks = len(run.steps[0]["peak_memory"]) if run.steps else 0
     for r in range(ranks):
         ax_mem.plot(x, [s["peak_memory"][r] / _GIB for s in run.steps], lw=1, label=f"rank {r}")
+    ax_mem.set_ylim(bottom=0)
     ax_mem.set_ylabel("peak memory (GiB)")
     ax_mem.set_xlabel("step")
     if ranks:
-        ax_mem.legend(fontsize=8, ncol=min(ranks, 8))
-    for ax in (ax_tok, ax_mem):
+        ax_mem.legend(fontsize=8, ncol=min(ranks, 8), loc="lower right")
+    for ax in (ax_tok, ax_lr, ax_mem):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from shardwrap._runlog import read
+from shardwrap._runlog import read, system_figure
 from shardwrap._spikes import SpikeCheck
 from shardwrap.logbook import Logbook, Spikes, main
 from tests._ranks import run_ranks
@@ -185,6 +185,20 @@ def test_summary_and_plots_from_the_file(
     for folder in (clean, spiky):
         for png in ("loss.png", "system.png"):
             assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    run = read(spiky)
+    tokens, lr, memory = system_figure(run).axes
+    assert [ax.get_ylabel() for ax in (tokens, lr, memory)] == [
+        "tokens/s, all ranks",
+        "learning rate",
+        "peak memory (GiB)",
+    ]
+    (lr_line,) = lr.get_lines()
+    assert list(lr_line.get_xdata()) == [s["step"] for s in run.steps]
+    assert list(lr_line.get_ydata()) == [s["lr"] for s in run.steps]
+    assert min(lr_line.get_ydata()) == LR / 2  # the rollback's backoff is drawn
+    (memory_line,) = memory.get_lines()  # one rank
+    assert memory.get_ylim()[0] == 0 < min(memory_line.get_ydata())
 
 
 @pytest.mark.stage3
