@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 
 from ._checksum import buffer_checksum
 from ._root import Param, Phase, Root
+from ._runlog import LOGBOOK
 from ._storage import (
     LATEST,
     Entry,
@@ -136,6 +138,73 @@ def resolve_folder(path: Path) -> Path:
     return latest
 
 
+# what a folder holds ---------------------------------------------------------------------
+
+
+def _metadata_of(folder: Path) -> dict[str, Any] | None:
+    """The metadata of the checkpoint ``folder`` is, or ``None`` if it is none."""
+    try:
+        meta = json.loads((folder / METADATA).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def _own_files(meta: dict[str, Any]) -> set[str]:
+    """The names in a checkpoint's folder that the checkpoint wrote, by its metadata."""
+    files, ranks = meta.get("files"), meta.get("ranks", meta.get("world_size"))
+    names = {METADATA, *(files if isinstance(files, dict) else ())}
+    return names | {extra_file(r) for r in range(ranks if isinstance(ranks, int) else 0)}
+
+
+def saves_in(folder: Path) -> list[str]:
+    """What of shardwrap's own saves ``folder`` holds, each said for an error message: a
+    checkpoint, checkpoints (a ``latest`` pointer, checkpoint folders), a Logbook's run."""
+    if not folder.is_dir():
+        return []
+    found = []
+    if _metadata_of(folder) is not None:
+        found.append(f"a shardwrap checkpoint ({METADATA})")
+    if (folder / LATEST).is_file():
+        found.append(f"a '{LATEST}' pointer to checkpoints")
+    inside = sorted(c.name for c in folder.iterdir() if _metadata_of(c) is not None)
+    if inside:
+        found.append(f"checkpoints {few(inside)}")
+    if (folder / LOGBOOK).is_file():
+        found.append(f"a Logbook's run ({LOGBOOK})")
+    return found
+
+
+def _refuse_to_replace(target: Path) -> None:
+    """Raise unless a checkpoint saved at ``target`` would delete nothing it did not write:
+    ``target`` must be new, an empty folder, or a checkpoint holding only its own files."""
+    folder = surviving(target)
+    if not os.path.lexists(folder):
+        return
+    if not folder.is_dir():
+        raise ValueError(
+            f"save_checkpoint: {target} is a file, not a checkpoint folder; pass a folder "
+            "path that does not exist yet, e.g. ckpt/step-000100"
+        )
+    names = sorted(c.name for c in folder.iterdir())
+    meta = _metadata_of(folder)
+    if meta is None and names:
+        saves = saves_in(folder)
+        held = "; ".join(saves) if saves else few(names)
+        hint = f", e.g. {target / 'step-000100'}" if (folder / LATEST).is_file() else ""
+        raise ValueError(
+            f"save_checkpoint: {target} is not a shardwrap checkpoint: it holds {held}, which "
+            f"replacing it would delete. Save to a folder path that does not exist yet{hint}"
+        )
+    foreign = [n for n in names if meta is not None and n not in _own_files(meta)]
+    if foreign:
+        raise ValueError(
+            f"save_checkpoint: {target} is a checkpoint that also holds {few(foreign)}, which "
+            "it did not write and replacing it would delete. Move them out of it, or save to "
+            "another path"
+        )
+
+
 # save --------------------------------------------------------------------------------
 
 
@@ -206,7 +275,8 @@ def save_checkpoint(
     killed before that leaves the previous checkpoint and pointer intact. Call on every rank.
 
     Args:
-        path: the checkpoint folder to create (replaced if it exists), e.g. ``ckpt/step-1000``.
+        path: the checkpoint folder to create, e.g. ``ckpt/step-1000``: a path that does
+            not exist yet, an empty folder, or a checkpoint of this function to replace.
         model: a model wrapped with :class:`ShardedModule`.
         optimizer: an optimizer over ``model.parameters()``; its per-parameter state, scalar
             state (``step``) and ``param_groups`` hyperparameters are saved by parameter name.
@@ -222,7 +292,8 @@ def save_checkpoint(
         TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
             its key; raised on every rank before anything is written.
         ValueError: optimizer state that is not elementwise, or an optimizer parameter that
-            is not the model's; raised on every rank before anything is written.
+            is not the model's; or a ``path`` holding anything but a checkpoint's own files
+            (replacing it would delete them). Raised on every rank before anything is written.
     """
     root = wrapped_root(model, "save_checkpoint")
     if optimizer is not None and root.optimizers is not None:
@@ -240,6 +311,7 @@ def save_checkpoint(
 
     def prepare() -> int:
         nonlocal opt_plan, extra_bytes
+        _refuse_to_replace(target)
         extra_bytes = _extra_bytes(extra)
         if optimizer is not None:
             opt_plan = _plan_optimizer(model, optimizer)
@@ -421,11 +493,8 @@ def _completed(folder: Path) -> list[tuple[int, int, Path]]:
     for child in folder.iterdir() if folder.is_dir() else ():
         if child.name.startswith("."):
             continue
-        try:
-            meta = json.loads((child / METADATA).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict) and meta.get("format") == FORMAT:
+        meta = _metadata_of(child)
+        if meta is not None:
             sequence, saved = meta.get("sequence", 0), meta.get("saved_at_ns", 0)
             if isinstance(sequence, int) and isinstance(saved, int):
                 found.append((sequence, saved, child))

@@ -8,6 +8,11 @@ memory stays near one unit, never the whole model. A ``transformers`` model gets
 ``from_pretrained(folder)`` loads it. Other models keep every ``state_dict`` key, tied
 duplicates written twice, so a plain ``load_state_dict`` is strict-clean.
 
+The folder is the user's as much as the model's: ``tokenizer.save_pretrained(out)`` then
+``model.save_pretrained(out)`` is the habit. So the files are written into a temporary folder
+beside it and moved in one by one; nothing is deleted but the stale weight files of a previous
+export, and a folder holding shardwrap's other saves (checkpoints, a Logbook's run) is refused.
+
 :func:`load_pretrained` reads such a folder (or a downloaded Hugging Face one) into a sharded
 model: each rank reads only the rows that cover its pieces, memory-mapped.
 """
@@ -15,6 +20,7 @@ model: each rank reads only the rows that cover its pieces, memory-mapped.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from contextlib import ExitStack
@@ -25,7 +31,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from ._checkpoint import few, persistent_buffers, wrapped_root
+from ._checkpoint import few, persistent_buffers, saves_in, wrapped_root
 from ._root import Param
 from ._storage import (
     Entry,
@@ -36,14 +42,18 @@ from ._storage import (
     fsync_path,
     is_plain_name,
     partial_path,
+    remove_folder,
+    surviving,
     tensor_nbytes,
     write_file,
 )
 
-__all__ = ["export", "load_pretrained"]
+__all__ = ["export", "load_pretrained", "write_export"]
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+CONFIGS = ("config.json", "generation_config.json")
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # a file of a sharded export
 
 
 def _parse_size(size: int | str) -> int:
@@ -140,22 +150,44 @@ class _Stream:
 def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5GB") -> Path:
     """Write the whole model as consolidated safetensors, one unit in memory at a time.
 
-    Creates the folder ``path`` (atomically, like a checkpoint) holding ``model.safetensors``,
-    or, above ``max_shard_size``, ``model-00001-of-0000N.safetensors`` files and
-    ``model.safetensors.index.json``, named as Hugging Face names them. For a
-    ``transformers`` model it also writes ``config.json`` (and ``generation_config.json``), so
-    ``AutoModel.from_pretrained(path)`` loads it; any model loads it with
-    ``load_state_dict(safetensors.torch.load_file(...))`` or :func:`load_pretrained`.
-    Rank 0 writes; every rank must call it (each unit is gathered in turn).
+    Writes into the folder ``path`` ``model.safetensors``, or, above ``max_shard_size``,
+    ``model-00001-of-0000N.safetensors`` files and ``model.safetensors.index.json``, named
+    as Hugging Face names them. For a ``transformers`` model it also writes ``config.json``
+    (and ``generation_config.json``), so ``AutoModel.from_pretrained(path)`` loads it; any
+    model loads it with ``load_state_dict(safetensors.torch.load_file(...))`` or
+    :func:`load_pretrained`. Rank 0 writes; every rank must call it (each unit is gathered
+    in turn).
+
+    Every file is written and fsynced under a temporary name first, so none is ever seen half
+    written; then:
+
+    1. a new ``path`` appears whole, in one rename;
+    2. into a folder that exists, the files are moved in one by one and replace those of the
+       same names, and everything else there (a tokenizer saved beside the model, a user's
+       notes) stays. Of a previous export, only the weight files this one did not write go:
+       ``model-NNNNN-of-NNNNN.safetensors`` files, and ``model.safetensors`` or the index of
+       the other layout. While the files are moved in (renames, no data written) the folder
+       holds no weights entry, so nothing loads two exports mixed.
 
     Args:
-        path: the folder to create (replaced if it exists).
+        path: the folder to write: new, or one of the model's own and its user's files.
         model: a model wrapped with :class:`ShardedModule`.
         max_shard_size: the most bytes per file, an int or a string such as ``"5GB"``.
 
     Returns:
         ``path``, as a ``Path``.
+
+    Raises:
+        ValueError: ``path`` is a file, or holds a shardwrap checkpoint, checkpoints or a
+            Logbook's run; on every rank, before anything is written.
     """
+    return write_export(path, model, max_shard_size, "export")
+
+
+def write_export(
+    path: str | Path, model: nn.Module, max_shard_size: int | str, caller: str
+) -> Path:
+    """:func:`export`, its errors naming ``caller`` (``save_pretrained`` calls it too)."""
     root = wrapped_root(model, "export")
     limit = _parse_size(max_shard_size)
     target, tmp = Path(path), partial_path(Path(path))
@@ -164,7 +196,7 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
     state = nn.Module.state_dict(model, keep_vars=True)
     bad = [k for k, v in state.items() if not isinstance(v, Tensor)]
     if bad:
-        raise ValueError(f"export: the state dict holds non-tensor entries {few(bad)}")
+        raise ValueError(f"{caller}: the state dict holds non-tensor entries {few(bad)}")
     dropped = _hf_dropped(model, state)
     keys_of: dict[int, list[str]] = {}
     for k, v in state.items():
@@ -174,11 +206,13 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
     buffers = persistent_buffers(model, params)
     entries += [(k, tuple(v.shape), v.dtype) for k, v in buffers.items() if k not in dropped]
     files = _split(entries, limit)
+    names = [_file_name(i, len(files)) for i in range(len(files))]
     by_group: dict[int, list[Param]] = {}
     for p in params:
         by_group.setdefault(id(p.group), []).append(p)
 
     def prepare() -> int:
+        _refuse(target, caller, [*names, INDEX, WEIGHTS, *CONFIGS])
         if rank == 0:
             begin_folder(target)
         return 0
@@ -203,9 +237,7 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
     def finish() -> int:
         if rank == 0:
             if len(files) > 1:
-                weight_map = {
-                    k: _file_name(i, len(files)) for i, f in enumerate(files) for k, _, _ in f
-                }
+                weight_map = {k: names[i] for i, f in enumerate(files) for k, _, _ in f}
                 total = sum(tensor_nbytes(shape, dtype) for _, shape, dtype in entries)
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 write_file(
@@ -219,13 +251,55 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
                     generation.save_pretrained(tmp)
                 for written in tmp.glob("*.json"):
                     fsync_path(written)
-            commit_folder(tmp, target)
+            if os.path.lexists(target):
+                _move_in(tmp, target)
+            else:
+                commit_folder(tmp, target)
         return 0
 
-    agree(root.mesh.control, root.mesh.control_device, "export", prepare)
-    agree(root.mesh.control, root.mesh.control_device, "export", write)
-    agree(root.mesh.control, root.mesh.control_device, "export", finish)
+    agree(root.mesh.control, root.mesh.control_device, caller, prepare)
+    agree(root.mesh.control, root.mesh.control_device, caller, write)
+    agree(root.mesh.control, root.mesh.control_device, caller, finish)
     return target
+
+
+def _refuse(target: Path, caller: str, names: list[str]) -> None:
+    """Raise unless an export may write into ``target``: new, or a folder holding none of
+    shardwrap's other saves and no folder where the export writes a file."""
+    folder = surviving(target)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise ValueError(f"{caller}: {target} is a file; give a folder to write the model into")
+    saves = saves_in(folder)
+    if saves:
+        raise ValueError(
+            f"{caller}: {target} holds {'; '.join(saves)}, which an export must not mix "
+            "with. Export into another folder: a new one, or one without checkpoints or a "
+            "Logbook's run"
+        )
+    blocking = [n for n in names if (folder / n).is_dir()]
+    if blocking:
+        raise ValueError(
+            f"{caller}: {target} holds folders named {few(blocking)}, where the export writes "
+            "files. Move them, or export into another folder"
+        )
+
+
+def _move_in(tmp: Path, target: Path) -> None:
+    """Move an export's files from ``tmp`` into the folder ``target`` (rank 0), as
+    :func:`export` says: old weights entries first, the new one last, stale shards after."""
+    written = sorted(c.name for c in tmp.iterdir())
+    entry = INDEX if INDEX in written else WEIGHTS
+    for name in (INDEX, WEIGHTS):
+        (target / name).unlink(missing_ok=True)
+    fsync_path(target)
+    for name in sorted(written, key=lambda n: n == entry):
+        os.replace(tmp / name, target / name)
+    fsync_path(target)
+    for child in target.iterdir():
+        if SHARD.fullmatch(child.name) and child.name not in written and not child.is_dir():
+            child.unlink()
+    fsync_path(target)
+    remove_folder(tmp)
 
 
 # loading -----------------------------------------------------------------------------

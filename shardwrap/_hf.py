@@ -26,7 +26,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ._collectives import all_reduce
-from ._export import export
+from ._export import write_export
 from ._root import Root
 from ._unit import Unit
 
@@ -189,14 +189,16 @@ class HuggingFaceHabits:
         """Write the whole model as ``from_pretrained`` reads it. Call on every rank.
 
         1. Without ``state_dict``: as :func:`shardwrap.export` (rank 0 writes, one unit in
-           memory at a time, the folder replaced atomically). ``is_main_process`` is
-           ignored: every rank takes part in gathering.
+           memory at a time; the files already in the folder, a tokenizer's say, stay, but
+           for stale weight files of a previous save). ``is_main_process`` is ignored:
+           every rank takes part in gathering.
         2. With ``state_dict=model.full_state_dict(rank0_only=True)``: the model class's own
            ``save_pretrained``, with every option it has (called where that dict is full).
 
         Raises:
-            ValueError: an option export does not offer (naming case 2), or a
-                ``state_dict`` holding shards (naming ``full_state_dict``).
+            ValueError: an option export does not offer (naming case 2), a ``state_dict``
+                holding shards (naming ``full_state_dict``), or (case 1) a folder holding a
+                shardwrap checkpoint, checkpoints or a Logbook's run.
         """
         refuse_stock_trainer()
         if state_dict is not None:
@@ -217,7 +219,7 @@ class HuggingFaceHabits:
                 "state_dict=model.full_state_dict(rank0_only=True) (on every rank; rank 0 "
                 "writes)."
             )
-        export(save_directory, self, max_shard_size=max_shard_size)  # type: ignore[arg-type]
+        write_export(save_directory, self, max_shard_size, "save_pretrained")  # type: ignore[arg-type]
 
     def _check_full(self, state_dict: dict[str, Any]) -> None:
         own = nn.Module.state_dict(self, keep_vars=True)  # type: ignore[arg-type]
