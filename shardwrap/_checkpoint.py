@@ -47,13 +47,16 @@ from ._storage import (
     agree,
     begin_folder,
     commit_folder,
+    full_disk_error,
     is_plain_name,
     partial_path,
+    point_latest,
     remove_folder,
     restore_moved_aside,
+    safetensors_nbytes,
+    stage_latest,
     surviving,
     write_file,
-    write_latest,
 )
 
 __all__ = ["latest_checkpoint", "save_checkpoint"]
@@ -272,7 +275,8 @@ def save_checkpoint(
     parallel and without gathering; rank 0 writes the metadata. The save is atomic: files go
     to a temporary folder next to ``path``, are fsynced, and the folder is renamed to
     ``path`` once every rank is done; then ``path.parent/latest`` is pointed at it. A save
-    killed before that leaves the previous checkpoint and pointer intact. Call on every rank.
+    that fails, or is killed, before that leaves the previous checkpoint and pointer intact;
+    a failed one leaves no temporary files behind. Call on every rank.
 
     Args:
         path: the checkpoint folder to create, e.g. ``ckpt/step-1000``: a path that does
@@ -294,6 +298,9 @@ def save_checkpoint(
         ValueError: optimizer state that is not elementwise, or an optimizer parameter that
             is not the model's; or a ``path`` holding anything but a checkpoint's own files
             (replacing it would delete them). Raised on every rank before anything is written.
+        OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
+            naming the checkpoint, the bytes it needs and those free, once its temporary
+            files are deleted.
     """
     root = wrapped_root(model, "save_checkpoint")
     if optimizer is not None and root.optimizers is not None:
@@ -306,18 +313,37 @@ def save_checkpoint(
     params = root.params
     tmp = partial_path(target)
     opt_plan: _OptimizerPlan | None = None
-
     extra_bytes = b""
+    entries: list[Entry] = []
+    tensors: list[Tensor] = []
+    needed = 0  # bytes of the whole checkpoint's tensor and extra files, once known
+    staged: Path | None = None
 
     def prepare() -> int:
-        nonlocal opt_plan, extra_bytes
+        """Check ``path`` and what is saved, and return the bytes this rank will write."""
+        nonlocal opt_plan, extra_bytes, needed
         _refuse_to_replace(target)
         extra_bytes = _extra_bytes(extra)
         if optimizer is not None:
             opt_plan = _plan_optimizer(model, optimizer)
+        for p in params if mesh.writes else ():
+            if p.shard.numel() == 0:
+                continue
+            entries.append((f"model/{p.name}", (p.shard.numel(),), p.shard.dtype))
+            tensors.append(p.shard)
+            for key, value in (opt_plan.sharded.get(p.name, {}) if opt_plan else {}).items():
+                entries.append((f"optim/{key}/{p.name}", (value.numel(),), value.dtype))
+                tensors.append(value)
+        needed = len(extra_bytes)
+        if mesh.writes:
+            needed += safetensors_nbytes(entries, {"format": "pt"})
         if mesh.rank == 0:
+            buffers = persistent_buffers(model, params)
+            needed += safetensors_nbytes(
+                [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()], {"format": "pt"}
+            )
             begin_folder(target)
-        return 0
+        return needed
 
     def write_rank_files() -> int:
         """Write this rank's extra, and its shard's file if it is the shard's writing replica.
@@ -328,16 +354,6 @@ def save_checkpoint(
         write_file(tmp / extra_file(mesh.rank), extra_bytes)
         if not mesh.writes:
             return 0
-        entries: list[Entry] = []
-        tensors: list[Tensor] = []
-        for p in params:
-            if p.shard.numel() == 0:
-                continue
-            entries.append((f"model/{p.name}", (p.shard.numel(),), p.shard.dtype))
-            tensors.append(p.shard)
-            for key, value in (opt_plan.sharded.get(p.name, {}) if opt_plan else {}).items():
-                entries.append((f"optim/{key}/{p.name}", (value.numel(),), value.dtype))
-                tensors.append(value)
         with SafetensorsWriter(tmp / rank_file(rank, world), entries, {"format": "pt"}) as w:
             for t in tensors:
                 w.write(t)
@@ -346,6 +362,7 @@ def save_checkpoint(
         return 1 + size * world + rank
 
     def finish(codes: list[int]) -> int:
+        nonlocal staged
         if mesh.rank == 0:
             sizes = [0] * world
             for code in (c - 1 for c in codes if c > 0):
@@ -354,15 +371,38 @@ def save_checkpoint(
             sequence = 1 + max((n for n, _, _ in _completed(target.parent)), default=0)
             metadata = _metadata(model, params, opt_plan, sizes, mesh.world_size, sequence, tmp)
             write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
+            staged = stage_latest(target.parent, target.name)  # the last bytes written
             commit_folder(tmp, target)
-            write_latest(target.parent, target.name)
+            point_latest(staged)
             if keep_last is not None:
                 _prune(target.parent, keep_last, target)
         return 0
 
-    agree(mesh.control, mesh.control_device, "save_checkpoint", prepare)
-    codes = agree(mesh.control, mesh.control_device, "save_checkpoint", write_rank_files)
-    agree(mesh.control, mesh.control_device, "save_checkpoint", lambda: finish(codes))
+    def undo() -> None:
+        """After a failure anywhere: rank 0 deletes what this save wrote and did not commit."""
+        if mesh.rank == 0:
+            remove_folder(tmp)
+            if staged is not None:
+                staged.unlink(missing_ok=True)
+
+    control, device = mesh.control, mesh.control_device
+    try:
+        needed = sum(agree(control, device, "save_checkpoint", prepare, undo))
+        codes = agree(control, device, "save_checkpoint", write_rank_files, undo)
+        agree(control, device, "save_checkpoint", lambda: finish(codes), undo)
+    except Exception as e:
+        full = full_disk_error(
+            e,
+            "save_checkpoint",
+            target,
+            needed,
+            f"Nothing of it was kept, and '{LATEST}' and the checkpoints before it are as "
+            "they were. Free space there (keep_last deletes older checkpoints once a save "
+            "completes), or save to another disk.",
+        )
+        if full is None:
+            raise
+        raise full from e
     return target
 
 

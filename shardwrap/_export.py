@@ -23,7 +23,7 @@ import json
 import os
 import re
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,11 @@ from ._storage import (
     begin_folder,
     commit_folder,
     fsync_path,
+    full_disk_error,
     is_plain_name,
     partial_path,
     remove_folder,
+    safetensors_nbytes,
     surviving,
     tensor_nbytes,
     write_file,
@@ -122,7 +124,14 @@ class _Stream:
             self._writer.write(tensor)
             self._left -= 1
         except Exception as e:  # re-raised by finish(), after the gathers
-            self.error = e
+            self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        """Keep ``error`` and close the open file: deleted while open, it would hold its space."""
+        self.error = error
+        if self._writer is not None:
+            with suppress(Exception):  # a full disk may fail its last flush too
+                self._writer.abandon()
 
     def _next_file(self) -> None:
         if self._writer is not None:
@@ -142,7 +151,7 @@ class _Stream:
                 assert self._writer is not None
                 self._writer.close()
             except Exception as e:
-                self.error = e
+                self._fail(e)
         if self.error is not None:
             raise self.error
 
@@ -180,6 +189,9 @@ def export(path: str | Path, model: nn.Module, *, max_shard_size: int | str = "5
     Raises:
         ValueError: ``path`` is a file, or holds a shardwrap checkpoint, checkpoints or a
             Logbook's run; on every rank, before anything is written.
+        OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
+            naming the export, the bytes it needs and those free, once its temporary files
+            are deleted; ``path`` is as it was.
     """
     return write_export(path, model, max_shard_size, "export")
 
@@ -207,6 +219,7 @@ def write_export(
     entries += [(k, tuple(v.shape), v.dtype) for k, v in buffers.items() if k not in dropped]
     files = _split(entries, limit)
     names = [_file_name(i, len(files)) for i in range(len(files))]
+    needed = sum(safetensors_nbytes(f, {"format": "pt"}) for f in files)
     by_group: dict[int, list[Param]] = {}
     for p in params:
         by_group.setdefault(id(p.group), []).append(p)
@@ -257,9 +270,26 @@ def write_export(
                 commit_folder(tmp, target)
         return 0
 
-    agree(root.mesh.control, root.mesh.control_device, caller, prepare)
-    agree(root.mesh.control, root.mesh.control_device, caller, write)
-    agree(root.mesh.control, root.mesh.control_device, caller, finish)
+    def undo() -> None:
+        if rank == 0:
+            remove_folder(tmp)
+
+    control, device = root.mesh.control, root.mesh.control_device
+    try:
+        agree(control, device, caller, prepare, undo)
+        agree(control, device, caller, write, undo)
+        agree(control, device, caller, finish, undo)
+    except Exception as e:
+        full = full_disk_error(
+            e,
+            caller,
+            target,
+            needed,
+            f"{target} is as it was. Free space there, or export to another disk.",
+        )
+        if full is None:
+            raise
+        raise full from e
     return target
 
 

@@ -199,6 +199,7 @@ class HuggingFaceHabits:
             ValueError: an option export does not offer (naming case 2), a ``state_dict``
                 holding shards (naming ``full_state_dict``), or (case 1) a folder holding a
                 shardwrap checkpoint, checkpoints or a Logbook's run.
+            OSError: (case 1) a full disk, naming the bytes needed and free.
         """
         refuse_stock_trainer()
         if state_dict is not None:
