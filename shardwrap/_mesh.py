@@ -12,12 +12,15 @@ holds them:
   all-ranks agreements of saves and loads, the global gradient norm. A CPU gloo group of its
   own when the model spans the default group (see :func:`resolve_mesh`).
 
-``None`` for every group is world size 1: no process group at all, the same code path.
+``None`` for every group is world size 1: no process group at all, the same code path. It is
+what ``process_group=None`` gives without a process group only where the environment says one
+process; under a launcher that started several, wrapping is refused (each would train alone).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -109,8 +112,9 @@ def resolve_mesh(process_group: dist.ProcessGroup | Mesh | None, device: torch.d
     """The mesh for ``ShardedModule(process_group=...)``, with its compute device set.
 
     Accepts ``None`` (the default group when ``torch.distributed`` is initialised, else world
-    size 1), a ``ProcessGroup``, a ``DeviceMesh`` (1-D, or 2-D with dimensions
-    ``("replicate", "shard")`` for hybrid sharding), or a :class:`Mesh`.
+    size 1 where the launcher started one process), a ``ProcessGroup``, a ``DeviceMesh``
+    (1-D, or 2-D with dimensions ``("replicate", "shard")`` for hybrid sharding), or a
+    :class:`Mesh`.
     """
     if isinstance(process_group, Mesh):
         mesh = process_group
@@ -162,7 +166,37 @@ def _default_group(process_group: dist.ProcessGroup | None) -> Group:
         return process_group
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
+    _check_one_process()
     return None
+
+
+# What launchers set for torch.distributed's env:// initialisation: torchrun, accelerate launch
+# and deepspeed's launcher set WORLD_SIZE; torchrun also LOCAL_WORLD_SIZE. Schedulers' own
+# variables (SLURM_NTASKS, OMPI_COMM_WORLD_SIZE) are not read: a job step may run independent
+# one-process programs under them.
+_LAUNCHED_SIZES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def _check_one_process() -> None:
+    """No process group means world size 1, but only where the environment says one process.
+
+    Raises:
+        RuntimeError: a launcher started several processes; each would train its own copy.
+    """
+    for name in _LAUNCHED_SIZES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 1:
+            raise RuntimeError(
+                f"ShardedModule: {name}={value}: this is one of {value} processes, but "
+                "torch.distributed has no process group, so each would shard over itself alone "
+                "and train its own copy of the model. Create the group before wrapping: "
+                'dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10)) '
+                '("gloo" on CPUs); the timeout bounds how long the others wait for a hung rank '
+                "(torch's default is 30 minutes). With the Hugging Face Trainer, build "
+                "TrainingArguments(..., ddp_timeout=600) before wrapping (it creates the "
+                "group); with accelerate, Accelerator(). To train one copy per process on "
+                "purpose, pass process_group=shardwrap.Mesh()."
+            )
 
 
 def _control_group(group: Group, device: torch.device) -> tuple[Group, torch.device]:

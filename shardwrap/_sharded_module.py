@@ -74,7 +74,8 @@ class ShardedModule(nn.Module):
             callable ``(module) -> bool``, or an int (minimum parameter count). ``None``
             makes the whole model one unit.
         process_group: the ranks to shard over. Defaults to the default group when
-            ``torch.distributed`` is initialised, else world size 1 (no launcher needed).
+            ``torch.distributed`` is initialised, else world size 1 (``python train.py``;
+            refused where ``WORLD_SIZE`` or ``LOCAL_WORLD_SIZE`` says several processes).
         device: where shards live. Defaults to ``cuda:$LOCAL_RANK`` with NCCL, else the
             parameters' device.
         stage: the ZeRO stage. 3 (default): parameters, gradients and optimizer state are
@@ -113,6 +114,8 @@ class ShardedModule(nn.Module):
             meta-device model is built alike on every rank and needs neither.
 
     Raises:
+        RuntimeError: no process group while a launcher started several processes (each
+            would train its own copy), naming ``init_process_group``.
         TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision`` or
             ``compile`` of an unsupported type.
         ValueError: an ``auto_wrap`` that selects no submodule (naming the classes the model

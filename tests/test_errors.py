@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwrap import ShardedModule
+from shardwrap import Mesh, ShardedModule
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, make_batch
 
@@ -232,6 +232,41 @@ def test_extra_parameter_on_one_rank(world_size: int) -> None:
         assert f"no parameter #{count}" in message
     for message in messages:
         assert "differs across ranks" in message and "same model on every rank" in message
+
+
+# launched processes without a process group --------------------------------------------
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "LOCAL_WORLD_SIZE"])
+def test_several_launched_processes_without_a_process_group_are_refused(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun with no init_process_group each rank would train alone: refuse it."""
+    monkeypatch.setenv(variable, "2")
+    with pytest.raises(RuntimeError) as raised:
+        ShardedModule(_gpt(), auto_wrap=Block)
+    message = str(raised.value)
+    assert f"{variable}=2: this is one of 2 processes" in message
+    assert "train its own copy" in message
+    assert "dist.init_process_group(" in message and "timeout=datetime.timedelta(" in message
+    assert "TrainingArguments(..., ddp_timeout=600) before wrapping" in message
+    assert "process_group=shardwrap.Mesh()" in message
+
+
+@pytest.mark.parametrize("size", ["1", "", "auto"])
+def test_one_launched_process_without_a_process_group_is_world_size_1(
+    size: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", size)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", size)
+    model = ShardedModule(_gpt(), auto_wrap=Block)
+    assert model._shardwrap_root.mesh.world_size == 1
+
+
+def test_one_copy_per_process_on_purpose_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = ShardedModule(_gpt(), auto_wrap=Block, process_group=Mesh())
+    assert model._shardwrap_root.mesh.world_size == 1
 
 
 # optimizer built too early -----------------------------------------------------------

@@ -1,5 +1,8 @@
 """Fault tier: a rank killed, stalled, out of step or skipping a batch under torchrun.
 
+Also: ranks launched by torchrun that wrap a model with no process group all refuse to (each
+would train its own copy), naming ``init_process_group``.
+
 Each case (``tests/scripts/faults.py``) trains a small GPT two steps at 2 ranks with a 5 s
 process-group timeout, saves a checkpoint, then injects its fault in step 3. Every case must
 end within the timeout plus a margin (no hang), with the rank(s) that can still speak naming
@@ -89,3 +92,14 @@ def test_ranks_out_of_step_all_raise_naming_what_each_did(
         for rank, pattern in doing.items():
             assert re.search(f"rank {rank}: {pattern}", how), how
     _assert_checkpoint_intact(tmp_path)
+
+
+@pytest.mark.faults
+def test_launched_ranks_without_a_process_group_all_refuse_to_wrap(tmp_path: Path) -> None:
+    code, took, output = _launch("no-group", tmp_path)
+    assert code != 0 and took < LIMIT_S, output[-3000:]
+    ended = _endings(output)
+    assert sorted(ended) == [0, 1], output[-3000:]
+    for how in ended.values():
+        assert how.startswith("RuntimeError: ShardedModule: WORLD_SIZE=2: this is one of 2"), how
+        assert "dist.init_process_group(" in how

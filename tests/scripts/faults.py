@@ -13,7 +13,8 @@ a checkpoint ``WORKDIR/ckpt/step-2`` and, from rank 0, its full state dict in
 - ``stall``: sleep far past the timeout before step 3, while rank 0 waits for it;
 - ``desync-save``: save again after step 2 while rank 0 goes on to step 3;
 - ``desync-clip``: one more forward and backward before ``clip_grad_norm_`` than rank 0;
-- ``skip-batch``: rank 0 runs out of memory in step 3's forward, catches it and goes on.
+- ``skip-batch``: rank 0 runs out of memory in step 3's forward, catches it and goes on;
+- ``no-group``: no ``init_process_group`` at all; every rank wraps the model (nothing else).
 
 Each rank that ends with an exception prints ``ENDED <rank> <class>: <message>`` and exits 1.
 """
@@ -106,10 +107,13 @@ def run(case: str, work: Path, rank: int) -> None:
 
 
 def main(case: str, work: str, timeout_s: str) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(timeout_s)))
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])
     try:
-        run(case, Path(work), rank)
+        if case == "no-group":
+            ShardedModule(GPT(), auto_wrap=Block)
+        else:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(timeout_s)))
+            run(case, Path(work), rank)
     except Exception as e:
         traceback.print_exc()
         print(f"ENDED {rank} {type(e).__name__}: {e}", flush=True)
