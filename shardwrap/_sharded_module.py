@@ -26,7 +26,9 @@ from ._checks import (
     check_not_wrapped,
     check_same_model,
     checkpoint_policy,
+    describe,
     resolve_compile,
+    unit_plan,
 )
 from ._collectives import CommStats
 from ._flat_group import FlatGroup
@@ -47,6 +49,7 @@ from ._strategy import Strategy
 from ._unit import Unit
 from ._wrap import (
     AutoWrap,
+    Placement,
     check_selects_something,
     group_key,
     place_parameters,
@@ -120,7 +123,9 @@ class ShardedModule(nn.Module):
             ``compile`` of an unsupported type.
         ValueError: an ``auto_wrap`` that selects no submodule (naming the classes the model
             has), a ``stage`` other than 1, 2 or 3, ``reshard_after_forward`` given with
-            a stage other than 3, or ranks that passed different stages.
+            a stage other than 3, or ranks whose arguments, or the units they make, differ
+            (agreed with the model's parameters in one small collective before any flat
+            buffer is communicated; every rank raises, naming each and every rank's value).
         ValueError: a model already wrapped, parameters on several devices, a
             ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
             initialiser wrote (every rank raises, naming each), or parameter names, shapes or
@@ -159,12 +164,6 @@ class ShardedModule(nn.Module):
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
         _check_offload(offload, stage, device)
-        mesh = resolve_mesh(process_group, device)
-        check_same_model(module, mesh.control, mesh.control_device, {"stage": stage})
-        if sync_module_states and not is_meta(module):
-            copy_from_rank0(module, mesh)
-        elif sync_module_states is None and not is_meta(module):
-            check_same_values(module, mesh.control, mesh.control_device)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
@@ -172,10 +171,33 @@ class ShardedModule(nn.Module):
             )
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
+        placement = place_parameters(module, policy)
+        mesh = resolve_mesh(process_group, device)
+        arguments = {
+            "stage": stage,
+            "reshard_after_forward": strategy.reshard_after_forward,
+            "auto_wrap": auto_wrap,
+            "mixed_precision": mixed_precision,
+            "checkpoint_activations": checkpoint_activations,
+            "compile": compile_options,
+            "param_init_fn": param_init_fn,
+            "sync_module_states": sync_module_states,
+            "offload": offload and f"Offload(device={offload.device!r})",  # paths may differ
+            "device": device.type,  # its index may differ: a GPU per rank
+            "process_group": f"{mesh.shard_size} shard x {mesh.replicate_size} replicate ranks",
+            "model built on the meta device": is_meta(module),
+        }
+        agreed = {name: describe(value) for name, value in arguments.items()}
+        agreed.update(unit_plan(module, placement, checkpoint))
+        check_same_model(module, mesh.control, mesh.control_device, agreed)
+        if sync_module_states and not is_meta(module):
+            copy_from_rank0(module, mesh)
+        elif sync_module_states is None and not is_meta(module):
+            check_same_values(module, mesh.control, mesh.control_device)
         disk = offload is not None and offload.device == "disk"
         store = Store(Path(offload.path), mesh.rank) if disk else None  # type: ignore[union-attr]
         home = make_home(offload, device)
-        _wrap(module, policy, mesh, strategy, mixed_precision, param_init_fn, store, home)
+        _wrap(module, placement, mesh, strategy, mixed_precision, param_init_fn, store, home)
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
@@ -421,7 +443,7 @@ def _sharded_class(cls: type) -> type:
 
 def _wrap(
     module: nn.Module,
-    policy: Any,
+    placement: Placement,
     mesh: Mesh,
     strategy: Strategy,
     precision: MixedPrecision | None,
@@ -430,7 +452,6 @@ def _wrap(
     home: Home | None = None,
 ) -> None:
     device = mesh.device
-    placement = place_parameters(module, policy)
     materialize = None
     if is_meta(module):
         seed = agree_seed(mesh.control, mesh.control_device)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwrap import Mesh, ShardedModule
+from shardwrap import Mesh, MixedPrecision, Offload, ShardedModule
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, make_batch
 
@@ -232,6 +232,106 @@ def test_extra_parameter_on_one_rank(world_size: int) -> None:
         assert f"no parameter #{count}" in message
     for message in messages:
         assert "differs across ranks" in message and "same model on every rank" in message
+
+
+# arguments that differ across ranks --------------------------------------------------
+
+
+def _messages_when_ranks_pass(world_size: int, arguments: Callable[[int], dict]) -> list[str]:
+    """Every rank wraps a copy of one model with ``arguments(rank)``; each must raise."""
+    model = _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        with pytest.raises(ValueError) as info:
+            ShardedModule(copy.deepcopy(model), process_group=pg, **arguments(rank))
+        return str(info.value)
+
+    return run_ranks(world_size, fn, timeout=TIMEOUT)
+
+
+BF16 = MixedPrecision(param_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("option", "values", "shown"),
+    [
+        ("auto_wrap", (Block, None), ("tests.models.Block", "None")),
+        (
+            "mixed_precision",
+            (BF16, None),
+            ("MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32", "None"),
+        ),
+        ("checkpoint_activations", (True, False), ("True", "False")),
+        ("compile", ({"mode": "max-autotune"}, False), ("{mode: max-autotune}", "None")),
+        ("sync_module_states", (True, None), ("True", "None")),
+        ("offload", (Offload(device="cpu"), None), ("Offload(device='cpu')", "None")),
+    ],
+)
+def test_an_argument_that_differs_across_ranks_is_named_on_every_rank(
+    option: str, values: tuple, shown: tuple[str, str]
+) -> None:
+    """Named with each rank's value at wrap time, before any flat buffer is communicated
+    (auto_wrap and mixed_precision ended in a gloo abort in the first forward before)."""
+    arguments = {"auto_wrap": Block}
+    messages = _messages_when_ranks_pass(2, lambda rank: {**arguments, option: values[rank]})
+    for rank, message in enumerate(messages):
+        assert f"ranks passed different arguments (this is rank {rank} of 2)" in message
+        line = next(x for x in message.splitlines() if x.startswith(f"  {option}: "))
+        assert f"{shown[0]}" in line and line.endswith(f"{shown[1]} on rank 1"), line
+        assert "Pass the same arguments on every rank." in message
+
+
+def test_reshard_after_forward_that_differs_across_ranks_is_named() -> None:
+    messages = _messages_when_ranks_pass(
+        2, lambda rank: {"auto_wrap": Block, "stage": 3, "reshard_after_forward": rank == 0}
+    )
+    for message in messages:
+        assert "\n  reshard_after_forward: True on rank 0; False on rank 1\n" in message
+
+
+def test_auto_wrap_that_differs_names_the_units_each_rank_makes() -> None:
+    messages = _messages_when_ranks_pass(2, lambda rank: {"auto_wrap": Block if rank else None})
+    for message in messages:
+        assert "\n  auto_wrap: None on rank 0; tests.models.Block on rank 1\n" in message
+        assert (
+            "\n  auto_wrap (the units it makes): 1 unit, first differing none on rank 0; "
+            "4 units, first differing #1 blocks.0: float32 trainable " in message
+        )
+
+
+def test_a_policy_that_selects_differently_on_each_rank_is_caught_by_its_units() -> None:
+    """Same function name on every rank, different choices: the unit plan tells them apart."""
+
+    def arguments(rank: int) -> dict:
+        def blocks(m: nn.Module) -> bool:
+            return isinstance(m, Block) and (rank == 0 or m is not model_blocks[rank][-1])
+
+        return {"auto_wrap": blocks}
+
+    model_blocks: dict[int, list[nn.Module]] = {}
+    model = _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        local = copy.deepcopy(model)
+        model_blocks[rank] = list(local.blocks)
+        with pytest.raises(ValueError) as info:
+            ShardedModule(local, process_group=pg, **arguments(rank))
+        return str(info.value)
+
+    for message in run_ranks(2, fn, timeout=TIMEOUT):
+        assert "\n  auto_wrap: " not in message  # the same function, by name
+        line = next(x for x in message.splitlines() if "auto_wrap (the units it makes)" in x)
+        assert "4 units, first differing #3 blocks.2: float32" in line
+        assert "3 units, first differing none on rank 1" in line
+
+
+def test_an_argument_that_differs_on_one_of_four_ranks_names_the_ranks_alike() -> None:
+    messages = _messages_when_ranks_pass(
+        4, lambda rank: {"auto_wrap": Block, "mixed_precision": BF16 if rank == 3 else None}
+    )
+    for message in messages:
+        assert "\n  mixed_precision: None on ranks 0-2; MixedPrecision(param_dtype=" in message
+        assert message.count(" on rank 3") == 1
 
 
 # launched processes without a process group --------------------------------------------
