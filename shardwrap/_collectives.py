@@ -16,15 +16,23 @@ Backend quirks handled here:
 
 Every collective adds its calls and bytes to an optional :class:`CommStats`, which the
 benchmarks read.
+
+A collective the backend gives up on raises :class:`CollectiveFailed` on this rank, saying
+what it can: the collective; this rank's step and phase, as each sharded model on the group
+reports them (:func:`report_whereabouts`; collectives stay free of models); the peers that did
+not answer where that is known. Gloo's timeout names no peer ("Timed out waiting 5000ms for
+recv operation to complete"), so they are known for exchanges (whose receives from a peer are
+its own) and for a group of two; otherwise the message says so.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +49,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "reduce_scatter",
+    "report_whereabouts",
 ]
 
 Group = dist.ProcessGroup | None
@@ -63,7 +72,20 @@ class CommStats:
 
 
 class CollectiveFailed(RuntimeError):
-    """A collective did not complete: a peer stopped, stalled past the timeout, or is elsewhere."""
+    """A collective did not complete: a peer stopped, stalled past the timeout, or is elsewhere.
+
+    Attributes:
+        collective: which one: "all-gather", "reduce-scatter", "handshake", "all-reduce".
+        rank: this rank (in the default group where the group is registered there).
+        doing: this rank's step and phase, e.g. "in the backward of forward pass 3", or
+            ``None`` where no sharded model uses the group.
+        silent: the peer ranks that did not answer, or ``None`` where that is not known.
+    """
+
+    collective: str = ""
+    rank: int = 0
+    doing: str | None = None
+    silent: list[int] | None = None
 
 
 class Pending:
@@ -74,14 +96,19 @@ class Pending:
             peer gone, or no answer within the group's timeout), naming the collective.
     """
 
-    __slots__ = ("_work", "_then", "_what")
+    __slots__ = ("_work", "_then", "_what", "_group")
 
     def __init__(
-        self, work: dist.Work | None, then: Callable[[], None] | None = None, what: str = ""
+        self,
+        work: dist.Work | None,
+        then: Callable[[], None] | None = None,
+        what: str = "",
+        group: Group = None,
     ) -> None:
         self._work = work
         self._then = then
         self._what = what
+        self._group = group
 
     def wait(self) -> None:
         try:
@@ -94,18 +121,62 @@ class Pending:
         except CollectiveFailed:
             raise
         except RuntimeError as e:
-            raise failed(self._what, e) from e
+            raise failed(self._what, e, self._group) from e
 
 
-def failed(what: str, error: BaseException) -> CollectiveFailed:
+# What each live sharded model on a group is doing, for the message of a collective that fails
+# there: objects with a ``whereabouts() -> str`` method (a model's ``Mesh``), held weakly.
+_REPORTERS: weakref.WeakKeyDictionary[dist.ProcessGroup, weakref.WeakSet[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def report_whereabouts(reporter: Any, groups: Iterable[Group]) -> None:
+    """Have a collective that fails on any of ``groups`` say ``reporter.whereabouts()``."""
+    for group in groups:
+        if group is not None:
+            _REPORTERS.setdefault(group, weakref.WeakSet()).add(reporter)
+
+
+def failed(
+    what: str, error: BaseException, group: Group = None, silent: list[int] | None = None
+) -> CollectiveFailed:
     """The error for a collective (``what``: "all-gather", "handshake", ...) the backend
-    abandoned, with the backend's first line."""
+    abandoned on ``group``: this rank's step and phase, the peers that did not answer
+    (``silent``, group ranks, where known: the peers of a point-to-point exchange it waited
+    on; the other rank of a group of two), the group's timeout and the backend's first line.
+    """
     said = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return CollectiveFailed(
-        f"shardwrap: the {what or 'collective'} did not complete: a rank stopped, stalled past "
-        f"the process group's timeout, or is at another call (the backend said: {said}). See "
-        "the other ranks' errors for what they were doing."
+    rank, doing, timeout = 0, None, None
+    if group is not None:
+        rank, timeout = _global_rank(group, group.rank()), group_timeout(group)
+        texts = sorted(r.whereabouts() for r in _REPORTERS.get(group, ()))
+        doing = "; ".join(texts) or None
+        if silent is None and group.size() == 2:
+            silent = [1 - group.rank()]
+        if silent is not None:
+            silent = [_global_rank(group, r) for r in silent]
+    if silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer"
+    else:
+        who = "which rank did not answer is unknown (the backend does not say)"
+    error = CollectiveFailed(
+        f"shardwrap: the {what or 'collective'} did not complete on rank {rank} "
+        f"({doing or 'in no sharded model: none uses this group'}): {who}. A rank stopped, "
+        "stalled past the process group's timeout "
+        f"({timeout if timeout is not None else 'unknown'}), or is at another call; see the "
+        f"other ranks' errors for what they were doing. The backend said: {said}"
     )
+    error.collective, error.rank, error.doing, error.silent = what, rank, doing, silent
+    return error
+
+
+def _global_rank(group: dist.ProcessGroup, rank: int) -> int:
+    """``rank`` of ``group`` in the default group, where ``group`` is registered there."""
+    try:
+        return dist.get_global_rank(group, rank)
+    except (ValueError, RuntimeError):
+        return rank
 
 
 def group_timeout(group: Group) -> timedelta | None:
@@ -152,9 +223,9 @@ def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None
         if shard.device.type == "cpu":
             return _exchange_all_gather(out, shard, group)
         # in place when shard is a slot of out
-        return Pending(group._allgather_base(out, shard), what="all-gather")
+        return Pending(group._allgather_base(out, shard), what="all-gather", group=group)
     except RuntimeError as e:
-        raise failed("all-gather", e) from e
+        raise failed("all-gather", e, group) from e
 
 
 def reduce_scatter(
@@ -174,9 +245,10 @@ def reduce_scatter(
             return _exchange_reduce_scatter(out, full, group)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.AVG
-        return Pending(group._reduce_scatter_base(out, full, opts), what="reduce-scatter")
+        work = group._reduce_scatter_base(out, full, opts)
+        return Pending(work, what="reduce-scatter", group=group)
     except RuntimeError as e:
-        raise failed("reduce-scatter", e) from e
+        raise failed("reduce-scatter", e, group) from e
 
 
 # Gloo: direct exchanges --------------------------------------------------------------
@@ -207,11 +279,17 @@ def _exchange_all_gather(out: Tensor, shard: Tensor, group: dist.ProcessGroup) -
         own.copy_(shard)
     if n == 0:
         return Pending(None)
-    works = []
-    for peer in _peers(rank, world):
-        works.append(group.send([shard], peer, tag))
-        works.append(group.recv([out[peer * n : (peer + 1) * n]], peer, tag))
-    return Pending(None, lambda: _wait_all(works), what="all-gather")
+    peers = _peers(rank, world)
+    sends = [(peer, group.send([shard], peer, tag)) for peer in peers]
+    recvs = [(peer, group.recv([out[peer * n : (peer + 1) * n]], peer, tag)) for peer in peers]
+
+    def finish() -> None:
+        for i, (peer, work) in enumerate(recvs):
+            _wait(work, peer, recvs[i + 1 :], group, "all-gather")
+        for peer, work in sends:
+            _wait(work, peer, [], group, "all-gather")
+
+    return Pending(None, finish, what="all-gather", group=group)
 
 
 def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> Pending:
@@ -219,29 +297,27 @@ def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup
     tag = _next_tag(group)
     if n == 0:
         return Pending(None)
-    sends = [
-        group.send([full[peer * n : (peer + 1) * n]], peer, tag) for peer in _peers(rank, world)
-    ]
+    peers = _peers(rank, world)
+    sends = [(peer, group.send([full[peer * n : (peer + 1) * n]], peer, tag)) for peer in peers]
     own = full[rank * n : (rank + 1) * n]
-    if world == 2:
-        recvs = [(group.recv([out], 1 - rank, tag), None)]
-    else:
-        buffers = [torch.empty_like(out) for _ in range(world - 1)]
-        recvs = [(group.recv([b], peer, tag), b) for b, peer in zip(buffers, _peers(rank, world))]
+    # At two ranks the one peer's piece lands in ``out`` itself; otherwise in buffers of its own.
+    buffers = [out] if world == 2 else [torch.empty_like(out) for _ in peers]
+    recvs = [(peer, group.recv([b], peer, tag)) for b, peer in zip(buffers, peers)]
 
     def finish() -> None:
-        for work, buffer in recvs:
-            work.wait()
-            if buffer is not None:
-                own.add_(buffer)
+        for i, (peer, work) in enumerate(recvs):
+            _wait(work, peer, recvs[i + 1 :], group, "reduce-scatter")
+            if world > 2:
+                own.add_(buffers[i])
         if world == 2:
             out.add_(own)
         else:
             out.copy_(own)
         out.div_(world)
-        _wait_all(sends)
+        for peer, work in sends:
+            _wait(work, peer, [], group, "reduce-scatter")
 
-    return Pending(None, finish, what="reduce-scatter")
+    return Pending(None, finish, what="reduce-scatter", group=group)
 
 
 def _peers(rank: int, world: int) -> list[int]:
@@ -249,9 +325,30 @@ def _peers(rank: int, world: int) -> list[int]:
     return [(rank + i) % world for i in range(1, world)]
 
 
-def _wait_all(works: list[dist.Work]) -> None:
-    for work in works:
+def _wait(
+    work: dist.Work,
+    peer: int,
+    later: list[tuple[int, dist.Work]],
+    group: dist.ProcessGroup,
+    what: str,
+) -> None:
+    """Wait for a send to or receive from ``peer``. If the backend gives up on it, the error
+    names ``peer`` and each peer of the receives in ``later`` whose data has not arrived."""
+    try:
         work.wait()
+    except RuntimeError as e:
+        silent = {peer} | {q for q, w in later if not _arrived(w)}
+        raise failed(what, e, group, sorted(silent)) from e
+
+
+def _arrived(receive: dist.Work) -> bool:
+    """Whether a receive's data is here (asked after a peer's timeout: every live peer sent
+    long ago, so a short wait tells; NOTE: gloo closes the pair on a timeout)."""
+    try:
+        receive.wait(timedelta(milliseconds=50))
+    except RuntimeError:
+        return False
+    return True
 
 
 def all_reduce(
@@ -270,6 +367,6 @@ def all_reduce(
     opts.reduceOp = op
     what = kind.replace("_", "-")
     try:
-        return Pending(group.allreduce([tensor], opts), what=what)
+        return Pending(group.allreduce([tensor], opts), what=what, group=group)
     except RuntimeError as e:
-        raise failed(what, e) from e
+        raise failed(what, e, group) from e

@@ -22,13 +22,14 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._collectives import Group, group_rank, group_size, group_timeout
+from ._collectives import Group, group_rank, group_size, group_timeout, report_whereabouts
 
 __all__ = ["Mesh", "resolve_mesh"]
 
@@ -72,6 +73,19 @@ class Mesh:
                 f"{self.world_size} (shard {self.shard_size} x replicate {self.replicate_size}); "
                 "pass a control group over every rank of the mesh."
             )
+        self._whereabouts: weakref.WeakMethod | None = None
+        report_whereabouts(self, (self.shard, self.replicate, self.control))
+
+    def set_whereabouts(self, whereabouts: Callable[[], str]) -> None:
+        """Have a collective that fails on this mesh's groups say what ``whereabouts()`` (a
+        bound method, held weakly: the model's) says this rank is doing."""
+        self._whereabouts = weakref.WeakMethod(whereabouts)  # type: ignore[arg-type]
+
+    def whereabouts(self) -> str:
+        """This rank's step and phase in the model on this mesh, for the message of a
+        collective that failed: what the model says, or that it is being wrapped."""
+        model = self._whereabouts() if self._whereabouts is not None else None
+        return model() if model is not None else "wrapping the model (ShardedModule)"
 
     @property
     def shard_rank(self) -> int:
@@ -192,7 +206,7 @@ def _check_one_process() -> None:
                 "and train its own copy of the model. Create the group before wrapping: "
                 'dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10)) '
                 '("gloo" on CPUs); the timeout bounds how long the others wait for a hung rank '
-                "(torch's default is 30 minutes). With the Hugging Face Trainer, build "
+                "(torch's default: 30 minutes with gloo). With the Hugging Face Trainer, build "
                 "TrainingArguments(..., ddp_timeout=600) before wrapping (it creates the "
                 "group); with accelerate, Accelerator(). To train one copy per process on "
                 "purpose, pass process_group=shardwrap.Mesh()."

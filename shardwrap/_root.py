@@ -139,6 +139,7 @@ class Root:
                 live.enter("a gradient norm (clip_grad_norm_)")
 
         self.reductions.grad_owner.enter = enter_norm
+        mesh.set_whereabouts(self.whereabouts)
         self.reductions.grad_owner.store = store
         if store is not None:
             weakref.finalize(self, store.close)
@@ -167,6 +168,10 @@ class Root:
     @property
     def root(self) -> Unit:
         return self.units[0]
+
+    def whereabouts(self) -> str:
+        """This rank's forward pass and phase, for the message of a collective that failed."""
+        return self.schedule.whereabouts(self.phase.name.lower())
 
     # forward -------------------------------------------------------------------------
 

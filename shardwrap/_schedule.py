@@ -84,6 +84,7 @@ class Schedule:
         self.enter_priority = 2 * n + 3
         self._used_anywhere: list[bool] = []
         self.passes = 0  # forward passes of the whole model begun on this rank
+        self._entered = (-1, 0)  # (passes, index in CALLS) of the last call entered
 
     @property
     def world(self) -> int:
@@ -115,8 +116,23 @@ class Schedule:
         Raises:
             RuntimeError: on every rank, when some rank is elsewhere (naming what each does).
         """
+        self._entered = (self.passes, CALLS.index(call))
         if self.world > 1:
             self._negotiate(self.enter_priority, CALLS.index(call))
+
+    def whereabouts(self, phase: str) -> str:
+        """This rank's step and ``phase`` ("forward", "backward", "idle"), for the message of
+        a collective that failed: the count of forward passes begun, and outside forward and
+        backward the last call every rank made together since the pass began."""
+        if phase == "forward":
+            return f"in forward pass {self.passes}"
+        if phase == "backward":
+            return f"in the backward of forward pass {self.passes}"
+        passes, call = self._entered
+        since = f"; last call made by every rank: {CALLS[call]}" if passes == self.passes else ""
+        if self.passes == 0:
+            return f"before the first forward pass{since}"
+        return f"after forward pass {self.passes}, outside forward and backward{since}"
 
     def _negotiate(self, want: int, call: int = 0) -> None:
         reductions = self.reductions

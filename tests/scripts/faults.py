@@ -11,6 +11,9 @@ a checkpoint ``WORKDIR/ckpt/step-2`` and, from rank 0, its full state dict in
 - ``kill-forward`` / ``kill-backward``: SIGKILL itself inside a block's forward / backward;
 - ``kill-save``: SIGKILL itself half-way through re-saving ``ckpt/step-2`` (the same path);
 - ``stall``: sleep far past the timeout before step 3, while rank 0 waits for it;
+- ``freeze``: stop itself (``SIGSTOP``, a hung node: no thread of it runs) before step 3's
+  backward; a shell it started first resumes it three timeouts later, so that it then takes
+  the ``SIGTERM`` torchrun sent it once rank 0 had failed;
 - ``desync-save``: save again after step 2 while rank 0 goes on to step 3;
 - ``desync-clip``: one more forward and backward before ``clip_grad_norm_`` than rank 0;
 - ``skip-batch``: rank 0 runs out of memory in step 3's forward, catches it and goes on;
@@ -24,6 +27,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -52,7 +56,7 @@ def _step(
     opt.zero_grad()
 
 
-def run(case: str, work: Path, rank: int) -> None:
+def run(case: str, work: Path, rank: int, timeout: datetime.timedelta) -> None:
     torch.manual_seed(0)
     model = ShardedModule(GPT(), auto_wrap=Block)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -84,6 +88,14 @@ def run(case: str, work: Path, rank: int) -> None:
         save_checkpoint(work / "ckpt" / "step-2", model, opt, step=2)
     elif faulty and case == "stall":
         time.sleep(600)
+    elif faulty and case == "freeze":
+        resume = f"sleep {int(3 * timeout.total_seconds())}; kill -CONT {os.getpid()}"
+        subprocess.Popen(["sh", "-c", resume], start_new_session=True)
+
+        def freeze_in_backward(m: torch.nn.Module, a: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: os.kill(os.getpid(), signal.SIGSTOP))
+
+        block.register_forward_hook(freeze_in_backward)
     elif faulty and case == "desync-save":
         save_checkpoint(work / "ckpt" / "again", model, opt, step=2)
     elif faulty and case == "desync-clip":
@@ -112,8 +124,9 @@ def main(case: str, work: str, timeout_s: str) -> None:
         if case == "no-group":
             ShardedModule(GPT(), auto_wrap=Block)
         else:
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(timeout_s)))
-            run(case, Path(work), rank)
+            timeout = datetime.timedelta(seconds=float(timeout_s))
+            dist.init_process_group("gloo", timeout=timeout)
+            run(case, Path(work), rank, timeout)
     except Exception as e:
         traceback.print_exc()
         print(f"ENDED {rank} {type(e).__name__}: {e}", flush=True)
