@@ -22,6 +22,7 @@ sample. ``--summary PATH`` writes the losses and every rank's sampled ids as JSO
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import time
@@ -103,7 +104,9 @@ def main(args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group(backend)
+        # A hung rank holds the others in their collective until this timeout (torch's default:
+        # 30 minutes with gloo); then they fail (shardwrap.CollectiveFailed) instead of waiting.
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     else:  # plain `python examples/finetune_hf.py`: one rank, the same code path
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -24,6 +24,7 @@ the run's summary and a sample drawn with a temperature and top-k.
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import re
@@ -218,7 +219,9 @@ def main(args: argparse.Namespace) -> None:
     backend = "nccl" if cuda else "gloo"
     check_restarts(args)
     if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group(backend)
+        # A hung rank holds the others in their collective until this timeout (torch's default:
+        # 30 minutes with gloo); then they fail (shardwrap.CollectiveFailed) instead of waiting.
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     else:  # plain `python examples/train_gpt.py`: one rank, the same code path
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank()
