@@ -93,7 +93,8 @@ class Pending:
 
     Raises:
         CollectiveFailed: from ``wait()``, when the backend gives up on the collective (a
-            peer gone, or no answer within the group's timeout), naming the collective.
+            peer gone, or no answer within the group's timeout), naming the collective, this
+            rank's step and phase and, where known, the peers that did not answer.
     """
 
     __slots__ = ("_work", "_then", "_what", "_group")
@@ -160,15 +161,15 @@ def failed(
         who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer"
     else:
         who = "which rank did not answer is unknown (the backend does not say)"
-    error = CollectiveFailed(
+    raised = CollectiveFailed(
         f"shardwrap: the {what or 'collective'} did not complete on rank {rank} "
         f"({doing or 'in no sharded model: none uses this group'}): {who}. A rank stopped, "
         "stalled past the process group's timeout "
         f"({timeout if timeout is not None else 'unknown'}), or is at another call; see the "
         f"other ranks' errors for what they were doing. The backend said: {said}"
     )
-    error.collective, error.rank, error.doing, error.silent = what, rank, doing, silent
-    return error
+    raised.collective, raised.rank, raised.doing, raised.silent = what, rank, doing, silent
+    return raised
 
 
 def _global_rank(group: dist.ProcessGroup, rank: int) -> int:
