@@ -5,6 +5,7 @@ opt = torch.optim.AdamW(model.parameters())
 shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 """
 
+from . import _hf  # noqa: F401  (registers the Hugging Face habits with the engine)
 from ._checkpoint import latest_checkpoint, save_checkpoint
 from ._checkpoint_load import load_checkpoint
 from ._collectives import CollectiveFailed, CommStats

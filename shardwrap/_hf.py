@@ -10,6 +10,10 @@ A wrapped ``transformers`` model's class gains :class:`HuggingFaceHabits` ahead 
   ``Trainer(gradient_checkpointing=True)`` turns on) recomputes a layer's ``forward`` in
   backward; the recomputation is shown the full parameters, reusing the unit's backward
   gather, exactly as shardwrap's ``checkpoint_activations`` does.
+
+The engine does not import this module: importing it registers the habits, the layers' own
+checkpointing and the refusal of the stock ``Trainer`` with the engine (``_extensions.py``);
+``shardwrap/__init__.py`` imports it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
+from . import _extensions
 from ._collectives import all_reduce
 from ._export import write_export
 from ._root import Root
@@ -36,6 +41,8 @@ __all__ = [
     "is_transformers_model",
     "refuse_stock_trainer",
 ]
+
+_TRAINER_MODULE = "transformers.trainer"
 
 _GUARDED = "_shardwrap_guarded"
 
@@ -59,13 +66,14 @@ def refuse_stock_trainer() -> None:
     while being built, so the mistake surfaces then, before any training.
 
     HACK: the Trainer hands nothing to the model that would say who calls; the callers'
-    frames do (a few, read once per move or save).
+    frames do (a few, read per save, and per move only while ``transformers.trainer`` is
+    imported: see :func:`_refuse_stock_trainer_moving`).
 
     Raises:
         TypeError: naming ``shardwrap.hf.Trainer``.
     """
     frame = sys._getframe(1)
-    for _ in range(12):
+    for _ in range(16):
         if frame is None:
             return
         owner = frame.f_locals.get("self")
@@ -77,6 +85,17 @@ def refuse_stock_trainer() -> None:
                 "shardwrap.hf.ShardedTrainerMixin into your Trainer class ahead of it."
             )
         frame = frame.f_back
+
+
+def _refuse_stock_trainer_moving(model: nn.Module) -> None:
+    """The move check: a Trainer can only be building (and moving) a Hugging Face model when
+    its class has been imported, so no caller frame is read before then."""
+    if isinstance(model, HuggingFaceHabits) and _TRAINER_MODULE in sys.modules:
+        refuse_stock_trainer()
+
+
+def _habits(cls: type) -> tuple[type, ...]:
+    return (HuggingFaceHabits,) if is_transformers_model(cls) else ()
 
 
 def _is_stock_trainer(cls: type) -> bool:
@@ -274,3 +293,8 @@ class HuggingFaceHabits:
         result = super()._set_gradient_checkpointing(*args, **kwargs)  # type: ignore[misc]
         guard_hf_checkpointing(self._shardwrap_root, self)  # type: ignore[arg-type]
         return result
+
+
+_extensions.register_class_habits(_habits)
+_extensions.register_unit_checkpointer(checkpoint_hf_layer)
+_extensions.register_move_check(_refuse_stock_trainer_moving)

@@ -31,13 +31,8 @@ from ._checks import (
     unit_plan,
 )
 from ._collectives import CommStats
+from ._extensions import check_move, checkpoint_unit, class_habits
 from ._flat_group import FlatGroup
-from ._hf import (
-    HuggingFaceHabits,
-    checkpoint_hf_layer,
-    is_transformers_model,
-    refuse_stock_trainer,
-)
 from ._home import Home, make_home
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._mesh import Mesh, resolve_mesh
@@ -204,7 +199,7 @@ class ShardedModule(nn.Module):
             inner = (m for m in unit.module.modules() if m is not unit.module)
             if compile_options is not None and not any(id(m) in unit_modules for m in inner):
                 root.compile(unit, compile_options)
-            if checkpoint(unit.module) and not checkpoint_hf_layer(root, unit):
+            if checkpoint(unit.module) and not checkpoint_unit(root, unit):
                 root.checkpoint(unit)
         return module  # type: ignore[return-value]
 
@@ -217,10 +212,11 @@ class ShardedModule(nn.Module):
         Raises:
             ValueError: a move to another device or a cast: applied to the shard parameters it
                 would detach them from the flat shards, and the optimizer would step copies.
-            TypeError: a ``transformers.Trainer`` that would save on rank 0 alone is moving
-                the model (it does while being built), naming ``shardwrap.hf.Trainer``.
+            TypeError: an integration refuses the move (the Hugging Face one: a
+                ``transformers.Trainer`` that would save on rank 0 alone is moving the model,
+                as it does while being built, naming ``shardwrap.hf.Trainer``).
         """
-        refuse_stock_trainer()
+        check_move(self)
         for unit in self._shardwrap_root.units:
             for g in unit.groups:
                 probe = torch.empty(0, dtype=g.dtype, device=g.home.device)
@@ -435,8 +431,7 @@ _CLASSES: dict[type, type] = {}
 
 def _sharded_class(cls: type) -> type:
     if cls not in _CLASSES:
-        habits = (HuggingFaceHabits,) if is_transformers_model(cls) else ()
-        bases = (ShardedModule, *habits, cls)
+        bases = (ShardedModule, *class_habits(cls), cls)
         _CLASSES[cls] = type(cls.__name__, bases, {"__module__": cls.__module__})
     return _CLASSES[cls]
 
