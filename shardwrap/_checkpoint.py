@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from ._checksum import buffer_checksum
-from ._root import Param, Phase, Root
+from ._param_index import Param
+from ._root import Phase, Root
 from ._runlog import LOGBOOK
 from ._storage import (
     LATEST,

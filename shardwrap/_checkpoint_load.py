@@ -34,7 +34,7 @@ from ._checkpoint import (
     wrapped_root,
 )
 from ._checksum import buffer_checksum, tensor_checksum
-from ._root import Param
+from ._param_index import Param
 from ._storage import DTYPES, agree, is_plain_name
 
 __all__ = ["load_checkpoint"]

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ._checkpoint import few, persistent_buffers, saves_in, wrapped_root
-from ._root import Param
+from ._param_index import Param
 from ._storage import (
     Entry,
     SafetensorsWriter,

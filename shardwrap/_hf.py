@@ -32,6 +32,7 @@ from torch import nn
 from . import _extensions
 from ._collectives import all_reduce
 from ._export import write_export
+from ._recompute import guard_recompute
 from ._root import Root
 from ._unit import Unit
 
@@ -137,7 +138,7 @@ def _guarded(root: Root, unit: Unit, checkpoint: Callable[..., Any]) -> Callable
 
     @functools.wraps(checkpoint)
     def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(root.guard_recompute(unit, function), *args, **kwargs)
+        return checkpoint(guard_recompute(root, unit, function), *args, **kwargs)
 
     setattr(run, _GUARDED, True)
     return run

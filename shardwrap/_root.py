@@ -21,24 +21,21 @@ first), nor after a ``no_grad`` forward, so decoding loops do not re-gather it o
 a gathered unit whose shard has changed since (an optimizer step, a load) is gathered afresh.
 Views of gathered buffers that autograd saves are kept by address (``_saved.py``).
 
-The root also holds the model's index of parameters: which flat group and slot hold each
-original parameter, built once here and read by state dicts, checkpoints and export.
+Beside the root: the parameter index (``_param_index.py``), the hooks of modules called on
+their own (``_own_calls.py``) and recomputation and compilation (``_recompute.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.hooks import RemovableHandle
 
 from ._collectives import CommStats
 from ._flat_group import FlatGroup
@@ -47,6 +44,8 @@ from ._mesh import Mesh
 from ._offload import Store, before_step
 from ._optimizers import OptimizerHooks
 from ._options import MixedPrecision
+from ._own_calls import OwnCalls
+from ._param_index import Param, index_params
 from ._pool import BufferPool
 from ._reduce import Reductions
 from ._saved import SavedViews
@@ -54,23 +53,7 @@ from ._schedule import Schedule
 from ._strategy import Strategy
 from ._unit import ShardState, Unit
 
-__all__ = ["Param", "Phase", "Root"]
-
-
-class Param(NamedTuple):
-    """One original parameter as this rank holds it: its flat group and its index in it."""
-
-    name: str
-    group: FlatGroup
-    index: int
-
-    @property
-    def shard(self) -> nn.Parameter:  # 1-D, this rank's piece (possibly empty)
-        return self.group.shard_params[self.index]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.group.shapes[self.index])
+__all__ = ["Phase", "Root"]
 
 
 class Phase(Enum):
@@ -112,18 +95,14 @@ class Root:
         self.pool = pool
         self._unit_of = {id(g): u for u in units for g in u.groups}
         self.saved = SavedViews(
-            pool, lambda group: self._ensure_gathered(self._unit_of[id(group)], backward=True)
+            pool, lambda group: self.ensure_gathered(self._unit_of[id(group)], backward=True)
         )
-        self._called_alone: dict[int, list[Unit]] = {}  # id(module) -> units its call gathered
-        self._inside_gathered = False  # gathered() exposes exact full parameters: leave them be
-        self._call_hooks: dict[int, list[RemovableHandle]] = {}  # id(module) -> its call hooks
         self.mesh = mesh
         self.stats = stats
         self.strategy = strategy
-        self.params = [
-            Param(name, g, i) for u in units for g in u.groups for i, name in enumerate(g.names)
-        ]
-        self.param_of = {id(p.shard): p for p in self.params}  # keyed by id(shard parameter)
+        self.params: list[Param]
+        self.param_of: dict[int, Param]  # keyed by id(shard parameter)
+        self.params, self.param_of = index_params(units)
         order = [g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable]
         self.reductions = Reductions(
             order, mesh, stats, defer=strategy.defer_reductions, home=self.home
@@ -163,11 +142,19 @@ class Root:
             unit.register_grad_hooks(self._on_grad)
             for g in unit.trainable:
                 g.on_views_done = self._on_views_done
-        self._hook_parameter_owners()
+        self.own_calls = OwnCalls(self)
 
     @property
     def root(self) -> Unit:
         return self.units[0]
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is Phase.BACKWARD
+
+    @property
+    def idle(self) -> bool:
+        return self.phase is Phase.IDLE
 
     def whereabouts(self) -> str:
         """This rank's forward pass and phase, for the message of a collective that failed."""
@@ -197,7 +184,7 @@ class Root:
     def _pre_forward(self, unit: Unit) -> None:
         self.settle()
         if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
-            self._ensure_gathered(unit, backward=True)
+            self.ensure_gathered(unit, backward=True)
             unit.use_full(torch.is_grad_enabled())
             return
         if unit is self.root:
@@ -210,69 +197,9 @@ class Root:
         if torch.is_grad_enabled():
             self.saved.start(unit)
         self._recording.append(unit)
-        self._ensure_gathered(unit, backward=False)
+        self.ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
         self._prefetch(self._forward_next, unit, backward=False)
-
-    # modules called on their own -----------------------------------------------------
-
-    def _hook_parameter_owners(self) -> None:
-        """Let any module that holds parameters run on its own, outside its unit's forward.
-
-        ``generate()`` calls a model's encoder by itself, users call ``get_input_embeddings()``
-        or an inner ``model.model``: the module's parameters then belong to a unit whose forward
-        is not running. Each module holding a unit's parameters (other than the unit's own
-        module, whose hooks gather it) gets hooks that gather the unit first, agreed across
-        ranks like any gather, and release it after, as the strategy says. Inside the unit's
-        forward the unit is already gathered and the hooks do nothing.
-        """
-        owners: dict[int, tuple[nn.Module, list[Unit]]] = {}
-        for unit in self.units:
-            for g in unit.groups:
-                for slots in g.slots:
-                    for module, _ in slots:
-                        if module is not unit.module:
-                            entry = owners.setdefault(id(module), (module, []))
-                            if unit not in entry[1]:
-                                entry[1].append(unit)
-        for module, units in owners.values():
-            self._call_hooks[id(module)] = [
-                module.register_forward_pre_hook(self._hook_pre_call(units)),
-                module.register_forward_hook(self._hook_post_call(units)),
-            ]
-
-    def _hook_pre_call(self, units: list[Unit]) -> Callable[[nn.Module, Any], None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            grad = torch.is_grad_enabled()
-            if self._inside_gathered or all(_ready(u, grad) for u in units):
-                return
-            self.settle()
-            if grad:
-                self.saved.start(module)
-            gathered = []
-            for unit in units:
-                if unit.state is not ShardState.GATHERED or unit.is_stale:
-                    gathered.append(unit)
-                if not _ready(unit, grad):
-                    self._ensure_gathered(unit, backward=self.phase is Phase.BACKWARD)
-                    unit.use_full(grad)
-            self._called_alone[id(module)] = gathered
-
-        return hook
-
-    def _hook_post_call(self, units: list[Unit]) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            gathered = self._called_alone.pop(id(module), None)
-            if gathered is None:
-                return
-            if module is self.saved.owner:
-                self.saved.stop()
-            release = self.strategy.release_after_forward(grad_enabled=torch.is_grad_enabled())
-            for unit in gathered:
-                if unit is not self.root and release and self.phase is Phase.IDLE:
-                    unit.reshard()
-
-        return hook
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if self.phase is Phase.BACKWARD:
@@ -343,7 +270,7 @@ class Root:
         strategy = self.strategy
         if not strategy.gathers_in_backward and not strategy.defer_reductions:
             self.schedule.offer_reductions()
-        self._ensure_gathered(unit, backward=True)
+        self.ensure_gathered(unit, backward=True)
         if unit.index in self._backward_next:
             self._prefetch(self._backward_next, unit, backward=True)
         else:  # nothing more to gather in this backward: keep no spare buffers
@@ -449,7 +376,7 @@ class Root:
 
     # gathering -----------------------------------------------------------------------
 
-    def _ensure_gathered(self, unit: Unit, backward: bool) -> None:
+    def ensure_gathered(self, unit: Unit, backward: bool) -> None:
         if unit.state is ShardState.GATHERING and not unit.is_stale:
             unit.finish_gather()
         if unit.state is ShardState.GATHERED and not unit.is_stale:
@@ -482,55 +409,6 @@ class Root:
         if following.state is ShardState.SHARDED or following.is_stale:
             self.home.read_ahead(following.groups)
 
-    # checkpointing and compilation ---------------------------------------------------
-
-    def checkpoint(self, unit: Unit) -> None:
-        """Recompute ``unit``'s activations in backward rather than keep them (non-reentrant).
-
-        The checkpoint encloses the module's ``forward``, inside the sharding hooks. By the
-        time backward recomputes it, the unit's outputs have had their gradients, so
-        pre-backward has gathered the unit: the recomputation reuses that gather.
-        """
-        forward = unit.module.forward
-        recompute_or_run = self.guard_recompute(unit, forward)
-
-        @functools.wraps(forward)
-        def checkpointed(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(
-                recompute_or_run, *args, use_reentrant=False, **kwargs
-            )
-
-        unit.module.forward = checkpointed
-
-    def guard_recompute(self, unit: Unit, function: Callable[..., Any]) -> Callable[..., Any]:
-        """``function``, a checkpointed piece of ``unit``'s forward, made safe to recompute.
-
-        Backward recomputes it after pre-backward gathered the unit, but with the module's
-        attributes back on the shards: the guard shows it the full parameters first,
-        reusing that gather.
-        """
-
-        def recompute_or_run(*args: Any, **kwargs: Any) -> Any:
-            if self.phase is Phase.BACKWARD:
-                self._ensure_gathered(unit, backward=True)
-                unit.use_full(track_grad=True)
-            return function(*args, **kwargs)
-
-        return recompute_or_run
-
-    def compile(self, unit: Unit, options: dict[str, Any]) -> None:
-        """Compile ``unit``'s ``forward`` with ``torch.compile(**options)``; hooks stay outside.
-
-        The modules inside lose their own-call hooks, which would break the graph at every
-        module: within a compiled unit only the unit as a whole may be called.
-        """
-        for module in unit.module.modules():
-            for handle in self._call_hooks.pop(id(module), []):
-                handle.remove()
-        unit.module.forward = torch.compile(unit.module.forward, **options)
-
     # outside forward -----------------------------------------------------------------
 
     @contextmanager
@@ -546,11 +424,11 @@ class Root:
             unit.start_gather(exact=True)
             unit.finish_gather()
             unit.use_full(track_grad=False)
-        self._inside_gathered = True
+        self.own_calls.paused = True
         try:
             yield
         finally:
-            self._inside_gathered = False
+            self.own_calls.paused = False
             for unit in self.units:
                 if writeback:
                     for g in unit.groups:
@@ -570,19 +448,6 @@ class Root:
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with every floating-point tensor in it cast to ``dtype`` (differentiably)."""
     return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
-
-
-def _ready(unit: Unit, grad: bool) -> bool:
-    """Whether ``unit``'s module attributes are its current full parameters, as ``grad`` needs
-    (views that track gradients serve a ``no_grad`` call as well)."""
-    return (
-        unit.state is ShardState.GATHERED
-        and not unit.is_stale
-        and all(
-            g.views is not None and (g.views_track_grad or not (grad and g.requires_grad))
-            for g in unit.groups
-        )
-    )
 
 
 def _successors(order: list[Unit]) -> dict[int, Unit]:

@@ -39,6 +39,7 @@ from ._mesh import Mesh, resolve_mesh
 from ._offload import Offload, Store
 from ._options import MixedPrecision
 from ._pool import BufferPool
+from ._recompute import compile_unit, recompute_activations
 from ._root import Root
 from ._strategy import Strategy
 from ._unit import Unit
@@ -198,9 +199,9 @@ class ShardedModule(nn.Module):
         for unit in root.units[1:]:
             inner = (m for m in unit.module.modules() if m is not unit.module)
             if compile_options is not None and not any(id(m) in unit_modules for m in inner):
-                root.compile(unit, compile_options)
+                compile_unit(root, unit, compile_options)
             if checkpoint(unit.module) and not checkpoint_unit(root, unit):
-                root.checkpoint(unit)
+                recompute_activations(root, unit)
         return module  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
