@@ -95,7 +95,7 @@ class FlatGroup:
         self._resident: Tensor | None = None
         if resident and self.compute_dtype == self.dtype and not home.staged:
             self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
-            pool.owner[self._resident.data_ptr()] = self
+            pool.claim(self._resident, self)
             self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N
         elif store is not None:
             self.shard = store.tensor(hi - lo, self.dtype, "shard")  # zeros
@@ -137,7 +137,7 @@ class FlatGroup:
         # Differentiable uses of the views whose backward has not run; at zero, backward is
         # done reading the gathered parameters (their gradients are not yet one flat tensor).
         self.splits_pending = 0
-        self.on_views_done: Callable[[FlatGroup], None] | None = None
+        self._on_views_done: Callable[[FlatGroup], None] | None = None
         self.gathered_version = -1
         # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
         self._grad_flat: Callable[[], Tensor | None] = _dead_ref
@@ -156,7 +156,11 @@ class FlatGroup:
         ):
             self.release()
         if self._buffer is None:
-            self._buffer = resident if resident is not None else self.pool.take(self, dtype)
+            self._buffer = resident if resident is not None else self.take_buffer(dtype)
+
+    def take_buffer(self, dtype: torch.dtype) -> Tensor:
+        """A full buffer of ``dtype`` from the pool (1-D, padded numel, values undefined)."""
+        return self.pool.take(self.layout.padded_numel, dtype, self.home.device, self)
 
     @property
     def full_data(self) -> Tensor:
@@ -190,8 +194,8 @@ class FlatGroup:
         The buffer is in ``compute_dtype``, or with ``exact`` in the shards' own dtype.
         """
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
-        self.gathered_version = self.shard._version
-        return all_gather(self._buffer, self.home.gather_input(self), self.mesh.shard, stats)
+        self.mark_gathered()
+        return all_gather(self._buffer, self.home.gather_input(self.shard), self.mesh.shard, stats)
 
     def make_views(self, track_grad: bool) -> None:
         """Shape the gathered buffer into the parameters and shadow the shard params with them."""
@@ -227,8 +231,25 @@ class FlatGroup:
     def views_backward_done(self) -> None:
         """One autograd use of the views has its gradients: at the last, release the buffer."""
         self.splits_pending -= 1
-        if self.splits_pending == 0 and self.on_views_done is not None:
-            self.on_views_done(self)
+        if self.splits_pending == 0 and self._on_views_done is not None:
+            self._on_views_done(self)
+
+    def call_when_views_done(self, callback: Callable[[FlatGroup], None]) -> None:
+        """Have ``callback(group)`` called when backward last reads the views (see above)."""
+        self._on_views_done = callback
+
+    def end_backward(self) -> None:
+        """Forget the uses of the views one backward counted, however it ended."""
+        self.splits_pending = 0
+
+    def mark_gathered(self) -> None:
+        """The buffer now holds the shard as it is."""
+        self.gathered_version = self.shard._version
+
+    def mark_stale(self) -> None:
+        """The shard may change unseen (not every write is counted in its version): gather
+        afresh before the buffer is next read."""
+        self.gathered_version = -1
 
     def drop_views(self) -> None:
         if self.views is None:
@@ -261,6 +282,14 @@ class FlatGroup:
                 self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
             )
         return grad
+
+    def drop_grad(self) -> None:
+        """Drop the flat gradient of a backward that raised."""
+        self.full.grad = None
+
+    def free_home_grad(self) -> Tensor | None:
+        """The staged home's gradient buffer, if it may take this backward's gradient."""
+        return self.home_grad if self.grad_buffer_free(self.home_grad) else None
 
     def grad_buffer_free(self, buffer: Tensor | None) -> bool:
         """Whether ``buffer``, a gradient buffer this group keeps between steps, may take this

@@ -26,7 +26,7 @@ lands a gradient asks the group's :class:`Home` rather than deciding itself:
 A gradient buffer kept per group (this pinned buffer, the disk tier's gradient file) takes a
 backward's gradient only while nothing holds it: a ``.grad`` still set, or one a user kept
 past ``zero_grad()``, which reusing the buffer would overwrite (its storage's reference count
-tells, :meth:`FlatGroup.grad_buffer_free`); otherwise that backward lands in a new tensor.
+tells, :meth:`FlatGroup.free_home_grad`); otherwise that backward lands in a new tensor.
 
 Host writes to a shard (the optimizer step, loads, ``gathered(writeback=True)``) must not race
 a staged copy still reading it: :meth:`Home.quiesce` waits for every copy in flight, and runs
@@ -38,21 +38,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ._offload import Offload
 
-if TYPE_CHECKING:
-    from ._flat_group import FlatGroup
-
 __all__ = ["HostHome", "Home", "make_home"]
-
-# Tests only: run the host tier's staged path on a CPU compute device (unpinned host memory,
-# plain copies, no streams), so that the CPU suite covers its logic.
-STAGE_ON_CPU = False
 
 
 class Home:
@@ -72,15 +65,19 @@ class Home:
         """A new 1-D tensor of zeros in the home's memory."""
         return torch.zeros(numel, dtype=dtype, device=self.memory)
 
-    def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
-        """Start moving these groups' shards to the compute device (they are gathered next)."""
+    def read_ahead(self, shards: Iterable[Tensor]) -> None:
+        """Start moving these shards to the compute device (they are gathered next)."""
 
-    def gather_input(self, group: FlatGroup) -> Tensor:  # 1-D, padded/N, on the device
-        """This rank's shard, on the compute device, as the all-gather's input."""
-        return group.shard
+    def gather_input(self, shard: Tensor) -> Tensor:  # 1-D, padded/N, on the device
+        """``shard`` on the compute device, as the all-gather's input."""
+        return shard
 
-    def land(self, group: FlatGroup, out: Tensor) -> Tensor:
-        """A reduced shard gradient (on the compute device) as it is kept: here, as it is."""
+    def land(self, out: Tensor, buffer: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """A reduced shard gradient (on the compute device) as it is kept: here, as it is.
+
+        ``buffer``: a gradient buffer kept in the home that may take it (or ``None``);
+        ``dtype``: the shard's.
+        """
         return out
 
     def quiesce(self) -> None:
@@ -104,7 +101,8 @@ class HostHome(Home):
 
     Args:
         device: the compute device; on CUDA the host memory is pinned and copies run on side
-            streams, on a CPU device (tests only, :data:`STAGE_ON_CPU`) they are plain copies.
+            streams; on a CPU device (which :func:`make_home` never chooses; the tests build
+            one to cover the logic) they are unpinned, and the copies plain.
     """
 
     staged = True
@@ -116,20 +114,19 @@ class HostHome(Home):
         self._pinned = cuda
         self._up = torch.cuda.Stream(device) if cuda else None  # host -> device copies
         self._down = torch.cuda.Stream(device) if cuda else None  # device -> host copies
-        self._staged: dict[int, _Staged] = {}  # id(group) -> its shard's copy, not yet used
+        self._staged: dict[int, _Staged] = {}  # id(shard) -> its copy, not yet used
         self._closed = False
 
     def tensor(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self._pinned).zero_()
 
-    def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
-        for group in groups:
-            staged = self._staged.get(id(group))
-            if staged is None or staged.version != group.shard._version:
-                self._staged[id(group)] = self._stage(group)
+    def read_ahead(self, shards: Iterable[Tensor]) -> None:
+        for shard in shards:
+            staged = self._staged.get(id(shard))
+            if staged is None or staged.version != shard._version:
+                self._staged[id(shard)] = self._stage(shard)
 
-    def _stage(self, group: FlatGroup) -> _Staged:
-        shard = group.shard
+    def _stage(self, shard: Tensor) -> _Staged:
         if self._up is None:
             return _Staged(shard.clone(), shard._version, None)
         with torch.cuda.stream(self._up):
@@ -138,23 +135,22 @@ class HostHome(Home):
             done = self._up.record_event()
         return _Staged(copy, shard._version, done)
 
-    def gather_input(self, group: FlatGroup) -> Tensor:
-        staged = self._staged.pop(id(group), None)
-        if staged is None or staged.version != group.shard._version:
-            staged = self._stage(group)
+    def gather_input(self, shard: Tensor) -> Tensor:
+        staged = self._staged.pop(id(shard), None)
+        if staged is None or staged.version != shard._version:
+            staged = self._stage(shard)
         if staged.done is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(staged.done)
             staged.tensor.record_stream(current)  # made on the copy stream, used on this one
         return staged.tensor
 
-    def land(self, group: FlatGroup, out: Tensor) -> Tensor:
-        """``out`` in the shard's dtype (cast on the device), copied into the group's pinned
-        gradient buffer, or a new one while ``.grad`` or anything else holds that buffer."""
-        home = group.home_grad if group.grad_buffer_free(group.home_grad) else None
-        if home is None:
-            home = self.tensor(out.numel(), group.dtype)
-        src = out.to(group.dtype)
+    def land(self, out: Tensor, buffer: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """``out`` in the shard's ``dtype`` (cast on the device), copied into ``buffer``, the
+        group's pinned gradient buffer, or a new one where ``buffer`` is ``None`` (``.grad``
+        or anything else holds it)."""
+        home = buffer if buffer is not None else self.tensor(out.numel(), dtype)
+        src = out.to(dtype)
         if self._down is None:
             home.copy_(src)
             return home
@@ -186,7 +182,7 @@ def make_home(offload: Offload | None, device: torch.device) -> Home:
     """
     if offload is None or offload.device != "cpu":
         return Home(device)
-    if device.type == "cuda" or STAGE_ON_CPU:
+    if device.type == "cuda":
         return HostHome(device)
     warnings.warn(
         'Offload(device="cpu") with a CPU compute device changes nothing: the state is in '

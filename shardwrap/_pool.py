@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from ._flat_group import FlatGroup
 
 __all__ = ["BufferPool"]
 
@@ -20,25 +17,30 @@ class BufferPool:
     and the next unit of that size gathers into it: no allocation, no page faults. This is
     safe because nothing outside the owning unit keeps a buffer's address: autograd saves
     views of it by (group, offset, shape) only (see ``Root``'s saved-tensor hooks).
-    ``owner`` maps a buffer's data pointer to the group gathered in it.
+    ``holder`` maps a buffer's data pointer to what is gathered in it (a flat group).
 
     Flat gradients come from here too (``take_scratch``): a unit's flat gradient is the size of
     its gathered parameters, and once reduced it is handed to the next unit's backward, which
     then allocates nothing. They are kept apart from the parameters' free list, whatever
-    ``holding`` says, until ``trim_scratch`` at the end of backward, and never enter ``owner``.
+    ``holding`` says, until ``trim_scratch`` at the end of backward, and never enter ``holder``.
     """
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self.holding = True  # False: released buffers are freed, not kept
-        self.owner: dict[int, FlatGroup] = {}
+        self.holder: dict[int, Any] = {}
         self._free: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
         self._scratch: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
 
-    def take(self, group: FlatGroup, dtype: torch.dtype) -> Tensor:
-        buf = self._pop((group.layout.padded_numel, dtype, group.home.device))
-        self.owner[buf.data_ptr()] = group
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, holder: Any) -> Tensor:
+        """A 1-D buffer to gather ``holder`` into, its values undefined."""
+        buf = self._pop((numel, dtype, device))
+        self.claim(buf, holder)
         return buf
+
+    def claim(self, buf: Tensor, holder: Any) -> None:
+        """Record that ``holder`` is gathered in ``buf`` (a buffer kept outside the pool)."""
+        self.holder[buf.data_ptr()] = holder
 
     def take_scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D buffer for a flat gradient, its values undefined."""
@@ -64,7 +66,7 @@ class BufferPool:
 
     def give(self, buf: Tensor, keep: bool = True) -> None:
         """Take ``buf`` back; with ``keep=False`` free it (a size no gather will ask for)."""
-        del self.owner[buf.data_ptr()]
+        del self.holder[buf.data_ptr()]
         free = self._free.setdefault((buf.numel(), buf.dtype, buf.device), [])
         if keep and self.holding and len(free) < self.keep:
             free.append(buf)

@@ -135,7 +135,8 @@ class Reductions:
         if self.mesh.replicate is not None:
             all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
             out.div_(self.mesh.replicate_size)
-        self._landed.append((i, self.home.land(self.order[i], out)))
+        group = self.order[i]
+        self._landed.append((i, self.home.land(out, group.free_home_grad(), group.dtype)))
 
     def finish(self, used_anywhere: list[bool]) -> None:
         """Wait for every reduction and add the landed shards to the shard parameters' grads."""

@@ -141,7 +141,7 @@ class Root:
             unit.module.register_forward_hook(self._hook_post_forward(unit))
             unit.register_grad_hooks(self._on_grad)
             for g in unit.trainable:
-                g.on_views_done = self._on_views_done
+                g.call_when_views_done(self._on_views_done)
         self.own_calls = OwnCalls(self)
 
     @property
@@ -329,7 +329,7 @@ class Root:
                 # version counter (``.data`` writes are not); a unit that stays gathered
                 # gathers again before it is next read.
                 for g in unit.trainable:
-                    g.gathered_version = -1
+                    g.mark_stale()
         self.schedule.finish_backward()
         self._backward_next = _successors(self._recording)
         self._leave_backward()
@@ -343,7 +343,7 @@ class Root:
         self._inputs_pending.clear()
         for unit in self.units:
             for g in unit.trainable:
-                g.splits_pending = 0
+                g.end_backward()
         self.phase = Phase.IDLE
 
     def settle(self) -> None:
@@ -361,7 +361,7 @@ class Root:
         for unit in self.units:
             unit.reshard()
             for g in unit.trainable:
-                g.full.grad = None
+                g.drop_grad()
         self.saved.stop()
         self._leave_backward()
 
@@ -407,7 +407,7 @@ class Root:
         if following is None:
             following = self.units[(unit.index + (-1 if backward else 1)) % len(self.units)]
         if following.state is ShardState.SHARDED or following.is_stale:
-            self.home.read_ahead(following.groups)
+            self.home.read_ahead([g.shard for g in following.groups])
 
     # outside forward -----------------------------------------------------------------
 

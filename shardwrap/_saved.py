@@ -60,7 +60,7 @@ class SavedViews:
 
     def _pack(self, t: Tensor) -> Any:
         try:
-            group = self.pool.owner.get(t.untyped_storage().data_ptr())
+            group = self.pool.holder.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # tensors without plain storage
             return t
         if group is None:

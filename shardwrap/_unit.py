@@ -68,7 +68,7 @@ class Unit:
         self._pending = []
         for g in self.groups:
             # A gather into a buffer the shard is a slice of may count as writing the shard.
-            g.gathered_version = g.shard._version
+            g.mark_gathered()
         self.state = ShardState.GATHERED
 
     def use_full(self, track_grad: bool) -> None:
@@ -99,9 +99,11 @@ class Unit:
         """
         if self.state is ShardState.GATHERING:
             self.finish_gather()
-        buffer = group.pool.take(group, group.dtype)
+        buffer = group.take_buffer(group.dtype)
         try:
-            all_gather(buffer, group.home.gather_input(group), group.mesh.shard, self.stats).wait()
+            all_gather(
+                buffer, group.home.gather_input(group.shard), group.mesh.shard, self.stats
+            ).wait()
             yield views_of(buffer, group)
         finally:
             group.pool.give(buffer, keep=group.dtype == group.compute_dtype)

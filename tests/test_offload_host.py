@@ -2,8 +2,8 @@
 the compute device, training exactly as without offload.
 
 ``Offload(device="cpu")`` is built for a CUDA compute device (pinned host memory, copies on
-side streams: ``tests/test_gpu.py``). Here the private switch ``_home.STAGE_ON_CPU`` runs its
-staged path on a CPU device (plain copies, no streams), so that everything but the streams is
+side streams: ``tests/test_gpu.py``). Here the wrapper is handed a ``HostHome`` on a CPU device
+(plain copies, no streams), so that everything but the streams is
 covered: every gather reads a staged copy of the shard, reduced gradients land in the home's
 gradient buffer, the optimizer steps on the home's tensors. Proves, against the unwrapped
 model trained on the whole global batch:
@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed import ProcessGroup
 
-import shardwrap._home as home_module
+import shardwrap._sharded_module as sharded_module
 from shardwrap import (
     MixedPrecision,
     Offload,
@@ -46,7 +46,7 @@ from shardwrap import (
     load_checkpoint,
     save_checkpoint,
 )
-from shardwrap._home import HostHome
+from shardwrap._home import Home, HostHome
 from tests._ranks import run_ranks
 from tests.models import GPT, Block, FrozenPart, LoRALinear, make_batch
 
@@ -85,7 +85,15 @@ class SGDKeepingGrads(torch.optim.SGD):
 
 @pytest.fixture(autouse=True)
 def staged_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(home_module, "STAGE_ON_CPU", True)
+    """``Offload(device="cpu")`` on the CPU gets the host tier (the library keeps it for GPUs)."""
+    make_home = sharded_module.make_home
+
+    def staged(offload: Offload | None, device: torch.device) -> Home:
+        if offload is not None and offload.device == "cpu":
+            return HostHome(device)
+        return make_home(offload, device)
+
+    monkeypatch.setattr(sharded_module, "make_home", staged)
 
 
 def train(
@@ -259,10 +267,10 @@ def test_gathers_read_copies_staged_ahead_and_state_stays_home(
     staged_inputs: list[torch.Tensor] = []
     gather_input = HostHome.gather_input
 
-    def spy(self: HostHome, group: Any) -> torch.Tensor:
-        staged = self._staged.get(id(group))
-        ahead.append(staged is not None and staged.version == group.shard._version)
-        out = gather_input(self, group)
+    def spy(self: HostHome, shard: torch.Tensor) -> torch.Tensor:
+        staged = self._staged.get(id(shard))
+        ahead.append(staged is not None and staged.version == shard._version)
+        out = gather_input(self, shard)
         staged_inputs.append(out)
         return out
 
