@@ -129,12 +129,12 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             print(json.dumps(steps[-1]), flush=True)
     root = getattr(model, "_shardwrap_root", None)
-    store = root.store if root is not None else None
+    home = root.home if root is not None else None
     result = {
         "rank": rank,
         "n_params": n_params,
         "build_s": built,
-        "store_bytes": store.nbytes if store is not None else 0,
+        "store_bytes": getattr(home, "nbytes", 0),  # the disk tier's files
         "steps": steps,
     }
     gathered: list = [None] * dist.get_world_size()

@@ -100,14 +100,14 @@ def _params(numel: int, tensors: int) -> list[torch.Tensor]:
 def _stored_params(numel: int, tensors: int, folder: Path) -> tuple[list[torch.Tensor], object]:
     """Shard parameters of the disk tier over one store file, gradients set."""
     sys.path.insert(0, str(ROOT))
-    from shardwrap._offload import Store, stored_param
+    from shardwrap._home import DiskHome
 
-    store = Store(folder, 0)
+    store = DiskHome(torch.device("cpu"), folder, 0)
     flat = store.tensor(numel, torch.float32, "shard")
     flat.copy_(torch.rand(numel))
     params, at = [], 0
     for n in (numel // tensors + (i < numel % tensors) for i in range(tensors)):
-        p = stored_param(flat[at : at + n], True, store)
+        p = store.shard_param(flat[at : at + n], True)
         p.grad = torch.rand(n)
         params.append(p)
         at += n

@@ -15,7 +15,6 @@ flat layout.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +26,6 @@ from ._collectives import CommStats, Pending, all_gather
 from ._home import Home
 from ._layout import FlatLayout, LocalPiece
 from ._mesh import Mesh
-from ._offload import HOME_ATTR, Store, stored_param
 from ._pool import BufferPool
 
 __all__ = ["FlatGroup", "Slot", "views_of"]
@@ -56,10 +54,9 @@ class FlatGroup:
             (stages 1 and 2, when the parameters compute in the shards' dtype): the full
             parameters then cost no memory beyond the shard's own, and a gather only fills
             the other ranks' slices.
-        store: the disk tier's files (``_offload.py``): the shard, a gradient buffer and the
-            optimizer state made like the shard parameters live there.
-        home: where the shard lives and how it reaches the compute device (``_home.py``);
-            default: on the mesh's device, read in place.
+        home: where the shard, its gradient buffer and the optimizer state live, and how the
+            shard reaches the compute device (``_home.py``); default: on the mesh's device,
+            read in place.
     """
 
     def __init__(
@@ -72,7 +69,6 @@ class FlatGroup:
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         resident: bool = False,
-        store: Store | None = None,
         home: Home | None = None,
     ) -> None:
         self.names = names
@@ -97,10 +93,8 @@ class FlatGroup:
             self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
             pool.claim(self._resident, self)
             self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N
-        elif store is not None:
-            self.shard = store.tensor(hi - lo, self.dtype, "shard")  # zeros
         else:
-            self.shard = home.tensor(hi - lo, self.dtype)
+            self.shard = home.tensor(hi - lo, self.dtype, "shard")  # zeros
         with torch.no_grad():
             for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
                 a, b = max(lo, offset), min(hi, offset + n)
@@ -108,22 +102,17 @@ class FlatGroup:
                     self.shard[a - lo : b - lo].copy_(
                         p.detach().reshape(-1)[a - offset : b - offset]
                     )
-        make = nn.Parameter if store is None else functools.partial(stored_param, store=store)
         self.shard_params = [
-            make(self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad)
+            home.shard_param(
+                self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad
+            )
             for pc in self.pieces
         ]
-        if home.staged:  # an optimizer's step pre-hook finds the home through them
-            for p in self.shard_params:
-                setattr(p, HOME_ATTR, home)
-        # 1-D, padded/N, grad_dtype: where a step's reduced gradient lands in the disk tier.
-        self.stored_grad: Tensor | None = None
-        if store is not None and self.requires_grad:
-            self.stored_grad = store.tensor(hi - lo, self.grad_dtype, "grad")
-        # 1-D, padded/N, dtype: where a step's reduced gradient lands in a staged home.
+        # 1-D, padded/N: where a step's reduced gradient lands in a home that keeps a buffer
+        # for it (the disk tier's, in grad_dtype; the host tier's, in dtype).
         self.home_grad: Tensor | None = None
-        if home.staged and self.requires_grad:
-            self.home_grad = home.tensor(hi - lo, self.dtype)
+        if self.requires_grad:
+            self.home_grad = home.grad_buffer(hi - lo, self.grad_dtype, self.dtype)
 
         # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
         # parameters. Its gradient is the flat gradient (grad_dtype); the values live in a
@@ -288,7 +277,7 @@ class FlatGroup:
         self.full.grad = None
 
     def free_home_grad(self) -> Tensor | None:
-        """The staged home's gradient buffer, if it may take this backward's gradient."""
+        """The home's gradient buffer, if it may take this backward's gradient."""
         return self.home_grad if self.grad_buffer_free(self.home_grad) else None
 
     def grad_buffer_free(self, buffer: Tensor | None) -> bool:

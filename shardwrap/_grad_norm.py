@@ -21,14 +21,17 @@ at the cost of one Python call per torch call, and returns plain tensors; aliase
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ._collectives import CommStats, Group, all_reduce
-from ._offload import count_fused_write, store_like, stored_like
+from ._offload import count_fused_write
+
+if TYPE_CHECKING:
+    from ._home import Home
 
 __all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "shard_grad_owner"]
 
@@ -36,20 +39,20 @@ _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
 
 class _Owner:
-    """The group a gradient is sharded over, the counters its completions add to, and what
-    every rank calls first to agree it is completing a norm (``enter``)."""
+    """The group a gradient is sharded over, the counters its completions add to, what every
+    rank calls first to agree it is completing a norm (``enter``), and the gradient's home
+    (state an optimizer makes from it may belong there)."""
 
-    def __init__(self, group: Group, stats: CommStats, device: torch.device | None) -> None:
+    def __init__(self, group: Group, stats: CommStats, home: Home) -> None:
         self.group = group
         self.stats = stats
-        self.device = device  # where the group's collectives take tensors
+        self.device = home.device  # where the group's collectives take tensors
+        self.home = home
         self.enter: Callable[[], None] = _nothing
-        self.store: Any = None  # the disk tier's Store: state made from gradients goes there
 
 
 def _nothing() -> None:
     return None
-
 
 
 def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
@@ -59,11 +62,11 @@ def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
     return grad
 
 
-def shard_grad_owner(group: Group, stats: CommStats, device: torch.device | None) -> _Owner:
-    """What :func:`as_shard_grad` records for gradients sharded over ``group``, whose
-    collectives take tensors on ``device`` (the compute device; the gradients may be on the
-    host)."""
-    return _Owner(group, stats, device)
+def shard_grad_owner(group: Group, stats: CommStats, home: Home) -> _Owner:
+    """What :func:`as_shard_grad` records for gradients sharded over ``group`` that live in
+    ``home``, whose collectives take tensors on its compute device (the gradients may be on
+    the host)."""
+    return _Owner(group, stats, home)
 
 
 def _norm_order(func: Callable[..., Any], args: tuple, kwargs: dict) -> float | None:
@@ -125,10 +128,10 @@ class ShardGrad(Tensor):
         if order is not None:
             return _local_norms(func, order, args, kwargs)
         owner = getattr(args[0], "_shardwrap_owner", None) if args else None
-        if owner is not None and owner.store is not None:
-            stored = _stored_from_grad(owner.store, func, args, kwargs)
-            if stored is not None:
-                return stored
+        if owner is not None:
+            made = owner.home.made_from_grad(func, args, kwargs)
+            if made is not None:
+                return made
         with _DisableSubclass():
             out = func(*args, **kwargs)
         if func in _GRAD_ALIASES and isinstance(out, Tensor):
@@ -149,14 +152,6 @@ class ShardGrad(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         with _DisableSubclass():
             return f"ShardGrad({self.as_subclass(Tensor)!r})"
-
-
-def _stored_from_grad(store: Any, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """In the disk tier, state an optimizer makes from a gradient (SGD's momentum is a clone
-    of it) is made in the store."""
-    if func in (torch.clone, Tensor.clone) and not kwargs:
-        return store_like(store, args[0], copy=True)
-    return stored_like(store, func, args, kwargs)
 
 
 def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: dict) -> Any:

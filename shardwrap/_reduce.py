@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -62,7 +61,7 @@ class Reductions:
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
-        self.grad_owner = shard_grad_owner(mesh.shard, stats, mesh.device)
+        self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
         self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
         self.reset()
 
@@ -111,13 +110,9 @@ class Reductions:
                 self._complete_oldest()
             group = self.order[i]
             grad = group.take_grad()
-            stored = group.stored_grad
-            if group.grad_buffer_free(stored):
-                out = stored  # the disk tier: straight into the store
-            else:
-                out = torch.empty(
-                    group.shard.numel(), dtype=group.grad_dtype, device=group.home.device
-                )
+            out = self.home.reduce_into(
+                group.shard.numel(), group.grad_dtype, group.free_home_grad()
+            )
             work = reduce_scatter(out, grad, self.mesh.shard, self.stats)
             self._pending.append((i, work, out, grad))
         self._issued = max(self._issued, upto)

@@ -41,7 +41,7 @@ from ._collectives import CommStats
 from ._flat_group import FlatGroup
 from ._home import Home
 from ._mesh import Mesh
-from ._offload import Store, before_step
+from ._offload import before_step
 from ._optimizers import OptimizerHooks
 from ._options import MixedPrecision
 from ._own_calls import OwnCalls
@@ -72,7 +72,6 @@ class Root:
         strategy: when gathered buffers are released and reductions run.
         pool: the buffers units gather into.
         precision: mixed-precision casts of inputs and outputs, or ``None``.
-        store: the disk tier's files, or ``None``.
         home: where the shards live (``_home.py``); default: on the mesh's device.
     """
 
@@ -84,11 +83,9 @@ class Root:
         strategy: Strategy,
         pool: BufferPool,
         precision: MixedPrecision | None = None,
-        store: Store | None = None,
         home: Home | None = None,
     ) -> None:
         self.units = units
-        self.store = store
         self.home = home or Home(mesh.device)
         self.input_dtype = precision.param_dtype if precision else None
         self.output_dtype = precision.output_dtype if precision else None
@@ -119,12 +116,9 @@ class Root:
 
         self.reductions.grad_owner.enter = enter_norm
         mesh.set_whereabouts(self.whereabouts)
-        self.reductions.grad_owner.store = store
-        if store is not None:
-            weakref.finalize(self, store.close)
         weakref.finalize(self, self.home.close)
         self.optimizers: OptimizerHooks | None = None  # the offload tiers' optimizer hooks
-        if store is not None or self.home.staged:
+        if self.home.hooks_optimizers:
             shards = [p for u in units for g in u.trainable for p in g.shard_params]
             self.optimizers = OptimizerHooks(shards, before_step)
             weakref.finalize(self, self.optimizers.close)
@@ -366,13 +360,11 @@ class Root:
         self._leave_backward()
 
     def check_state(self) -> None:
-        """Before a forward, a backward or a call that reads or writes every unit: let the
-        host tier's copies in flight finish (``Home.quiesce``), and check the disk tier's files
-        (``Store.check``; it raises ``StoreError`` naming a file that was deleted, replaced or
+        """Before a forward, a backward or a call that reads or writes every unit: the home
+        checks itself (``Home.check``: the host tier's copies in flight finish; the disk tier's
+        files are checked, raising ``StoreError`` naming a file that was deleted, replaced or
         truncated, before anything touches its mapping)."""
-        self.home.quiesce()
-        if self.store is not None:
-            self.store.check()
+        self.home.check()
 
     # gathering -----------------------------------------------------------------------
 
@@ -382,10 +374,6 @@ class Root:
         if unit.state is ShardState.GATHERED and not unit.is_stale:
             return
         self.schedule.gather(unit, backward)
-        if self.store is not None:  # the disk tier: start reading the next unit in
-            step = -1 if backward else 1
-            following = self.units[(unit.index + step) % len(self.units)]
-            self.store.read_ahead([g.shard for g in following.groups])
         self._stage_after(unit, backward)
         unit.finish_gather()
 
@@ -397,7 +385,8 @@ class Root:
 
     def _stage_after(self, unit: Unit, backward: bool) -> None:
         """``unit`` is being gathered: have the home start moving the unit expected after it
-        to the compute device (the host tier's copies; nothing for a home on the device).
+        to the compute device (the host tier's copies, the disk tier's reads; nothing for a
+        home on the device).
 
         With prefetch that is two units ahead of the one about to compute, so the copy has a
         whole unit's compute to hide behind before its gather waits for it.

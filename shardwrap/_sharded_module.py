@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from ._flat_group import FlatGroup
 from ._home import Home, make_home
 from ._init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from ._mesh import Mesh, resolve_mesh
-from ._offload import Offload, Store
+from ._offload import Offload
 from ._options import MixedPrecision
 from ._pool import BufferPool
 from ._recompute import compile_unit, recompute_activations
@@ -190,10 +189,8 @@ class ShardedModule(nn.Module):
             copy_from_rank0(module, mesh)
         elif sync_module_states is None and not is_meta(module):
             check_same_values(module, mesh.control, mesh.control_device)
-        disk = offload is not None and offload.device == "disk"
-        store = Store(Path(offload.path), mesh.rank) if disk else None  # type: ignore[union-attr]
-        home = make_home(offload, device)
-        _wrap(module, placement, mesh, strategy, mixed_precision, param_init_fn, store, home)
+        home = make_home(offload, device, mesh.rank)
+        _wrap(module, placement, mesh, strategy, mixed_precision, param_init_fn, home)
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
@@ -444,7 +441,6 @@ def _wrap(
     strategy: Strategy,
     precision: MixedPrecision | None,
     param_init_fn: ParamInitFn | None = None,
-    store: Store | None = None,
     home: Home | None = None,
 ) -> None:
     device = mesh.device
@@ -477,7 +473,6 @@ def _wrap(
                 precision.compute_dtype(dtype) if precision else None,
                 precision.gradient_dtype(dtype) if precision else None,
                 resident=strategy.keeps_params,
-                store=store,
                 home=home,
             )
             for (name, p, slots), shard_param in zip(entries, fg.shard_params):
@@ -495,7 +490,7 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision, store, home)
+    root = Root(units, mesh, stats, strategy, pool, precision, home)
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)

@@ -55,6 +55,7 @@ from shardwrap import (
     load_checkpoint,
     save_checkpoint,
 )
+from shardwrap._home import DiskHome
 from shardwrap._offload import StoreError
 from tests._memory import StorageTracker
 from tests._ranks import run_ranks
@@ -103,7 +104,7 @@ def _run(world: int, fn: Callable[[int, ProcessGroup | None], Any]) -> list[Any]
 
 def _in_store(model: Any, t: torch.Tensor) -> bool:
     """Whether ``t`` lives in the model's store (an empty tensor has no memory to place)."""
-    return t.numel() == 0 or model._shardwrap_root.store._map_of(t) is not None
+    return t.numel() == 0 or model._shardwrap_root.home._map_of(t) is not None
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -207,8 +208,8 @@ def _peak_outside_store(tmp_path: Path, depth: int, offload: bool) -> int:
     options = Offload(device="disk", path=tmp_path / f"d{depth}") if offload else None
     m = ShardedModule(model, auto_wrap=Block, offload=options)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    store = m._shardwrap_root.store
-    ignore = (lambda t: store._map_of(t) is not None) if store is not None else None
+    home = m._shardwrap_root.home
+    ignore = (lambda t: home._map_of(t) is not None) if isinstance(home, DiskHome) else None
     x, y = make_batch(0, 1)
     with StorageTracker(existing=tuple(m.parameters()), ignore=ignore) as tracker:
         for _ in range(2):

@@ -88,10 +88,10 @@ def staged_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Offload(device="cpu")`` on the CPU gets the host tier (the library keeps it for GPUs)."""
     make_home = sharded_module.make_home
 
-    def staged(offload: Offload | None, device: torch.device) -> Home:
+    def staged(offload: Offload | None, device: torch.device, rank: int) -> Home:
         if offload is not None and offload.device == "cpu":
             return HostHome(device)
-        return make_home(offload, device)
+        return make_home(offload, device, rank)
 
     monkeypatch.setattr(sharded_module, "make_home", staged)
 
