@@ -65,7 +65,7 @@ from compare import ALIASES, METHODS, PRECISIONS  # noqa: E402  (this folder, as
 
 from examples.train_gpt import GPT, Block  # noqa: E402
 from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
-from tests._memory import StorageTracker  # noqa: E402
+from tests.support.memory import StorageTracker  # noqa: E402
 
 MODELS = ("gpt", "t5")
 
@@ -89,7 +89,7 @@ class Config:
     """``fp32``, or ``bf16``: bf16 compute on fp32 master weights, gradients reduced in fp32."""
     track: bool = False
     """Also count every storage created from building the model through the warm-up steps
-    (``tests/_memory.py``) and report the peak of live bytes after wrapping: the CPU's
+    (``tests/support/memory.py``) and report the peak of live bytes after wrapping: the CPU's
     counterpart of ``max_memory_allocated``. Its Python hook slows those steps, so only timed
     steps, untracked, are timed; it needs two warm-up steps (the second is a steady step)."""
 

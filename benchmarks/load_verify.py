@@ -32,7 +32,7 @@ CONFIG = dict(vocab=256, width=1024, heads=16, depth=8, context=64)
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     sys.path.insert(0, str(ROOT))
     from shardwrap import ShardedModule
-    from tests.models import GPT, Block
+    from tests.support.models import GPT, Block
 
     torch.manual_seed(0)
     model = ShardedModule(GPT(**CONFIG), auto_wrap=Block)

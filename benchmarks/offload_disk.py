@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(ROOT))
     from shardwrap import Offload, ShardedModule
-    from tests.models import GPT, Block
+    from tests.support.models import GPT, Block
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, WithBatchNorm, make_batch
+from tests.support.models import GPT, Block, WithBatchNorm, make_batch
+from tests.support.ranks import run_ranks
 
 GLOBAL_BATCH = 8  # divisible by every world size tested, so mean of rank means == global mean
 STEPS = 3

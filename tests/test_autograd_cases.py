@@ -22,8 +22,7 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
 from shardwrap._unit import ShardState
-from tests._ranks import run_ranks
-from tests.models import (
+from tests.support.models import (
     GPT,
     Block,
     Branch,
@@ -33,6 +32,7 @@ from tests.models import (
     WithBatchNorm,
     make_batch,
 )
+from tests.support.ranks import run_ranks
 
 VOCAB = 67
 LR, MOMENTUM = 0.1, 0.9

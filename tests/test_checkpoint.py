@@ -40,8 +40,8 @@ import shardwrap._checkpoint_load
 from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, save_checkpoint
 from shardwrap._pool import BufferPool
 from shardwrap._storage import SafetensorsWriter
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch, tiny_gpt2_config
+from tests.support.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch, tiny_gpt2_config
+from tests.support.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8  # divisible by every world size tested

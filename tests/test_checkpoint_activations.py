@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedModule
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 from tests.test_mixed_precision import train_recipe
 from tests.test_parity import GPT_BATCHES, assert_parity, gpt_loss, sgd
 

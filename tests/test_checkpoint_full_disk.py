@@ -34,8 +34,8 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, export, latest_checkpoint, load_checkpoint, save_checkpoint
 from shardwrap._storage import SafetensorsWriter
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 
 WORLD = 2
 PAGE = 4096  # tmpfs allocates whole pages per file

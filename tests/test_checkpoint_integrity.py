@@ -27,8 +27,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
-from tests._ranks import run_ranks
-from tests.models import GPT, Block
+from tests.support.models import GPT, Block
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.stage3  # files on disk: the stage plays no part
 

@@ -37,8 +37,8 @@ from shardwrap import (
     save_checkpoint,
 )
 from shardwrap._checksum import buffer_checksum
-from tests._ranks import run_ranks
-from tests.models import GPT, Block
+from tests.support.models import GPT, Block
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.stage3  # files on disk: the stage plays no part
 

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import Mesh, MixedPrecision, Offload, ShardedModule
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 
 TIMEOUT = 6.0  # seconds: a collective that cannot complete fails after half of it
 
@@ -255,7 +255,7 @@ BF16 = MixedPrecision(param_dtype=torch.bfloat16)
 @pytest.mark.parametrize(
     ("option", "values", "shown"),
     [
-        ("auto_wrap", (Block, None), ("tests.models.Block", "None")),
+        ("auto_wrap", (Block, None), ("tests.support.models.Block", "None")),
         (
             "mixed_precision",
             (BF16, None),
@@ -292,7 +292,7 @@ def test_reshard_after_forward_that_differs_across_ranks_is_named() -> None:
 def test_auto_wrap_that_differs_names_the_units_each_rank_makes() -> None:
     messages = _messages_when_ranks_pass(2, lambda rank: {"auto_wrap": Block if rank else None})
     for message in messages:
-        assert "\n  auto_wrap: None on rank 0; tests.models.Block on rank 1\n" in message
+        assert "\n  auto_wrap: None on rank 0; tests.support.models.Block on rank 1\n" in message
         assert (
             "\n  auto_wrap (the units it makes): 1 unit, first differing none on rank 0; "
             "4 units, first differing #1 blocks.0: float32 trainable " in message

@@ -28,8 +28,8 @@ from torch.distributed import ProcessGroup
 from examples.train_gpt import GPT, Block
 from shardwrap import MixedPrecision, ShardedModule, estimate_memory
 from shardwrap.estimate import main
-from tests._memory import StorageTracker
-from tests._ranks import run_ranks
+from tests.support.memory import StorageTracker
+from tests.support.ranks import run_ranks
 
 CONFIG = {"width": 128, "depth": 4, "heads": 4, "context": 64}
 BATCH = 2

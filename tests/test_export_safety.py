@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import Logbook, ShardedModule, export, load_checkpoint, save_checkpoint
-from tests._ranks import run_ranks
-from tests.models import GPT, HF_VOCAB, Block, hf_gpt2_lm
+from tests.support.models import GPT, HF_VOCAB, Block, hf_gpt2_lm
+from tests.support.ranks import run_ranks
 
 WORLD = 2
 

@@ -39,8 +39,8 @@ from shardwrap import (
     save_checkpoint,
 )
 from shardwrap._collectives import all_gather, failed, reduce_scatter
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 from tests.test_torchrun import launch
 
 TIMEOUT_S = 5

@@ -30,7 +30,7 @@ from torch import nn
 
 from shardwrap import Offload, ShardedModule
 from shardwrap._home import HostHome
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -33,8 +33,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
 
 from shardwrap import ShardedModule
-from tests._ranks import run_ranks
-from tests.models import HF_VOCAB, tiny_llama_config, tiny_qwen2_config, tiny_t5_config
+from tests.support.models import HF_VOCAB, tiny_llama_config, tiny_qwen2_config, tiny_t5_config
+from tests.support.ranks import run_ranks
 from tests.test_parity import train_steps
 
 WORLD, STEPS, GLOBAL_BATCH = 2, 3, 4

@@ -27,8 +27,8 @@ from torch.distributed import ProcessGroup
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from shardwrap import ShardedModule
-from tests._ranks import run_ranks
-from tests.models import HF_VOCAB, tiny_llama_config
+from tests.support.models import HF_VOCAB, tiny_llama_config
+from tests.support.ranks import run_ranks
 
 WORLD, GLOBAL_BATCH, LENGTH = 2, 4, 10
 

@@ -28,8 +28,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.t5.modeling_t5 import T5Block
 
 from shardwrap import ShardedModule
-from tests._ranks import run_ranks
-from tests.models import HF_VOCAB, tiny_gpt2_config, tiny_t5_config
+from tests.support.models import HF_VOCAB, tiny_gpt2_config, tiny_t5_config
+from tests.support.ranks import run_ranks
 
 WORLD, NEW_TOKENS = 2, 8
 

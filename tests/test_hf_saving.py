@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from tests._ranks import run_ranks
-from tests.models import hf_bert_mlm, hf_gpt2_lm, hf_ids
+from tests.support.models import hf_bert_mlm, hf_gpt2_lm, hf_ids
+from tests.support.ranks import run_ranks
 
 WORLD, STEPS, GLOBAL_BATCH, LENGTH = 2, 2, 4, 10
 

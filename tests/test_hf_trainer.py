@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from shardwrap import ShardedModule
-from tests.models import GPT, Block
+from tests.support.models import GPT, Block
 from tests.test_torchrun import torchrun
 
 
@@ -94,7 +94,7 @@ def test_stock_trainer_is_refused_when_built_naming_shardwrap_trainer(tmp_path: 
     import transformers
 
     import shardwrap.hf
-    from tests.models import tiny_gpt2_config
+    from tests.support.models import tiny_gpt2_config
 
     model = ShardedModule(
         transformers.GPT2LMHeadModel(tiny_gpt2_config()),

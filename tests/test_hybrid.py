@@ -27,9 +27,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from shardwrap import Mesh, ShardedModule, load_checkpoint, save_checkpoint
-from tests._hybrid import SHARD, hybrid_mesh
-from tests._ranks import run_ranks, subgroup
-from tests.models import GPT, Block
+from tests.support.hybrid import SHARD, hybrid_mesh
+from tests.support.models import GPT, Block
+from tests.support.ranks import run_ranks, subgroup
 from tests.test_parity import GPT_BATCHES, STEPS, adamw, gpt_loss, sgd
 
 

@@ -29,8 +29,8 @@ from shardwrap import ShardedModule
 from shardwrap._runlog import read, system_figure
 from shardwrap._spikes import SpikeCheck
 from shardwrap.logbook import Logbook, Spikes, main
-from tests._ranks import run_ranks
-from tests.models import GPT, Block
+from tests.support.models import GPT, Block
+from tests.support.ranks import run_ranks
 
 VOCAB, CONTEXT, PER_RANK = 67, 16, 4
 SPIKES = Spikes(window=20, min_history=10, suspect=5, lr_recover=10)

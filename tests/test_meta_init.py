@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from tests._memory import StorageTracker
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, tiny_gpt2_config, tiny_llama_config
+from tests.support.memory import StorageTracker
+from tests.support.models import GPT, Block, tiny_gpt2_config, tiny_llama_config
+from tests.support.ranks import run_ranks
 from tests.test_parity import (
     GPT_BATCHES,
     HF_BATCHES,

@@ -22,8 +22,8 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
 from tests import test_parity as parity
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, FrozenPart, LoRALinear, WithBatchNorm, make_batch
+from tests.support.models import GPT, Block, FrozenPart, LoRALinear, WithBatchNorm, make_batch
+from tests.support.ranks import run_ranks
 
 STEPS = 4
 BATCHES = [make_batch(seed=step, batch=8) for step in range(STEPS)]

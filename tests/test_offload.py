@@ -57,9 +57,9 @@ from shardwrap import (
 )
 from shardwrap._home import DiskHome
 from shardwrap._offload import StoreError
-from tests._memory import StorageTracker
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+from tests.support.memory import StorageTracker
+from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+from tests.support.ranks import run_ranks
 from tests.test_offload_host import SGDKeepingGrads
 
 pytestmark = pytest.mark.stage3  # the disk tier is a stage-3 feature
@@ -405,7 +405,7 @@ def test_a_store_file_truncated_under_a_live_model_is_named_not_a_crash(tmp_path
         import os, pathlib, sys, torch
         from shardwrap import Offload, ShardedModule
         from shardwrap._offload import StoreError
-        from tests.models import GPT, Block, make_batch
+        from tests.support.models import GPT, Block, make_batch
 
         def truncate(folder, kind):
             path = sorted((folder / "rank-00000").glob(kind + "-*.bin"))[1]

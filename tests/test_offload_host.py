@@ -47,8 +47,8 @@ from shardwrap import (
     save_checkpoint,
 )
 from shardwrap._home import Home, HostHome
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+from tests.support.ranks import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 4
 MakeOpt = Callable[[Any], torch.optim.Optimizer]

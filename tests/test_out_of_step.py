@@ -30,8 +30,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import CollectiveFailed, ShardedModule, save_checkpoint
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:

@@ -7,7 +7,7 @@ same batch. After several steps:
 - SGD with momentum: every parameter (``full_state_dict()``) equals the reference's within 1e-5;
 - AdamW: the global loss of every step equals the reference's within 1e-5.
 
-Models: ``tests.models.GPT`` with odd sizes (padding, parameters split across ranks), untied
+Models: ``tests.support.models.GPT`` with odd sizes (padding, parameters split across ranks), untied
 and tied, under every ``auto_wrap`` form and with ``reshard_after_forward=False``; Hugging Face
 GPT-2 (tied embedding and head) and Llama from tiny configs (random weights, nothing
 downloaded), including greedy ``generate()``. World sizes 1, 2 and 4.
@@ -28,9 +28,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from tests._hybrid import hybrid_mesh
-from tests._ranks import run_ranks
-from tests.models import (
+from tests.support.hybrid import hybrid_mesh
+from tests.support.models import (
     GPT,
     HF_VOCAB,
     Block,
@@ -39,6 +38,7 @@ from tests.models import (
     tiny_gpt2_config,
     tiny_llama_config,
 )
+from tests.support.ranks import run_ranks
 
 Batch = tuple[Tensor, Tensor]  # (inputs, targets), global batch first
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
@@ -119,7 +119,7 @@ def train_sharded(
     """Train a ``ShardedModule`` deep copy of ``model`` on every rank; one result per rank.
 
     World size 1 runs on this thread with no process group, the documented degenerate case.
-    With ``hybrid`` the ranks form shard groups of two, replicated (``tests/_hybrid.py``).
+    With ``hybrid`` the ranks form shard groups of two, replicated (``tests/support/hybrid.py``).
     """
 
     def fn(rank: int, pg: ProcessGroup | None) -> Trained:
@@ -172,7 +172,7 @@ def assert_parity(
     return ref, runs
 
 
-# tests.models.GPT ----------------------------------------------------------------------
+# tests.support.models.GPT ----------------------------------------------------------------------
 
 GPT_BATCHES = [make_batch(seed=step, batch=GLOBAL_BATCH) for step in range(STEPS)]
 

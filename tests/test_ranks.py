@@ -13,7 +13,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup, ReduceOp, ReduceScatterOptions
 
-from tests._ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.stage3  # the test runner itself: no stage involved
 

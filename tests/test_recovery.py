@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 
 STEPS, FAILING = 4, 1  # step FAILING raises in backward; the others train
 GLOBAL_BATCH = 4

@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
-from tests._memory import StorageTracker
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.memory import StorageTracker
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 from tests.test_parity import (
     GPT_BATCHES,
     HF_BATCHES,

@@ -21,8 +21,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from tests._ranks import run_ranks
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
 
 
 def _run(world_size: int, fn):  # noqa: ANN001, ANN202

@@ -17,7 +17,7 @@ import torch
 
 from shardwrap import ShardedModule, save_checkpoint
 from shardwrap._storage import SafetensorsWriter
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
 
 
 def main(folder: Path) -> None:

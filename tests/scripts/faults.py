@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from shardwrap import ShardedModule, save_checkpoint
 from shardwrap._storage import SafetensorsWriter
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
 
 
 def _die() -> None:

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import shardwrap
 from shardwrap import ShardedModule
-from tests.models import tiny_llama_config
+from tests.support.models import tiny_llama_config
 
 LENGTH, STEPS, MICRO = 12, 4, 2
 

@@ -30,7 +30,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import shardwrap.hf
 from shardwrap import ShardedModule
-from tests.models import tiny_gpt2_config
+from tests.support.models import tiny_gpt2_config
 
 LENGTH = 12
 

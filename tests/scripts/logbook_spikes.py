@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shardwrap import ShardedModule
 from shardwrap.logbook import Logbook, Spikes
-from tests.models import GPT, Block
+from tests.support.models import GPT, Block
 from tests.test_logbook import CONTEXT, VOCAB, stream
 
 

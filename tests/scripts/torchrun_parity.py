@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardwrap import ShardedModule
-from tests.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, make_batch
 
 STEPS = 4
 

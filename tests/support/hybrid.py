@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch.distributed import ProcessGroup
 
 from shardwrap import Mesh
-from tests._ranks import subgroup
+from tests.support.ranks import subgroup
 
 __all__ = ["SHARD", "hybrid_mesh"]
 

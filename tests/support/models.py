@@ -2,7 +2,7 @@
 
 Sizes are odd on purpose, so that flat buffers need padding and shards split parameters.
 Weights come from the default RNG: seed it and build a model once, then deep-copy it for the
-reference and for each rank (see ``tests/_ranks.py`` on why ranks must not seed themselves).
+reference and for each rank (see ``tests/support/ranks.py`` on why ranks must not seed themselves).
 """
 
 from __future__ import annotations
