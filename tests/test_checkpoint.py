@@ -677,7 +677,7 @@ def test_export_of_a_transformers_model_loads_with_from_pretrained(tmp_path: Pat
 def test_demo_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
     """Rewind a finished run to its step-3 checkpoint and resume: steps 4-6 repeat exactly."""
     from shardwrap._runlog import read
-    from tests.test_torchrun import torchrun
+    from tests.support.launch import torchrun
 
     data = tmp_path / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog\n" * 40)

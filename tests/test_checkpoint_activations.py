@@ -19,9 +19,8 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedModule
 from tests.support.models import GPT, Block, make_batch
+from tests.support.parity import GPT_BATCHES, assert_parity, gpt_loss, sgd, train_recipe
 from tests.support.ranks import run_ranks
-from tests.test_mixed_precision import train_recipe
-from tests.test_parity import GPT_BATCHES, assert_parity, gpt_loss, sgd
 
 STEPS = len(GPT_BATCHES)
 

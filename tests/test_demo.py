@@ -25,7 +25,7 @@ import pytest
 
 from examples.train_gpt import check_restarts, parse_args, run_name
 from shardwrap._runlog import read
-from tests.test_torchrun import ROOT, launch
+from tests.support.launch import ROOT, launch
 
 TINY = ("--batch", "2", "--context", "16", "--width", "16", "--depth", "2", "--heads", "2")
 

@@ -39,9 +39,9 @@ from shardwrap import (
     save_checkpoint,
 )
 from shardwrap._collectives import all_gather, failed, reduce_scatter
+from tests.support.launch import launch
 from tests.support.models import GPT, Block, make_batch
 from tests.support.ranks import run_ranks
-from tests.test_torchrun import launch
 
 TIMEOUT_S = 5
 LIMIT_S = 60  # launch, two steps and a save, the timeout, torchrun tearing down: well under

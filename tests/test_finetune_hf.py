@@ -25,7 +25,8 @@ import transformers
 from torch import Tensor, nn
 
 from shardwrap import MixedPrecision
-from tests.test_parity import (
+from tests.support.launch import torchrun
+from tests.support.parity import (
     HF_BATCHES,
     PROMPT,
     adamw,
@@ -35,7 +36,6 @@ from tests.test_parity import (
     train_reference,
     train_sharded,
 )
-from tests.test_torchrun import torchrun
 
 
 def greedy_with_dtypes(model: nn.Module) -> tuple[Tensor, set[torch.dtype]]:

@@ -34,8 +34,8 @@ from transformers.models.t5.modeling_t5 import T5Block
 
 from shardwrap import ShardedModule
 from tests.support.models import HF_VOCAB, tiny_llama_config, tiny_qwen2_config, tiny_t5_config
+from tests.support.parity import train_steps
 from tests.support.ranks import run_ranks
-from tests.test_parity import train_steps
 
 WORLD, STEPS, GLOBAL_BATCH = 2, 3, 4
 SOURCE, TARGET = 10, 6

@@ -28,8 +28,8 @@ from torch.distributed import ProcessGroup
 from shardwrap import ShardedModule, load_pretrained
 from tests.support.hybrid import hybrid_mesh
 from tests.support.models import HF_VOCAB, tiny_bert_config, tiny_llama_config
+from tests.support.parity import train_steps
 from tests.support.ranks import run_ranks
-from tests.test_parity import train_steps
 
 STEPS, GLOBAL_BATCH, LENGTH = 3, 8, 10
 

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from shardwrap import ShardedModule
+from tests.support.launch import torchrun
 from tests.support.models import GPT, Block
-from tests.test_torchrun import torchrun
 
 
 def _assert_steps_match(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:

@@ -29,8 +29,8 @@ from torch.distributed import ProcessGroup
 from shardwrap import Mesh, ShardedModule, load_checkpoint, save_checkpoint
 from tests.support.hybrid import SHARD, hybrid_mesh
 from tests.support.models import GPT, Block
+from tests.support.parity import GPT_BATCHES, STEPS, adamw, gpt_loss, sgd
 from tests.support.ranks import run_ranks, subgroup
-from tests.test_parity import GPT_BATCHES, STEPS, adamw, gpt_loss, sgd
 
 
 def _slice(t: Tensor, rank: int, world: int) -> Tensor:

@@ -31,22 +31,10 @@ from shardwrap._spikes import SpikeCheck
 from shardwrap.logbook import Logbook, Spikes, main
 from tests.support.models import GPT, Block
 from tests.support.ranks import run_ranks
+from tests.support.stream import CONTEXT, VOCAB, stream
 
-VOCAB, CONTEXT, PER_RANK = 67, 16, 4
 SPIKES = Spikes(window=20, min_history=10, suspect=5, lr_recover=10)
 LR = 0.2
-
-
-def stream(position: int, rank: int, bad: frozenset[int] = frozenset()) -> tuple[Tensor, Tensor]:
-    """Rank ``rank``'s batch at ``position``: arithmetic sequences mod the vocabulary (a
-    pattern a model learns), or uniform noise at a ``bad`` position."""
-    g = torch.Generator().manual_seed(position * 1009 + rank)
-    start = torch.randint(VOCAB, (PER_RANK, 1), generator=g)
-    stride = torch.randint(1, 4, (PER_RANK, 1), generator=g)
-    seq = (start + stride * torch.arange(CONTEXT + 1)) % VOCAB
-    if position in bad:
-        seq = torch.randint(VOCAB, seq.shape, generator=g)
-    return seq[:, :-1], seq[:, 1:]
 
 
 def train(

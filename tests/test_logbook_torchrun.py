@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shardwrap._runlog import read
-from tests.test_torchrun import torchrun
+from tests.support.launch import torchrun
 
 STEPS, BAD = 280, (50, 51)
 

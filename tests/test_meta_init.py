@@ -32,8 +32,7 @@ from torch.distributed import ProcessGroup
 from shardwrap import ShardedModule
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, tiny_gpt2_config, tiny_llama_config
-from tests.support.ranks import run_ranks
-from tests.test_parity import (
+from tests.support.parity import (
     GPT_BATCHES,
     HF_BATCHES,
     STEPS,
@@ -43,6 +42,7 @@ from tests.test_parity import (
     train_reference,
     train_steps,
 )
+from tests.support.ranks import run_ranks
 
 SEED = 1234
 TIMEOUT = 20.0

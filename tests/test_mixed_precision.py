@@ -21,8 +21,9 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
-from tests import test_parity as parity
+from tests.support import parity
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, WithBatchNorm, make_batch
+from tests.support.parity import train_recipe
 from tests.support.ranks import run_ranks
 
 STEPS = 4
@@ -51,36 +52,6 @@ def _mean(value: Tensor, pg: ProcessGroup | None) -> float:
     return total.item()
 
 
-def train_recipe(
-    model: nn.Module, world_size: int, dtype: torch.dtype, batches: list = BATCHES
-) -> tuple[list, dict]:
-    """Plain mixed precision: fp32 masters, a ``dtype`` copy per rank slice, fp32 mean grads."""
-    master = copy.deepcopy(model)
-    work = copy.deepcopy(model).to(dtype)
-    optimizer = _sgd(p for p in master.parameters() if p.requires_grad)
-    losses = []
-    for inputs, targets in batches:
-        grads: list[Tensor] = [torch.zeros_like(p) for p in master.parameters()]
-        step_loss = 0.0
-        for x, y in zip(inputs.chunk(world_size), targets.chunk(world_size)):
-            with torch.no_grad():
-                for w, m in zip(work.parameters(), master.parameters()):
-                    w.copy_(m)
-            loss = work(x, y)
-            loss.backward()
-            step_loss += loss.float().item() / world_size
-            for g, w in zip(grads, work.parameters()):
-                if w.grad is not None:
-                    g.add_(w.grad.float())
-                    w.grad = None
-        for m, g in zip(master.parameters(), grads):
-            m.grad = g / world_size if m.requires_grad else None
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(step_loss)
-    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
-
-
 def _loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
     return model(inputs, targets).float()  # averaged across ranks in fp32, as the recipe does
 
@@ -93,7 +64,7 @@ def train_sharded(
     auto_wrap: Any = Block,
     **wrap: Any,
 ) -> list[tuple[list[float], dict[str, Tensor]]]:
-    """Per rank: the losses and final full state of ``tests/test_parity.py``'s sharded run."""
+    """Per rank: the losses and final full state of ``tests/support/parity.py``'s sharded run."""
     runs = parity.train_sharded(
         model, world_size, make_optimizer, batches, _loss, auto_wrap=auto_wrap, **wrap
     )

@@ -59,8 +59,8 @@ from shardwrap._home import DiskHome
 from shardwrap._offload import StoreError
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+from tests.support.optimizers import SGDKeepingGrads
 from tests.support.ranks import run_ranks
-from tests.test_offload_host import SGDKeepingGrads
 
 pytestmark = pytest.mark.stage3  # the disk tier is a stage-3 feature
 

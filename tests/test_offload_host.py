@@ -48,6 +48,7 @@ from shardwrap import (
 )
 from shardwrap._home import Home, HostHome
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
+from tests.support.optimizers import SGDKeepingGrads
 from tests.support.ranks import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 4
@@ -60,27 +61,6 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3)
-
-
-class SGDKeepingGrads(torch.optim.SGD):
-    """SGD with momentum that keeps each ``.grad`` it steps on past ``zero_grad()`` and, at its
-    next step, checks that they still hold the values they had: a gradient buffer reused from
-    step to step must not be while anything else holds it."""
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, lr=0.1, momentum=0.9)
-        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def step(self) -> None:  # type: ignore[override]
-        for grad, values in self.kept:
-            assert torch.equal(grad, values), "a gradient kept past zero_grad() was overwritten"
-        self.kept = [
-            (p.grad, p.grad.clone())
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        super().step()
 
 
 @pytest.fixture(autouse=True)

@@ -33,8 +33,7 @@ from torch.distributed import ProcessGroup
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, make_batch
-from tests.support.ranks import run_ranks
-from tests.test_parity import (
+from tests.support.parity import (
     GPT_BATCHES,
     HF_BATCHES,
     HFCase,
@@ -47,6 +46,7 @@ from tests.test_parity import (
     hf_loss,
     sgd,
 )
+from tests.support.ranks import run_ranks
 
 STAGES = [1, 2, 3]
 

@@ -31,8 +31,8 @@ from transformers.models.t5.modeling_t5 import T5Block
 from shardwrap import ShardedModule
 from tests.support.hybrid import hybrid_mesh
 from tests.support.models import HF_VOCAB, tiny_t5_config
+from tests.support.parity import GLOBAL_BATCH, STEPS, adamw, assert_parity, sgd
 from tests.support.ranks import run_ranks
-from tests.test_parity import GLOBAL_BATCH, STEPS, adamw, assert_parity, sgd
 
 SOURCE, TARGET = 10, 6
 BATCHES = [

@@ -9,37 +9,11 @@ whole global batch, at stages 2 and 3, and hybrid sharding over a 2 x 2 ``Device
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def launch(
-    script: str, *args: str, nproc: int = 2, timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` under ``torchrun --standalone`` (a free port each time), however it ends."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        script,
-        *args,
-    ]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> None:
-    """Run ``script`` under ``torchrun``; fail on error."""
-    proc = launch(script, *args, nproc=nproc, timeout=timeout)
-    assert proc.returncode == 0, f"{script} {args} failed:\n{proc.stdout}\n{proc.stderr}"
+from tests.support.launch import torchrun
 
 
 @pytest.mark.process

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from shardwrap import ShardedModule
 from shardwrap.logbook import Logbook, Spikes
 from tests.support.models import GPT, Block
-from tests.test_logbook import CONTEXT, VOCAB, stream
+from tests.support.stream import CONTEXT, VOCAB, stream
 
 
 def train(base: GPT, folder: Path, steps: int, bad: frozenset[int]) -> None:

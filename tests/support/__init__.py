@@ -1,3 +1,4 @@
-"""What the tests share: ranks as threads (``ranks``), hybrid meshes (``hybrid``), allocation
-tracking (``memory``) and small models (``models``). No test module imports another: what two
-of them need lives here."""
+"""What the tests share, so that no test module imports another: ranks as threads (``ranks``),
+hybrid meshes (``hybrid``), allocation tracking (``memory``), small models (``models``), the
+parity loop and its cases (``parity``), optimizers that check themselves (``optimizers``), the
+Logbook tests' data (``stream``) and launches under torchrun (``launch``)."""
