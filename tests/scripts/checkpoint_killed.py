@@ -4,7 +4,7 @@
 
 Writes ``FOLDER/step-1`` (complete) and ``FOLDER/expected.pt`` (its full state dict), then
 starts ``FOLDER/step-2``, prints ``writing`` once the first tensor of it is on disk, and
-sleeps until killed. Used by ``tests/test_checkpoint.py``.
+sleeps until killed. Used by ``tests/checkpoint/test_checkpoint.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train two steps and save, then inject one fault in step 3; report how this rank ended.
 
-Launched by tests/test_faults.py:
+Launched by tests/e2e/test_faults.py:
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/faults.py CASE WORKDIR TIMEOUT_S
 

@@ -1,6 +1,6 @@
 """An ``accelerate`` training loop on a sharded Llama and on the same model under DDP.
 
-Launched by tests/test_hf_trainer.py:
+Launched by tests/integrations/test_hf_trainer.py:
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/hf_accelerate.py OUT.json WORKDIR
 

@@ -1,6 +1,6 @@
 """The Hugging Face Trainer on a sharded GPT-2 and on the same model under DDP; write both.
 
-Launched by tests/test_hf_trainer.py:
+Launched by tests/integrations/test_hf_trainer.py:
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/hf_trainer.py OUT.json WORKDIR
 

@@ -1,5 +1,5 @@
 """Train the same small GPT twice under torchrun with a Logbook: once on clean data, once with
-corrupted batches at known data positions. Launched by tests/test_logbook_torchrun.py:
+corrupted batches at known data positions. Launched by tests/e2e/test_logbook_torchrun.py:
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/logbook_spikes.py OUT STEPS BAD...
 

@@ -1,6 +1,6 @@
 """Train a small GPT under torchrun with shardwrap and with a plain copy; write both results.
 
-Launched by tests/test_torchrun.py:
+Launched by tests/e2e/test_torchrun.py:
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/torchrun_parity.py OUT.json [WRAP]
 

@@ -1,0 +1,464 @@
+"""The public API of a wrapped model: identity, names, parameter groups, clipping, state dicts
+and ``gathered()``, each against a deep-copied plain model over real optimizer steps.
+
+Proves that a wrapped model keeps its class, attributes, methods and names (Hugging Face
+models included); that its parameters are 1-D shards summing to the original sizes, empty on
+some ranks without harm; that parameter groups by name, ``clip_grad_norm_``,
+``full_state_dict``, ``load_full_state_dict`` and ``gathered()`` behave as their plain-PyTorch
+counterparts do on the whole model.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_api.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import ShardedModule
+from tests.support.models import GPT, Block, WithBatchNorm, make_batch
+from tests.support.ranks import run_ranks
+
+GLOBAL_BATCH = 8  # divisible by every world size tested, so mean of rank means == global mean
+STEPS = 3
+
+ParamGroups = Callable[[Iterable[tuple[str, nn.Parameter]]], list[dict[str, Any]]]
+
+
+# helpers -----------------------------------------------------------------------------
+
+
+def _group(pg: ProcessGroup) -> ProcessGroup | None:
+    """World size 1 runs without a process group, as ``python train.py`` does."""
+    return pg if pg.size() > 1 else None
+
+
+def _wrap(model: nn.Module, pg: ProcessGroup, auto_wrap: Any = Block) -> Any:
+    return ShardedModule(copy.deepcopy(model), auto_wrap=auto_wrap, process_group=_group(pg))
+
+
+def _rank_mean(x: Tensor, pg: ProcessGroup) -> float:
+    t = x.detach().clone()
+    pg.allreduce([t]).wait()
+    return t.item() / pg.size()
+
+
+def _rank_sum(n: int, pg: ProcessGroup) -> int:
+    t = torch.tensor([n])
+    pg.allreduce([t]).wait()
+    return int(t.item())
+
+
+def _local(t: Tensor, pg: ProcessGroup) -> Tensor:
+    return t.chunk(pg.size())[pg.rank()]
+
+
+def _gpt(seed: int = 0, tied: bool = False) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tied=tied)
+
+
+def _full_param(model: nn.Module, name: str) -> Tensor:
+    """``module.attr`` for a dotted parameter name (not ``get_parameter``: the full view of a
+    gathered unit is a plain tensor, not an ``nn.Parameter``)."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
+
+
+def _no_decay(name: str) -> bool:
+    return "bias" in name or "ln" in name or "norm" in name
+
+
+def _decay_groups(named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+    """The usual AdamW grouping: no weight decay on biases and norms."""
+    named = list(named)
+    return [
+        {"params": [p for n, p in named if not _no_decay(n)], "weight_decay": 0.5},
+        {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0},
+    ]
+
+
+def _all_decay(named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+    return [{"params": [p for _, p in named], "weight_decay": 0.5}]
+
+
+def _one_group(named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+    return [{"params": [p for _, p in named]}]
+
+
+def _reference_adamw_losses(
+    model: nn.Module, steps: int, groups: ParamGroups = _one_group
+) -> list[float]:
+    """Per-step loss of the plain model trained with AdamW on the whole global batch."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(groups(ref.named_parameters()), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        idx, targets = make_batch(step, GLOBAL_BATCH)
+        loss = ref(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _sharded_adamw_losses(
+    m: nn.Module, pg: ProcessGroup, steps: int, groups: ParamGroups = _one_group
+) -> list[float]:
+    """Per-step global loss of the sharded model, each rank on its slice of the batch."""
+    opt = torch.optim.AdamW(groups(m.named_parameters()), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        idx, targets = make_batch(step, GLOBAL_BATCH)
+        loss = m(_local(idx, pg), _local(targets, pg))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_rank_mean(loss, pg))
+    return losses
+
+
+def _assert_state_dicts_equal(
+    got: dict[str, Tensor], expected: dict[str, Tensor], atol: float = 0.0
+) -> None:
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        assert got[key].device.type == "cpu", key
+        torch.testing.assert_close(got[key], value, atol=atol, rtol=0.0, msg=key)
+
+
+# identity ----------------------------------------------------------------------------
+
+
+class ConfiguredGPT(GPT):
+    """A GPT with a method of its own, to check that methods survive wrapping."""
+
+    def loss_on(self, idx: Tensor, targets: Tensor) -> Tensor:
+        return self(idx, targets)
+
+    def depth(self) -> int:
+        return len(self.blocks)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_wrapped_model_keeps_class_attributes_and_names(world_size: int) -> None:
+    torch.manual_seed(0)
+    model = ConfiguredGPT()
+    model.config = {"width": 36, "depth": 3}
+    model.run_name = "tiny"
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    idx, targets = make_batch(0, GLOBAL_BATCH)
+    ref_loss = model(idx, targets).item()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        original = copy.deepcopy(model)
+        m = ShardedModule(original, auto_wrap=Block, process_group=_group(pg))
+        assert m is original
+        assert isinstance(m, ConfiguredGPT) and isinstance(m, GPT)
+        assert isinstance(m, ShardedModule)
+        assert isinstance(m.blocks[0], Block) and isinstance(m.blocks[0].attn.qkv, nn.Linear)
+        assert m.config == {"width": 36, "depth": 3} and m.run_name == "tiny"
+        assert m.context == 16 and m.depth() == 3
+        assert [n for n, _ in m.named_parameters()] == list(numels)
+        assert list(m.state_dict()) == list(model.state_dict())
+        assert [n for n, _ in m.named_modules()] == [n for n, _ in model.named_modules()]
+        for name, p in m.named_parameters():
+            assert isinstance(p, nn.Parameter) and p.dim() == 1, name
+            assert _rank_sum(p.numel(), pg) == numels[name], name
+        loss = m.loss_on(_local(idx, pg), _local(targets, pg))
+        assert _rank_mean(loss, pg) == pytest.approx(ref_loss, abs=1e-5)
+
+    run_ranks(world_size, fn)
+
+
+class TinyHead(nn.Module):
+    """A layer and a one-output head, whose bias (one element) fits on a single rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(5, 6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, 5) -> (B,)
+        return self.head(torch.tanh(self.body(x))).squeeze(-1)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_empty_shards_train_with_adamw_and_clipping(world_size: int) -> None:
+    torch.manual_seed(0)
+    model = TinyHead()
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(4, GLOBAL_BATCH, 5, generator=generator)
+    data = list(zip(inputs, torch.randn(4, GLOBAL_BATCH, generator=generator)))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses, ref_norms = [], []
+    for x, y in data:
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.2).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert all(n > 0.2 for n in ref_norms)  # every step clips
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], list[float]]:
+        m = _wrap(model, pg, auto_wrap=None)
+        shard = dict(m.named_parameters())
+        assert _rank_sum(shard["head.bias"].numel(), pg) == 1
+        assert _rank_sum(int(any(p.numel() == 0 for p in m.parameters())), pg) >= 1
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses, norms = [], []
+        for x, y in data:
+            loss = F.mse_loss(m(_local(x, pg)), _local(y, pg))
+            loss.backward()
+            norms.append(m.clip_grad_norm_(0.2).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(_rank_mean(loss, pg))
+        return losses, norms
+
+    for losses, norms in run_ranks(world_size, fn):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_hugging_face_gpt2_keeps_class_and_config(world_size: int) -> None:
+    """Hugging Face training parity is ``tests/engine/test_parity.py``'s; here, identity."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    idx, _ = make_batch(0, GLOBAL_BATCH)
+    ref_loss = model(input_ids=idx, labels=idx).loss.item()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(model, pg, auto_wrap=GPT2Block)
+        assert isinstance(m, GPT2LMHeadModel) and isinstance(m, ShardedModule)
+        assert m.config is not None and m.config.n_embd == 32 and m.config.n_layer == 2
+        assert isinstance(m.transformer.h[1], GPT2Block)
+        assert list(m.state_dict()) == list(model.state_dict())
+        local = _local(idx, pg)
+        with torch.no_grad():
+            loss = m(input_ids=local, labels=local).loss
+        assert _rank_mean(loss, pg) == pytest.approx(ref_loss, abs=1e-5)
+
+    run_ranks(world_size, fn)
+
+
+# optimizer and clipping --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parameter_groups_by_name_train_in_loss_parity(world_size: int) -> None:
+    model = _gpt()
+    ref_losses = _reference_adamw_losses(model, STEPS, _decay_groups)
+    # The grouping matters: decaying everything gives measurably different losses.
+    assert abs(_reference_adamw_losses(model, STEPS, _all_decay)[-1] - ref_losses[-1]) > 1e-4
+
+    def fn(rank: int, pg: ProcessGroup) -> list[float]:
+        return _sharded_adamw_losses(_wrap(model, pg), pg, STEPS, _decay_groups)
+
+    for losses in run_ranks(world_size, fn):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize(("norm_type", "max_norm"), [(2.0, 0.1), (float("inf"), 0.005), (1.0, 1.0)])
+def test_clip_grad_norm_matches_torch_and_clipped_steps_keep_parity(
+    world_size: int, norm_type: float, max_norm: float
+) -> None:
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_norms = []
+    for step in range(STEPS):
+        idx, targets = make_batch(step, GLOBAL_BATCH)
+        ref(idx, targets).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(n > max_norm for n in ref_norms)  # every step clips
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[Tensor], dict[str, Tensor]]:
+        m = _wrap(model, pg)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        norms = []
+        for step in range(STEPS):
+            idx, targets = make_batch(step, GLOBAL_BATCH)
+            m(_local(idx, pg), _local(targets, pg)).backward()
+            norms.append(m.clip_grad_norm_(max_norm, norm_type=norm_type))
+            opt.step()
+            opt.zero_grad()
+        return norms, m.full_state_dict()
+
+    for norms, state in run_ranks(world_size, fn):
+        for got, expected in zip(norms, ref_norms):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+        _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
+
+
+# full state dict ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_full_state_dict_is_the_plain_state_dict(world_size: int) -> None:
+    model = _gpt(tied=True)
+    expected = model.state_dict()
+    assert "wte.weight" in expected and "lm_head.weight" in expected
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        m = _wrap(model, pg)
+        return m.full_state_dict(), m.full_state_dict(rank0_only=True)
+
+    for rank, (full, rank0_only) in enumerate(run_ranks(world_size, fn)):
+        _assert_state_dicts_equal(full, expected)
+        torch.testing.assert_close(full["wte.weight"], full["lm_head.weight"], atol=0, rtol=0)
+        if rank == 0:
+            _assert_state_dicts_equal(rank0_only, expected)
+        else:
+            assert rank0_only == {}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_full_state_dict_includes_buffers(world_size: int) -> None:
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(GLOBAL_BATCH, 13, generator=generator)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        local_ref = copy.deepcopy(model)
+        local_ref(_local(x, pg))  # batch norm statistics are those of the local batch
+        m = _wrap(model, pg, auto_wrap=None)
+        m(_local(x, pg))
+        return m.full_state_dict(), local_ref.state_dict()
+
+    for full, expected in run_ranks(world_size, fn):
+        assert {"net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"} <= set(full)
+        assert full["net.1.num_batches_tracked"].item() == 1
+        _assert_state_dicts_equal(full, expected, atol=1e-6)
+
+
+# load full state dict ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_full_state_dict_then_training_continues_in_parity(
+    world_size: int, tied: bool
+) -> None:
+    model = _gpt(seed=0, tied=tied)
+    other = _gpt(seed=1, tied=tied).state_dict()
+    loaded = _gpt(seed=0, tied=tied)
+    loaded.load_state_dict(other)
+    ref_losses = _reference_adamw_losses(loaded, STEPS)
+    idx, _ = make_batch(0, GLOBAL_BATCH)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], list[float]]:
+        m = _wrap(model, pg)
+        with torch.no_grad():
+            m(_local(idx, pg))  # leaves the root unit gathered: the load must make it stale
+        m.load_full_state_dict(other)
+        state = m.full_state_dict()
+        return state, _sharded_adamw_losses(m, pg, STEPS)
+
+    for state, losses in run_ranks(world_size, fn):
+        _assert_state_dicts_equal(state, other)
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_full_state_dict_rejects_wrong_keys_and_shapes(world_size: int) -> None:
+    model = _gpt(seed=0)
+    before = model.state_dict()
+    wrong_keys = dict(_gpt(seed=1).state_dict())
+    del wrong_keys["blocks.1.ln_2.bias"]
+    wrong_keys["blocks.1.ln_3.bias"] = torch.zeros(36)
+    wrong_shape = dict(_gpt(seed=1).state_dict())
+    wrong_shape["blocks.2.mlp.0.weight"] = torch.zeros(144, 35)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[str, str, dict[str, Tensor]]:
+        m = _wrap(model, pg)
+        with pytest.raises(KeyError) as keys:
+            m.load_full_state_dict(wrong_keys)
+        with pytest.raises(ValueError) as shape:
+            m.load_full_state_dict(wrong_shape)
+        return keys.value.args[0], str(shape.value), m.full_state_dict()
+
+    for key_message, shape_message, state in run_ranks(world_size, fn):
+        assert "blocks.1.ln_2.bias" in key_message and "missing" in key_message
+        assert "blocks.1.ln_3.bias" in key_message and "unexpected" in key_message
+        assert "blocks.2.mlp.0.weight" in shape_message
+        assert "(144, 36)" in shape_message and "(144, 35)" in shape_message
+        _assert_state_dicts_equal(state, before)  # a rejected dict leaves the model untouched
+
+
+# gathered ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_gathered_exposes_full_parameters_and_writes_back_on_request(world_size: int) -> None:
+    model = _gpt()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    idx, _ = make_batch(0, GLOBAL_BATCH)
+    edited = copy.deepcopy(model)
+    with torch.no_grad():
+        edited.lm_head.weight.fill_(0.25)
+        ref_logits = edited(idx)
+
+    def assert_sharded(m: nn.Module) -> None:
+        for name, p in m.named_parameters():
+            assert _full_param(m, name) is p and p.dim() == 1, name
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(model, pg)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(*[_local(t, pg) for t in make_batch(1, GLOBAL_BATCH)]).backward()
+        opt.step()  # shards now differ from the original model's parameters
+        trained = m.full_state_dict()
+
+        with m.gathered():
+            for name, shape in shapes.items():
+                full = _full_param(m, name)
+                assert full.shape == shape, name
+                torch.testing.assert_close(full, trained[name], atol=0, rtol=0, msg=name)
+            with torch.no_grad():
+                m.lm_head.weight.mul_(0)
+                m.blocks[0].ln_1.bias.add_(1)
+        assert_sharded(m)
+        _assert_state_dicts_equal(m.full_state_dict(), trained)
+
+        m.load_full_state_dict(model.state_dict())
+        with m.gathered(writeback=True), torch.no_grad():
+            m.lm_head.weight.fill_(0.25)
+        assert_sharded(m)
+        _assert_state_dicts_equal(m.full_state_dict(), edited.state_dict())
+        with torch.no_grad():
+            logits = m(_local(idx, pg))
+        torch.testing.assert_close(logits, _local(ref_logits, pg), atol=1e-5, rtol=0)
+
+    run_ranks(world_size, fn)
+
+
+def test_a_dropped_model_is_freed() -> None:
+    """Autograd hooks hold the model only weakly: deleting it frees shards and groups."""
+    model = ShardedModule(GPT(), auto_wrap=Block)
+    model(*make_batch(0, 2)).backward()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

@@ -1,0 +1,429 @@
+"""Bad input gets a clear error, never a hang.
+
+Each case checks the exception type and that its message names the problem and the fix.
+Checks that need no communication run on rank 0 of two while rank 1 does nothing: an error
+raised before any collective comes back at once, one raised after a collective would time
+out instead. Models that differ across ranks make every rank raise, naming the first
+differing parameter, within a short timeout.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_errors.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import Mesh, MixedPrecision, Offload, ShardedModule
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
+
+TIMEOUT = 6.0  # seconds: a collective that cannot complete fails after half of it
+
+Group = ProcessGroup | None
+
+
+def _gpt(width: int = 36) -> GPT:
+    torch.manual_seed(0)
+    return GPT(width=width)
+
+
+def _error_on_rank0(
+    world_size: int,
+    exc: type[Exception],
+    call: Callable[[Any, Group], object],
+    prepare: Callable[[Group], Any],
+) -> str:
+    """``prepare(group)`` on every rank, then ``call(prepared, group)`` on rank 0 alone.
+
+    Returns the message of the ``exc`` that ``call`` must raise. World size 1 runs without a
+    process group.
+    """
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        group = pg if world_size > 1 else None
+        prepared = prepare(group)
+        if rank > 0:
+            return ""
+        with pytest.raises(exc) as info:
+            call(prepared, group)
+        return str(info.value)
+
+    return run_ranks(world_size, fn, timeout=TIMEOUT)[0]
+
+
+def _copy_of(model: nn.Module) -> Callable[[Group], nn.Module]:
+    return lambda group: copy.deepcopy(model)
+
+
+# wrapping twice ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("auto_wrap", [Block, None])
+def test_wrapping_a_wrapped_model_again(world_size: int, auto_wrap: Any) -> None:
+    model = _gpt()
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        lambda group: ShardedModule(copy.deepcopy(model), auto_wrap=auto_wrap, process_group=group),
+    )
+    assert "already wrapped" in message and "Wrap once" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_wrapping_a_model_whose_submodule_is_wrapped(world_size: int) -> None:
+    model = _gpt()
+
+    def wrap_block(group: Group) -> nn.Module:
+        m = copy.deepcopy(model)
+        ShardedModule(m.blocks[1], process_group=group)
+        return m
+
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        wrap_block,
+    )
+    assert "'blocks.1'" in message and "already wrapped" in message
+    assert "auto_wrap" in message  # the fix: wrap once at the top, select blocks by policy
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("auto_wrap", [Block, None])
+def test_wrapping_a_submodule_of_a_wrapped_model(world_size: int, auto_wrap: Any) -> None:
+    """``blocks.1`` is a unit with ``auto_wrap=Block``, and plain shards of the root without."""
+    model = _gpt()
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m.blocks[1], process_group=group),
+        lambda group: ShardedModule(copy.deepcopy(model), auto_wrap=auto_wrap, process_group=group),
+    )
+    assert "already wrapped" in message and "Wrap once" in message
+
+
+# auto_wrap ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(
+    "auto_wrap",
+    ["Block", True, [Block], (Block, int), (Block, "Block")],
+    ids=["str", "bool", "list", "tuple-with-int", "tuple-with-str"],
+)
+def test_auto_wrap_of_the_wrong_type(world_size: int, auto_wrap: object) -> None:
+    message = _error_on_rank0(
+        world_size,
+        TypeError,
+        lambda m, group: ShardedModule(m, auto_wrap=auto_wrap, process_group=group),
+        _copy_of(_gpt()),
+    )
+    assert f"auto_wrap got {auto_wrap!r}" in message
+    assert "a module class" in message and "a tuple of module classes" in message
+    assert "auto_wrap=TransformerBlock" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("auto_wrap", [0, -3])
+def test_auto_wrap_parameter_count_below_one(world_size: int, auto_wrap: int) -> None:
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=auto_wrap, process_group=group),
+        _copy_of(_gpt()),
+    )
+    assert "auto_wrap" in message and "parameter count" in message
+    assert "at least 1" in message and f"got {auto_wrap}" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_auto_wrap_given_a_module_instance_instead_of_its_class(world_size: int) -> None:
+    """Modules are callable, so an instance must not pass for a ``(module) -> bool`` policy."""
+    model = _gpt()
+    message = _error_on_rank0(
+        world_size,
+        TypeError,
+        lambda m, group: ShardedModule(m, auto_wrap=m.blocks[0], process_group=group),
+        _copy_of(model),
+    )
+    assert "auto_wrap" in message and "Block" in message and "class" in message
+
+
+# devices -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parameters_on_several_devices(world_size: int) -> None:
+    model = _gpt()
+    model.lm_head.weight = nn.Parameter(torch.empty(67, 36, device="meta"))
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        _copy_of(model),
+    )
+    assert "several devices" in message
+    assert "'wte.weight' on cpu" in message and "'lm_head.weight' on meta" in message
+    assert "one device" in message and "model.to(" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_meta_buffer_with_materialised_parameters(world_size: int) -> None:
+    """A model built on meta is materialised (tests/engine/test_meta_init.py); half of one is
+    refused."""
+    model = _gpt()
+    model.register_buffer("mask", torch.empty(16, 16, device="meta"))
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, auto_wrap=Block, process_group=group),
+        _copy_of(model),
+    )
+    assert "buffer 'mask' is on the meta device but the parameters are not" in message
+    assert "torch.device('meta')" in message
+
+
+# models that differ across ranks -----------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parameter_shapes_differ_across_ranks(world_size: int) -> None:
+    """The last rank builds a wider model: every rank names the first differing parameter."""
+    narrow, wide = _gpt(width=36), _gpt(width=39)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        model = copy.deepcopy(wide if rank == world_size - 1 else narrow)
+        with pytest.raises(ValueError) as info:
+            ShardedModule(model, auto_wrap=Block, process_group=pg)
+        return str(info.value)
+
+    for rank, message in enumerate(run_ranks(world_size, fn, timeout=TIMEOUT)):
+        width = 39 if rank == world_size - 1 else 36
+        assert f"parameter #0 'wte.weight' with shape (67, {width})" in message
+        assert "differs across ranks" in message and "same model on every rank" in message
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_extra_parameter_on_one_rank(world_size: int) -> None:
+    """Rank 0 has one parameter more, last in order: the others name its position."""
+    model = _gpt()
+    count = len(list(model.parameters()))
+    extra = copy.deepcopy(model)
+    extra.lm_head.register_parameter("scale", nn.Parameter(torch.ones(3)))
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        with pytest.raises(ValueError) as info:
+            ShardedModule(
+                copy.deepcopy(extra if rank == 0 else model), auto_wrap=Block, process_group=pg
+            )
+        return str(info.value)
+
+    messages = run_ranks(world_size, fn, timeout=TIMEOUT)
+    assert f"parameter #{count} 'lm_head.scale'" in messages[0]
+    for message in messages[1:]:
+        assert f"no parameter #{count}" in message
+    for message in messages:
+        assert "differs across ranks" in message and "same model on every rank" in message
+
+
+# arguments that differ across ranks --------------------------------------------------
+
+
+def _messages_when_ranks_pass(world_size: int, arguments: Callable[[int], dict]) -> list[str]:
+    """Every rank wraps a copy of one model with ``arguments(rank)``; each must raise."""
+    model = _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        with pytest.raises(ValueError) as info:
+            ShardedModule(copy.deepcopy(model), process_group=pg, **arguments(rank))
+        return str(info.value)
+
+    return run_ranks(world_size, fn, timeout=TIMEOUT)
+
+
+BF16 = MixedPrecision(param_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("option", "values", "shown"),
+    [
+        ("auto_wrap", (Block, None), ("tests.support.models.Block", "None")),
+        (
+            "mixed_precision",
+            (BF16, None),
+            ("MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32", "None"),
+        ),
+        ("checkpoint_activations", (True, False), ("True", "False")),
+        ("compile", ({"mode": "max-autotune"}, False), ("{mode: max-autotune}", "None")),
+        ("sync_module_states", (True, None), ("True", "None")),
+        ("offload", (Offload(device="cpu"), None), ("Offload(device='cpu')", "None")),
+    ],
+)
+def test_an_argument_that_differs_across_ranks_is_named_on_every_rank(
+    option: str, values: tuple, shown: tuple[str, str]
+) -> None:
+    """Named with each rank's value at wrap time, before any flat buffer is communicated
+    (auto_wrap and mixed_precision ended in a gloo abort in the first forward before)."""
+    arguments = {"auto_wrap": Block}
+    messages = _messages_when_ranks_pass(2, lambda rank: {**arguments, option: values[rank]})
+    for rank, message in enumerate(messages):
+        assert f"ranks passed different arguments (this is rank {rank} of 2)" in message
+        line = next(x for x in message.splitlines() if x.startswith(f"  {option}: "))
+        assert f"{shown[0]}" in line and line.endswith(f"{shown[1]} on rank 1"), line
+        assert "Pass the same arguments on every rank." in message
+
+
+def test_reshard_after_forward_that_differs_across_ranks_is_named() -> None:
+    messages = _messages_when_ranks_pass(
+        2, lambda rank: {"auto_wrap": Block, "stage": 3, "reshard_after_forward": rank == 0}
+    )
+    for message in messages:
+        assert "\n  reshard_after_forward: True on rank 0; False on rank 1\n" in message
+
+
+def test_auto_wrap_that_differs_names_the_units_each_rank_makes() -> None:
+    messages = _messages_when_ranks_pass(2, lambda rank: {"auto_wrap": Block if rank else None})
+    for message in messages:
+        assert "\n  auto_wrap: None on rank 0; tests.support.models.Block on rank 1\n" in message
+        assert (
+            "\n  auto_wrap (the units it makes): 1 unit, first differing none on rank 0; "
+            "4 units, first differing #1 blocks.0: float32 trainable " in message
+        )
+
+
+def test_a_policy_that_selects_differently_on_each_rank_is_caught_by_its_units() -> None:
+    """Same function name on every rank, different choices: the unit plan tells them apart."""
+
+    def arguments(rank: int) -> dict:
+        def blocks(m: nn.Module) -> bool:
+            return isinstance(m, Block) and (rank == 0 or m is not model_blocks[rank][-1])
+
+        return {"auto_wrap": blocks}
+
+    model_blocks: dict[int, list[nn.Module]] = {}
+    model = _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        local = copy.deepcopy(model)
+        model_blocks[rank] = list(local.blocks)
+        with pytest.raises(ValueError) as info:
+            ShardedModule(local, process_group=pg, **arguments(rank))
+        return str(info.value)
+
+    for message in run_ranks(2, fn, timeout=TIMEOUT):
+        assert "\n  auto_wrap: " not in message  # the same function, by name
+        line = next(x for x in message.splitlines() if "auto_wrap (the units it makes)" in x)
+        assert "4 units, first differing #3 blocks.2: float32" in line
+        assert "3 units, first differing none on rank 1" in line
+
+
+def test_an_argument_that_differs_on_one_of_four_ranks_names_the_ranks_alike() -> None:
+    messages = _messages_when_ranks_pass(
+        4, lambda rank: {"auto_wrap": Block, "mixed_precision": BF16 if rank == 3 else None}
+    )
+    for message in messages:
+        assert "\n  mixed_precision: None on ranks 0-2; MixedPrecision(param_dtype=" in message
+        assert message.count(" on rank 3") == 1
+
+
+# launched processes without a process group --------------------------------------------
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "LOCAL_WORLD_SIZE"])
+def test_several_launched_processes_without_a_process_group_are_refused(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun with no init_process_group each rank would train alone: refuse it."""
+    monkeypatch.setenv(variable, "2")
+    with pytest.raises(RuntimeError) as raised:
+        ShardedModule(_gpt(), auto_wrap=Block)
+    message = str(raised.value)
+    assert f"{variable}=2: this is one of 2 processes" in message
+    assert "train its own copy" in message
+    assert "dist.init_process_group(" in message and "timeout=datetime.timedelta(" in message
+    assert "TrainingArguments(..., ddp_timeout=600) before wrapping" in message
+    assert "process_group=shardwrap.Mesh()" in message
+
+
+@pytest.mark.parametrize("size", ["1", "", "auto"])
+def test_one_launched_process_without_a_process_group_is_world_size_1(
+    size: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", size)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", size)
+    model = ShardedModule(_gpt(), auto_wrap=Block)
+    assert model._shardwrap_root.mesh.world_size == 1
+
+
+def test_one_copy_per_process_on_purpose_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = ShardedModule(_gpt(), auto_wrap=Block, process_group=Mesh())
+    assert model._shardwrap_root.mesh.world_size == 1
+
+
+# optimizer built too early -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_optimizer_built_before_wrapping(world_size: int, optimizer: type) -> None:
+    model = _gpt()
+    idx, targets = make_batch(0, 8)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        local = copy.deepcopy(model)
+        too_early = optimizer(local.parameters(), lr=1e-2)
+        m = ShardedModule(local, auto_wrap=Block, process_group=pg if world_size > 1 else None)
+        inputs, labels = idx.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+        m(inputs, labels).backward()
+        with pytest.raises(RuntimeError) as info:
+            too_early.step()
+        message = str(info.value)
+        assert "'wte.weight'" in message and "from before the model was wrapped" in message
+        assert "optimizer after wrapping" in message
+
+        before = m.full_state_dict()
+        optimizer(m.parameters(), lr=1e-2).step()
+        after = m.full_state_dict()
+        for name, value in before.items():
+            assert not torch.equal(after[name], value), name
+
+    run_ranks(world_size, fn, timeout=TIMEOUT * 5)
+
+
+def test_auto_wrap_selecting_a_container_that_is_never_called() -> None:
+    """A ModuleList is iterated, never called: as a unit it could never be gathered."""
+    with pytest.raises(ValueError, match=r"'blocks' \(ModuleList\).*never called.*block class"):
+        ShardedModule(GPT(), auto_wrap=nn.ModuleList)
+
+
+def test_parameter_count_policy_skips_containers() -> None:
+    """A threshold that the block list reaches but no single block does selects no container."""
+    model = GPT()
+    reference = copy.deepcopy(model)
+    sharded = ShardedModule(model, auto_wrap=3000)
+    assert all(not isinstance(u.module, nn.ModuleList) for u in sharded._shardwrap_root.units)
+    idx, targets = make_batch(0, 2)
+    assert sharded(idx, targets).item() == pytest.approx(reference(idx, targets).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "auto_wrap", [nn.Conv2d, (nn.Conv1d, nn.GRU), lambda m: False, 10**9], ids=str
+)
+def test_auto_wrap_that_selects_nothing_names_the_classes_the_model_has(auto_wrap: Any) -> None:
+    """Wrapping the whole model as one unit by accident would save no memory: refuse it."""
+    with pytest.raises(ValueError, match="selects no submodule of GPT") as raised:
+        ShardedModule(GPT(), auto_wrap=auto_wrap)
+    message = str(raised.value)
+    assert "Block (x3)" in message and "Linear (x13)" in message
+    assert "auto_wrap=None to make it one unit on purpose" in message
+    ShardedModule(GPT(), auto_wrap=None)  # on purpose: fine

@@ -1,0 +1,108 @@
+"""``model.load_state_dict`` on a sharded model: full state dicts load, shards round-trip.
+
+PyTorch users call ``model.load_state_dict(torch.load(path))`` with the plain model's state
+dict. Proves, at world sizes 1, 2 and 4: a full state dict (of the unwrapped model) loads into
+every rank's pieces and training then goes on in parity with the plain model; this rank's own
+``state_dict()`` (shards) loads back into a model wrapped the same way; another rank's
+``state_dict()`` is refused even where every piece has the same shape (it records whose shards
+it holds); a state dict of other shapes is refused naming ``load_full_state_dict`` and
+``load_checkpoint``.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_state_dict.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.distributed import ProcessGroup
+
+from shardwrap import ShardedModule
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
+
+
+def _run(world_size: int, fn):  # noqa: ANN001, ANN202
+    return [fn(0, None)] if world_size == 1 else run_ranks(world_size, fn, timeout=30.0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_full_state_dict_loads_and_training_goes_on_in_parity(world_size: int) -> None:
+    torch.manual_seed(0)
+    start = GPT(tied=True)
+    torch.manual_seed(1)
+    trained = GPT(tied=True)  # other weights: the ones to load
+    full = copy.deepcopy(trained.state_dict())
+    x, y = make_batch(0, 4)
+    ref = copy.deepcopy(trained)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x, y).backward()
+    opt.step()
+
+    def fn(rank: int, pg: ProcessGroup | None) -> dict[str, torch.Tensor]:
+        m = ShardedModule(copy.deepcopy(start), auto_wrap=Block, process_group=pg)
+        result = m.load_state_dict(full)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        n = 4 // world_size
+        m(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]).backward()
+        o.step()
+        return m.full_state_dict()
+
+    for state in _run(world_size, fn):
+        torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_own_shards_round_trip(world_size: int) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    torch.manual_seed(1)
+    other = GPT()
+
+    def fn(rank: int, pg: ProcessGroup | None) -> None:
+        a = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        b = ShardedModule(copy.deepcopy(other), auto_wrap=Block, process_group=pg)
+        b.load_state_dict({k: v.clone() for k, v in a.state_dict().items()})
+        want, got = a.full_state_dict(), b.full_state_dict()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+
+    _run(world_size, fn)
+
+
+def test_other_shapes_are_refused_naming_the_right_calls() -> None:
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(GPT(), auto_wrap=Block, process_group=pg, sync_module_states=False)
+        wrong = {k: torch.zeros(3) for k in nn_state_keys(m)}
+        with pytest.raises(ValueError, match="load_full_state_dict.*load_checkpoint"):
+            m.load_state_dict(wrong)
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+def nn_state_keys(model: ShardedModule) -> list[str]:
+    return list(torch.nn.Module.state_dict(model).keys())
+
+
+def test_another_ranks_state_dict_is_refused_even_with_equal_shapes() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(3)))
+    saved: dict[int, bytes] = {}  # ranks are threads of this process: a shared "disk"
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=torch.nn.Linear, process_group=pg)
+        buffer = io.BytesIO()
+        torch.save(m.state_dict(), buffer)
+        saved[rank] = buffer.getvalue()
+        pg.allreduce([torch.zeros(1)]).wait()  # both ranks have saved
+        mine = torch.load(io.BytesIO(saved[rank]), weights_only=True)
+        theirs = torch.load(io.BytesIO(saved[1 - rank]), weights_only=True)
+        m.load_state_dict(mine)
+        assert all(v.shape == mine[k].shape == (8,) for k, v in theirs.items())
+        with pytest.raises(ValueError, match=f"rank {1 - rank} of 2.*save_checkpoint"):
+            m.load_state_dict(theirs)
+
+    run_ranks(2, fn, timeout=30.0)

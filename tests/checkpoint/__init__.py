@@ -1,0 +1,1 @@
+"""Checkpoints and export: saving, loading, validation, checksums and full disks."""

@@ -1,0 +1,162 @@
+"""The demo, ``examples/train_gpt.py``: end to end under ``torchrun``, and its run's name.
+
+Proves that the example trains on a ``--data`` folder with two ranks and that its Logbook
+keeps the run folder: one logbook line per step with the samples each rank drew, the plots,
+checkpoints, the exported model, a summary and a sample. Resuming it by hand is proved by
+``tests/checkpoint/test_checkpoint.py``. Fault tier: a rank SIGKILLed under ``torchrun
+--max-restarts=1``, after which torchrun restarts both ranks and the demo, with no ``--name``,
+resumes its own run from its latest checkpoint and ends with exactly the losses of the same run
+left alone. A tiny configuration keeps each to seconds; ``make demo`` is the real run. In
+process: the run's default name outside torchrun and under it, and the refusal of restarts it
+could not resume.
+Run: ``pytest tests/e2e/test_demo.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from examples.train_gpt import check_restarts, parse_args, run_name
+from shardwrap._runlog import read
+from tests.support.launch import ROOT, launch
+
+TINY = ("--batch", "2", "--context", "16", "--width", "16", "--depth", "2", "--heads", "2")
+
+STEPS = 6
+
+
+@pytest.mark.process
+def test_demo_keeps_a_logbook(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    (data / "sub" / "b.py").write_text("def f(x):\n    return x + 1\n" * 40)
+    common = (*TINY, "--sample-bytes", "8", "--name", "smoke", "--save-every", "3")
+    common += ("--data", str(data), "--out-dir", str(tmp_path))
+    proc = launch("examples/train_gpt.py", "--steps", str(STEPS), *common)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sample (temperature 0.8, top-20):" in proc.stdout
+    assert "loss, mean of last 10" in proc.stdout
+
+    run = tmp_path / "smoke"
+    book = read(run)
+    assert [s["step"] for s in book.steps] == list(range(1, STEPS + 1))
+    assert all(len(s["samples"]) == 2 and len(s["samples"][0]) == 2 for s in book.steps)
+    assert [e["event"] for e in book.events] == ["started"] + ["checkpoint"] * 3
+    for png in ("loss.png", "system.png"):
+        assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
+    assert (run / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.stage3
+def test_the_default_run_name_is_stable_across_restarts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
+        monkeypatch.delenv(name)
+    args = parse_args([])
+    assert re.fullmatch(r"gpt-\d{8}-\d{6}", run_name(args))  # outside torchrun: a new run
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0b6e3f6c-4a2c-4c7e-9d11-2f1f0e6a8b90")
+    assert re.fullmatch(r"gpt-\d{8}-\d{6}", run_name(args))  # no restart can happen
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    assert run_name(args) == "gpt-0b6e3f6c-4a2c-4c7e-9d11-2f1f0e6a8b90"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
+    assert run_name(args) == "gpt-job-42"
+    assert run_name(parse_args(["--name", "mine"])) == "mine"
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    check_restarts(args)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    check_restarts(args)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without a rendezvous id
+    with pytest.raises(SystemExit, match="pass --name NAME, or launch torchrun with --standal"):
+        check_restarts(args)
+    check_restarts(parse_args(["--name", "mine"]))
+
+
+def _children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent`` (Linux ``/proc``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+    return found
+
+
+def _rank_pid(agent: int, rank: int) -> int | None:
+    """The pid of the worker that torchrun's agent ``agent`` runs as ``rank``, if it runs one."""
+    for pid in _children(agent):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+@pytest.mark.faults
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank in /proc")
+def test_a_restarted_demo_resumes_its_own_run(tmp_path: Path) -> None:
+    steps, save_every = 40, 3
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    common = (*TINY, "--steps", str(steps), "--save-every", str(save_every))
+    common += ("--sample-bytes", "4", "--data", str(data))
+    whole = launch("examples/train_gpt.py", *common, "--out-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+
+    # The launch line the README gives for restarts, with no --name.
+    out = tmp_path / "restarted"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["--max-restarts=1", "examples/train_gpt.py", *common, "--out-dir", str(out)]
+    with subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as agent:
+        try:
+            # Kill rank 1 once the run has a checkpoint past its initial weights.
+            deadline = time.monotonic() + 120
+            while not list(out.glob(f"*/checkpoints/step-{save_every:08d}/metadata.json")):
+                assert agent.poll() is None and time.monotonic() < deadline, agent.stdout.read()
+                time.sleep(0.01)
+            victim = _rank_pid(agent.pid, 1)
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            output, _ = agent.communicate(timeout=180)
+        finally:
+            agent.kill()
+    assert agent.returncode == 0, output[-5000:]
+    assert "torchrun restart 1 of at most 1; a restart resumes it" in output, output[-5000:]
+
+    (run,) = out.iterdir()  # one run folder: the restart found its own
+    assert run.name.startswith("gpt-")
+    book = read(run)
+    (resumed,) = [e for e in book.events if e["event"] == "resumed"]
+    assert save_every <= resumed["step"] < steps  # from a checkpoint saved before the kill
+    assert resumed["checkpoint"] == f"step-{resumed['step']:08d}"
+    (reference,) = [read(folder) for folder in (tmp_path / "whole").iterdir()]
+    assert [s["step"] for s in book.steps] == list(range(1, steps + 1))
+    assert [s["loss"] for s in book.steps] == [s["loss"] for s in reference.steps]
+    assert [s["samples"] for s in book.steps] == [s["samples"] for s in reference.steps]
+    assert (run / "model" / "model.safetensors").is_file()

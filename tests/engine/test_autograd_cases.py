@@ -1,0 +1,533 @@
+"""Parity in the autograd situations users meet: tied, frozen, skipped and reused modules,
+no-grad decoding, gradient accumulation, non-None zeroed gradients and buffers.
+
+Every case trains a sharded model (ranks as threads, each on its slice of the global batch)
+and a deep-copied plain reference side by side with SGD with momentum, then checks that the
+full parameters agree within 1e-5, plus the case's own invariant (where a tied parameter
+lives, which collectives ran, which gradients exist, which units are resharded).
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/engine/test_autograd_cases.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import ShardedModule
+from shardwrap._unit import ShardState
+from tests.support.models import (
+    GPT,
+    Block,
+    Branch,
+    Branchy,
+    FrozenPart,
+    LoRALinear,
+    WithBatchNorm,
+    make_batch,
+)
+from tests.support.ranks import run_ranks
+
+VOCAB = 67
+LR, MOMENTUM = 0.1, 0.9
+ATOL = 1e-5
+
+
+def _shard(model: nn.Module, pg: ProcessGroup, **kwargs: object) -> ShardedModule:
+    """Wrap ``model``; world size 1 takes the no-process-group path."""
+    return ShardedModule(model, process_group=pg if pg.size() > 1 else None, **kwargs)
+
+
+def _sgd(model: nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def _assert_close(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    """Every entry of ``want`` is in ``got`` and equal within ``ATOL``."""
+    assert set(want) <= set(got), f"missing {set(want) - set(got)}"
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=0, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def _gpt_batches(steps: int, seed: int, context: int = 8) -> list[tuple[Tensor, Tensor]]:
+    """One global batch of 8 sequences (two per rank at world size 4) per step."""
+    return [make_batch(seed + s, 8, context, VOCAB) for s in range(steps)]
+
+
+def _slice(t: Tensor, rank: int, world: int) -> Tensor:
+    return t.chunk(world)[rank]
+
+
+# tied parameters ---------------------------------------------------------------------
+
+
+class Wrapper(nn.Module):
+    """A tied GPT one level down, so the lowest common ancestor of the tie is not the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(vocab=VOCAB, depth=2, context=8, tied=True)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
+        return self.gpt(idx, targets) * self.scale
+
+
+def _tie_policy(module: nn.Module) -> bool:
+    """Embedding and head become two different units (plus the GPT itself and its blocks)."""
+    return (
+        isinstance(module, (GPT, Block))
+        or (isinstance(module, nn.Embedding) and module.num_embeddings == VOCAB)
+        or (isinstance(module, nn.Linear) and module.out_features == VOCAB)
+    )
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["lca_root", "lca_inner"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_tied_parameter_across_units_lives_in_lca_and_sums_grads(
+    world_size: int, nested: bool
+) -> None:
+    """Embedding and head in two units: the weight lives once, in their LCA; grads sum."""
+    torch.manual_seed(0)
+    model = Wrapper() if nested else GPT(vocab=VOCAB, depth=2, context=8, tied=True)
+    batches = _gpt_batches(3, seed=10)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=_tie_policy)
+        gpt = m.gpt if nested else m
+        tied = gpt.wte._parameters["weight"]
+        assert gpt.lm_head._parameters["weight"] is tied
+        units = m._shardwrap_root.units
+        holders = [u for u in units if any(p is tied for g in u.groups for p in g.shard_params)]
+        assert [u.module for u in holders] == [gpt]  # exactly one unit: the LCA
+        for use in (gpt.wte, gpt.lm_head):  # each use is a unit of its own
+            assert any(u.module is use for u in units)
+        opt = _sgd(m)
+        for idx, targets in batches:
+            opt.zero_grad()
+            m(_slice(idx, rank, world_size), _slice(targets, rank, world_size)).backward()
+            opt.step()
+        return m.full_state_dict()
+
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    for idx, targets in batches:
+        opt.zero_grad()
+        ref(idx, targets).backward()
+        opt.step()
+    want = ref.state_dict()
+    for got in run_ranks(world_size, fn, timeout=30.0):
+        _assert_close(got, want)
+
+
+# frozen parameters -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_frozen_parameters_get_no_grad_no_buffer_no_reduction(world_size: int) -> None:
+    """Frozen groups (a whole module, and half of a LoRA layer) never produce gradients."""
+    torch.manual_seed(1)
+    model = FrozenPart()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["embed.weight", "adapter.base.weight", "adapter.base.bias"]
+    steps = 3
+    batches = [make_batch(20 + s, 8, 8, vocab=29) for s in range(steps)]
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=LoRALinear)
+        groups = [g for u in m._shardwrap_root.units for g in u.groups]
+        adapter = next(u for u in m._shardwrap_root.units if u.module is m.adapter)
+        assert sorted(g.requires_grad for g in adapter.groups) == [False, True]  # mixed module
+        trainable = [g for g in groups if g.requires_grad]
+        frozen_groups = [g for g in groups if not g.requires_grad]
+        assert len(trainable) == 2 and len(frozen_groups) == 2
+        named = dict(m.named_parameters())
+        assert all(not named[n].requires_grad for n in frozen)
+        opt = _sgd(m)
+        for idx, targets in batches:
+            opt.zero_grad()
+            m(_slice(idx, rank, world_size), _slice(targets, rank, world_size)).backward()
+            for g in frozen_groups:
+                assert g.full.grad is None and g._grad_flat() is None
+                assert all(p.grad is None for p in g.shard_params)
+            for n in frozen:
+                assert named[n].grad is None, n
+            for g in trainable:
+                assert all(p.grad is not None for p in g.shard_params if p.numel())
+            opt.step()
+        assert m.comm_stats.calls["reduce_scatter"] == len(trainable) * steps
+        return m.full_state_dict()
+
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    for idx, targets in batches:
+        opt.zero_grad()
+        ref(idx, targets).backward()
+        opt.step()
+    initial = model.state_dict()
+    for got in run_ranks(world_size, fn, timeout=30.0):
+        _assert_close(got, ref.state_dict())
+        for n in frozen:
+            assert torch.equal(got[n], initial[n]), f"frozen {n} changed"
+
+
+# modules some ranks skip, and a module called twice -----------------------------------
+
+
+def _branchy_data(world: int, plan: list[list[bool]], seed: int) -> list[tuple[Tensor, Tensor]]:
+    """Per step a global batch whose rank slice sums to > 0 exactly where ``plan`` says so."""
+    generator = torch.Generator().manual_seed(seed)
+    data = []
+    for runs in plan:
+        x = torch.randn(world, 3, 11, generator=generator)
+        for r, run in enumerate(runs):
+            if bool(x[r].sum() > 0) != run:
+                x[r] = -x[r]
+        data.append((x.reshape(world * 3, 11), torch.randn(world * 3, generator=generator)))
+    return data
+
+
+def _train_branchy_reference(
+    model: nn.Module, data: list[tuple[Tensor, Tensor]], world: int, set_to_none: bool
+) -> dict[str, Tensor]:
+    """The branch condition is per call: run each rank's slice separately, average losses."""
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    for x, y in data:
+        opt.zero_grad(set_to_none=set_to_none)
+        losses = [
+            F.mse_loss(ref(xs), ys) for xs, ys in zip(x.chunk(world), y.chunk(world), strict=True)
+        ]
+        torch.stack(losses).mean().backward()
+        opt.step()
+    return ref.state_dict()
+
+
+def _count_calls(module: nn.Module) -> list[int]:
+    calls = [0]
+
+    def hook(mod: nn.Module, args: object, output: object) -> None:
+        calls[0] += 1
+
+    module.register_forward_hook(hook)
+    return calls
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grad_none", "grad_zeroed"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_branch_run_by_some_ranks_all_or_none(world_size: int, set_to_none: bool) -> None:
+    """Steps where some, none and all ranks run ``branch``: no hang, plain-PyTorch updates.
+
+    With ``set_to_none`` a step no rank ran leaves the branch's gradients ``None`` and its
+    parameters untouched; with zeroed gradients momentum still moves them, as in PyTorch.
+    """
+    plan = [
+        [r % 2 == 0 for r in range(world_size)],  # rank 0 runs the branch, rank 1 skips it
+        [False] * world_size,  # every rank skips it
+        [True] * world_size,  # every rank runs it
+        [r % 2 == 1 for r in range(world_size)],
+    ]
+    data = _branchy_data(world_size, plan, seed=2)
+    assert [[bool(c.sum() > 0) for c in x.chunk(world_size)] for x, _ in data] == plan
+    torch.manual_seed(2)
+    model = Branchy()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], list[int]]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=Branch)
+        calls = _count_calls(m.branch)
+        ran = []
+        opt = _sgd(m)
+        for (x, y), runs in zip(data, plan, strict=True):
+            opt.zero_grad(set_to_none=set_to_none)
+            before = [p.detach().clone() for p in m.branch.parameters()]
+            calls[0] = 0
+            F.mse_loss(m(_slice(x, rank, world_size)), _slice(y, rank, world_size)).backward()
+            ran.append(calls[0])
+            opt.step()
+            if set_to_none and not any(runs):  # no rank used it: plain PyTorch skips it
+                assert all(p.grad is None for p in m.branch.parameters())
+                assert all(
+                    torch.equal(a, p) for a, p in zip(before, m.branch.parameters(), strict=True)
+                )
+        return m.full_state_dict(), ran
+
+    want = _train_branchy_reference(model, data, world_size, set_to_none)
+    for rank, (got, ran) in enumerate(run_ranks(world_size, fn, timeout=30.0)):
+        assert ran == [int(runs[rank]) for runs in plan]
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "reshard_after_forward", [None, pytest.param(False, marks=pytest.mark.stage3)]
+)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_module_called_twice_in_one_forward(
+    world_size: int, reshard_after_forward: bool | None
+) -> None:
+    """``shared_block`` runs twice per forward; both uses' gradients reach its shard."""
+    plan = [[True] * world_size, [r % 2 == 0 for r in range(world_size)], [True] * world_size]
+    data = _branchy_data(world_size, plan, seed=3)
+    torch.manual_seed(3)
+    model = Branchy()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], list[int]]:
+        m = _shard(
+            copy.deepcopy(model), pg, auto_wrap=Branch, reshard_after_forward=reshard_after_forward
+        )
+        calls = _count_calls(m.shared_block)
+        ran = []
+        opt = _sgd(m)
+        for x, y in data:
+            opt.zero_grad()
+            calls[0] = 0
+            F.mse_loss(m(_slice(x, rank, world_size)), _slice(y, rank, world_size)).backward()
+            ran.append(calls[0])
+            opt.step()
+        return m.full_state_dict(), ran
+
+    want = _train_branchy_reference(model, data, world_size, set_to_none=True)
+    for got, ran in run_ranks(world_size, fn, timeout=30.0):
+        assert ran == [2] * len(plan)
+        _assert_close(got, want)
+
+
+# eval + no_grad decoding -------------------------------------------------------------
+
+
+@torch.no_grad()
+def _decode(model: nn.Module, prompt: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+    """Greedy decoding in eval mode: ``steps`` forwards, each on the whole sequence so far.
+
+    Returns:
+        The tokens ``(B, T + steps)`` and the last forward's logits, which expose any stale
+        parameter that happens not to flip an argmax.
+    """
+    model.eval()
+    idx = prompt
+    for _ in range(steps):
+        logits = model(idx)
+        assert not logits.requires_grad
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    model.train()
+    return idx, logits
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_greedy_decoding_between_training_steps(world_size: int) -> None:
+    """Train, decode, backward, decode, step, decode, train: decodes and parameters agree.
+
+    The first decode is 30 forwards long. The decode between backward and step leaves the root
+    gathered; the step then changes its shard, so the next decode must not reuse the stale
+    gathered buffer (a few forwards each suffice there).
+    """
+    lengths = [30, 4, 4]
+    torch.manual_seed(4)
+    model = GPT(vocab=VOCAB, depth=2, context=32)
+    batches = _gpt_batches(3, seed=40, context=16)
+    prompts = torch.randint(VOCAB, (world_size, 2, 2), generator=torch.Generator().manual_seed(4))
+
+    def train(
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        batch: tuple[Tensor, Tensor],
+        rank: int | None,
+        between: Callable[[], None] = lambda: None,
+    ) -> None:
+        idx, targets = batch
+        if rank is not None:
+            idx, targets = _slice(idx, rank, world_size), _slice(targets, rank, world_size)
+        opt.zero_grad()
+        model(idx, targets).backward()
+        between()
+        opt.step()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[tuple[Tensor, Tensor]], dict[str, Tensor]]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=Block)
+        root = m._shardwrap_root
+        opt = _sgd(m)
+        decoded = []
+
+        def decode() -> None:
+            grads = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+            reductions = root.stats.calls.get("reduce_scatter", 0)
+            decoded.append(_decode(m, prompts[rank], lengths[len(decoded)]))
+            assert root.stats.calls.get("reduce_scatter", 0) == reductions  # no backward ran
+            for g, p in zip(grads, m.parameters(), strict=True):
+                assert (g is None and p.grad is None) or torch.equal(g, p.grad)
+            if root.strategy.stage == 3:
+                assert all(u.state is ShardState.SHARDED for u in root.units[1:])
+
+        train(m, opt, batches[0], rank)
+        decode()
+        train(m, opt, batches[1], rank, between=decode)
+        decode()
+        train(m, opt, batches[2], rank)
+        return decoded, m.full_state_dict()
+
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    want: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(world_size)]
+
+    def ref_decode() -> None:
+        steps = lengths[len(want[0])]
+        for r in range(world_size):
+            want[r].append(_decode(ref, prompts[r], steps))
+
+    train(ref, opt, batches[0], None)
+    ref_decode()
+    train(ref, opt, batches[1], None, between=ref_decode)
+    ref_decode()
+    train(ref, opt, batches[2], None)
+    for rank, (decoded, got) in enumerate(run_ranks(world_size, fn, timeout=30.0)):
+        assert [tokens.shape for tokens, _ in decoded] == [(2, 2 + n) for n in lengths]
+        for (tokens, logits), (want_tokens, want_logits) in zip(decoded, want[rank], strict=True):
+            assert torch.equal(tokens, want_tokens)
+            torch.testing.assert_close(logits, want_logits, rtol=0, atol=ATOL)
+        _assert_close(got, ref.state_dict())
+
+
+# gradient accumulation and zeroed (not None) gradients -------------------------------
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "no_sync"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_gradient_accumulation(world_size: int, mode: str) -> None:
+    """Several micro-batches per step, reduced each time or (``no_sync``) only at the last."""
+    torch.manual_seed(5)
+    model = GPT(vocab=VOCAB, depth=2, context=8)
+    steps, micro = 2, 3
+    batches = [_gpt_batches(micro, seed=50 + 10 * s) for s in range(steps)]
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=Block)
+        stats = m.comm_stats
+        trainable = sum(len(u.trainable) for u in m._shardwrap_root.units)
+        opt = _sgd(m)
+        for micro_batches in batches:
+            opt.zero_grad()
+            for i, (idx, targets) in enumerate(micro_batches):
+                idx, targets = _slice(idx, rank, world_size), _slice(targets, rank, world_size)
+                reductions = stats.calls.get("reduce_scatter", 0)
+                if mode == "no_sync" and i < micro - 1:
+                    with m.no_sync():
+                        (m(idx, targets) / micro).backward()
+                    assert stats.calls.get("reduce_scatter", 0) == reductions
+                    assert all(p.grad is None for p in m.parameters())
+                else:
+                    (m(idx, targets) / micro).backward()
+                    assert stats.calls["reduce_scatter"] == reductions + trainable
+            opt.step()
+        return m.full_state_dict()
+
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    for micro_batches in batches:
+        opt.zero_grad()
+        for idx, targets in micro_batches:
+            (ref(idx, targets) / micro).backward()
+        opt.step()
+    for got in run_ranks(world_size, fn, timeout=30.0):
+        _assert_close(got, ref.state_dict())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_zero_grad_without_set_to_none(world_size: int) -> None:
+    """Zeroed (not ``None``) shard gradients accumulate the next step's reduction."""
+    torch.manual_seed(6)
+    model = GPT(vocab=VOCAB, depth=2, context=8)
+    batches = _gpt_batches(3, seed=60)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=Block)
+        opt = _sgd(m)
+        for step, (idx, targets) in enumerate(batches):
+            opt.zero_grad(set_to_none=False)
+            if step:
+                assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+            m(_slice(idx, rank, world_size), _slice(targets, rank, world_size)).backward()
+            opt.step()
+        return m.full_state_dict()
+
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    for idx, targets in batches:
+        opt.zero_grad(set_to_none=False)
+        ref(idx, targets).backward()
+        opt.step()
+    for got in run_ranks(world_size, fn, timeout=30.0):
+        _assert_close(got, ref.state_dict())
+
+
+# buffers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_batchnorm_buffers_stay_full_and_local(world_size: int) -> None:
+    """Running statistics are per rank (BatchNorm without sync), parameters are global.
+
+    The reference runs each rank's slice separately and averages the losses; before each
+    slice it swaps in that rank's running statistics, so it tracks both at once (in training
+    mode BatchNorm's output does not depend on its running statistics).
+    """
+    torch.manual_seed(7)
+    model = WithBatchNorm()
+    generator = torch.Generator().manual_seed(7)
+    inputs = torch.randn(3, world_size * 4, 13, generator=generator)
+    labels = torch.randint(5, (3, world_size * 4), generator=generator)
+    data = list(zip(inputs, labels, strict=True))
+    probe = torch.randn(world_size * 3, 13, generator=generator)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=nn.BatchNorm1d)
+        bn = m.net[1]
+        assert any(u.module is bn for u in m._shardwrap_root.units)
+        names = {n for u in m._shardwrap_root.units for g in u.groups for n in g.names}
+        assert not names & {n for n, _ in m.named_buffers()}
+        opt = _sgd(m)
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(m(_slice(x, rank, world_size)), _slice(y, rank, world_size)).backward()
+            opt.step()
+        assert bn.running_mean.shape == bn.running_var.shape == (22,)
+        buffers = {n: b.clone() for n, b in m.named_buffers()}
+        m.eval()
+        with torch.no_grad():
+            out = m(_slice(probe, rank, world_size))
+        return m.full_state_dict(), buffers, out
+
+    ref = copy.deepcopy(model)
+    local = [{n: b.clone() for n, b in ref.named_buffers()} for _ in range(world_size)]
+
+    def swap_in(rank: int) -> None:
+        """Point the reference's buffers at ``rank``'s, which its forward then updates."""
+        for name, buffer in local[rank].items():
+            owner, _, attr = name.rpartition(".")
+            ref.get_submodule(owner)._buffers[attr] = buffer
+
+    opt = _sgd(ref)
+    for x, y in data:
+        opt.zero_grad()
+        losses = []
+        for r, (xs, ys) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True)):
+            swap_in(r)
+            losses.append(F.cross_entropy(ref(xs), ys))
+        torch.stack(losses).mean().backward()
+        opt.step()
+    params = {n: p.detach() for n, p in ref.named_parameters()}
+    ref.eval()
+    for rank, (got, buffers, out) in enumerate(run_ranks(world_size, fn, timeout=30.0)):
+        _assert_close(got, params)
+        assert buffers["net.1.num_batches_tracked"] == len(data)
+        _assert_close(buffers, local[rank])
+        _assert_close(got, local[rank])  # the state dict carries this rank's statistics
+        swap_in(rank)
+        with torch.no_grad():
+            torch.testing.assert_close(out, ref(_slice(probe, rank, world_size)), rtol=0, atol=ATOL)

@@ -1,0 +1,1 @@
+"""Hugging Face models, ``transformers.Trainer`` and ``accelerate`` on sharded models."""
