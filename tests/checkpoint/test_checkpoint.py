@@ -4,14 +4,13 @@ Proves that a checkpoint saved at world size 1, 2 or 4 under one ``auto_wrap`` p
 any other world size and policy with its parameters, buffers and optimizer state (SGD
 momentum, AdamW moments and step, hyperparameters, a scheduler in ``extra``), so that training
 continues exactly (same world size: identical losses) or within 1e-5 (another world size);
-that saves are atomic and prune only after completing, in process and under SIGKILL; that
-missing, truncated, corrupt and mismatched checkpoints raise errors naming what differs on
-every rank, before anything is modified; and that ``export`` streams one flat group at a time
-into files that plain ``load_state_dict``, ``transformers`` ``from_pretrained`` and
-``load_pretrained`` read.
+that saves are atomic and prune only after completing; that missing, truncated, corrupt and
+mismatched checkpoints raise errors naming what differs on every rank, before anything is
+modified; and that ``export`` streams one flat group at a time into files that plain
+``load_state_dict``, ``transformers`` ``from_pretrained`` and ``load_pretrained`` read. A save
+SIGKILLed half-way, in a process of its own: ``tests/e2e/test_checkpoint.py``.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint.py -q`` (add
-``-m process`` for the killed-save and demo-resume runs).
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint.py -q``
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ import copy
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +36,6 @@ import shardwrap._checkpoint_load
 from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, save_checkpoint
 from shardwrap._pool import BufferPool
 from shardwrap._storage import SafetensorsWriter
-from tests.support.launch import ROOT
 from tests.support.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch, tiny_gpt2_config
 from tests.support.ranks import run_ranks
 
@@ -350,42 +345,6 @@ def test_a_failed_save_leaves_the_previous_checkpoint_on_every_rank(
     assert not (tmp_path / "step-2").exists()
 
 
-@pytest.mark.process
-def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None:
-    """A real process, SIGKILLed while its second save is half written."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    script = ROOT / "tests" / "scripts" / "checkpoint_killed.py"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == "writing":
-                break
-        else:
-            pytest.fail(f"the script ended early:\n{proc.stderr.read() if proc.stderr else ''}")
-        partial = tmp_path / ".step-2.partial"
-        assert any(f.stat().st_size > 0 for f in partial.iterdir())  # half written, not complete
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert shardwrap.latest_checkpoint(tmp_path) == tmp_path / "step-1"
-    assert not (tmp_path / "step-2").exists()
-    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
-    torch.manual_seed(5)
-    m = ShardedModule(GPT(width=96, depth=4), auto_wrap=Block)
-    assert load_checkpoint(tmp_path, m, _sgd(m.parameters())) == {"step": 1}
-    _assert_close(m.full_state_dict(), expected)
-
-
 # errors ------------------------------------------------------------------------------
 
 
@@ -668,35 +627,3 @@ def test_export_of_a_transformers_model_loads_with_from_pretrained(tmp_path: Pat
 
     for state in run_ranks(2, load):
         _assert_close(state, ref.state_dict(), atol=1e-6)
-
-
-# the demo ----------------------------------------------------------------------------
-
-
-@pytest.mark.process
-def test_demo_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
-    """Rewind a finished run to its step-3 checkpoint and resume: steps 4-6 repeat exactly."""
-    from shardwrap._runlog import read
-    from tests.support.launch import torchrun
-
-    data = tmp_path / "data.txt"
-    data.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
-    tiny = "--steps 6 --batch 2 --context 16 --width 16 --depth 2 --heads 2 --sample-bytes 4"
-    args = [*tiny.split(), "--data", str(data), "--out-dir", str(tmp_path)]
-    args += ["--save-every", "3", "--name", "run"]
-    torchrun("examples/train_gpt.py", *args)
-    run = tmp_path / "run"
-    checkpoints = run / "checkpoints"
-    assert shardwrap.latest_checkpoint(checkpoints) == checkpoints / "step-00000006"
-    assert (run / "model" / "model.safetensors").is_file()
-    (checkpoints / "latest").write_text("step-00000003\n")
-    torchrun("examples/train_gpt.py", *args, "--resume")
-    book = read(run)  # the first run's steps 4-6 are abandoned by the resume
-    assert [e["event"] for e in book.events if e["event"] != "checkpoint"] == [
-        "started",
-        "resumed",
-    ]
-    (abandoned,) = book.abandoned
-    assert [s["step"] for s in abandoned] == [4, 5, 6]
-    assert [s["loss"] for s in abandoned] == [s["loss"] for s in book.steps[3:]]
-    assert [s["samples"] for s in abandoned] == [s["samples"] for s in book.steps[3:]]

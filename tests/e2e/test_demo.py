@@ -1,21 +1,19 @@
-"""The demo, ``examples/train_gpt.py``: end to end under ``torchrun``, and its run's name.
+"""The demo, ``examples/train_gpt.py``, end to end under ``torchrun``.
 
 Proves that the example trains on a ``--data`` folder with two ranks and that its Logbook
 keeps the run folder: one logbook line per step with the samples each rank drew, the plots,
-checkpoints, the exported model, a summary and a sample. Resuming it by hand is proved by
-``tests/checkpoint/test_checkpoint.py``. Fault tier: a rank SIGKILLed under ``torchrun
---max-restarts=1``, after which torchrun restarts both ranks and the demo, with no ``--name``,
-resumes its own run from its latest checkpoint and ends with exactly the losses of the same run
-left alone. A tiny configuration keeps each to seconds; ``make demo`` is the real run. In
-process: the run's default name outside torchrun and under it, and the refusal of restarts it
-could not resume.
-Run: ``pytest tests/e2e/test_demo.py``.
+checkpoints, the exported model, a summary and a sample, and that a finished run rewound to an
+earlier checkpoint and resumed by hand (``--resume``) repeats its steps exactly. Fault tier: a
+rank SIGKILLed under ``torchrun --max-restarts=1``, after which torchrun restarts both ranks and
+the demo, with no ``--name``, resumes its own run from its latest checkpoint and ends with
+exactly the losses of the same run left alone. A tiny configuration keeps each to seconds;
+``make demo`` is the real run. The run's default name, in process: ``tests/test_demo.py``.
+Run: ``pytest -m "process or faults" tests/e2e/test_demo.py``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.train_gpt import check_restarts, parse_args, run_name
+import shardwrap
 from shardwrap._runlog import read
 from tests.support.launch import ROOT, launch
 
@@ -55,37 +53,6 @@ def test_demo_keeps_a_logbook(tmp_path: Path) -> None:
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
     assert (run / "model" / "model.safetensors").is_file()
-
-
-@pytest.mark.stage3
-def test_the_default_run_name_is_stable_across_restarts(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
-        monkeypatch.delenv(name)
-    args = parse_args([])
-    assert re.fullmatch(r"gpt-\d{8}-\d{6}", run_name(args))  # outside torchrun: a new run
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0b6e3f6c-4a2c-4c7e-9d11-2f1f0e6a8b90")
-    assert re.fullmatch(r"gpt-\d{8}-\d{6}", run_name(args))  # no restart can happen
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
-    assert run_name(args) == "gpt-0b6e3f6c-4a2c-4c7e-9d11-2f1f0e6a8b90"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
-    assert run_name(args) == "gpt-job-42"
-    assert run_name(parse_args(["--name", "mine"])) == "mine"
-
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    check_restarts(args)
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    check_restarts(args)
-    assert capsys.readouterr().err == ""
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without a rendezvous id
-    with pytest.raises(SystemExit, match="pass --name NAME, or launch torchrun with --standal"):
-        check_restarts(args)
-    check_restarts(parse_args(["--name", "mine"]))
 
 
 def _children(parent: int) -> list[int]:
@@ -160,3 +127,32 @@ def test_a_restarted_demo_resumes_its_own_run(tmp_path: Path) -> None:
     assert [s["loss"] for s in book.steps] == [s["loss"] for s in reference.steps]
     assert [s["samples"] for s in book.steps] == [s["samples"] for s in reference.steps]
     assert (run / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.process
+def test_demo_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
+    """Rewind a finished run to its step-3 checkpoint and resume: steps 4-6 repeat exactly."""
+    from shardwrap._runlog import read
+    from tests.support.launch import torchrun
+
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    tiny = "--steps 6 --batch 2 --context 16 --width 16 --depth 2 --heads 2 --sample-bytes 4"
+    args = [*tiny.split(), "--data", str(data), "--out-dir", str(tmp_path)]
+    args += ["--save-every", "3", "--name", "run"]
+    torchrun("examples/train_gpt.py", *args)
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    assert shardwrap.latest_checkpoint(checkpoints) == checkpoints / "step-00000006"
+    assert (run / "model" / "model.safetensors").is_file()
+    (checkpoints / "latest").write_text("step-00000003\n")
+    torchrun("examples/train_gpt.py", *args, "--resume")
+    book = read(run)  # the first run's steps 4-6 are abandoned by the resume
+    assert [e["event"] for e in book.events if e["event"] != "checkpoint"] == [
+        "started",
+        "resumed",
+    ]
+    (abandoned,) = book.abandoned
+    assert [s["step"] for s in abandoned] == [4, 5, 6]
+    assert [s["loss"] for s in abandoned] == [s["loss"] for s in book.steps[3:]]
+    assert [s["samples"] for s in abandoned] == [s["samples"] for s in book.steps[3:]]

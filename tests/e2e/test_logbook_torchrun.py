@@ -1,6 +1,6 @@
 """Process tier: a run with corrupted batches recovers by itself under torchrun.
 
-Two ranks train the same small GPT twice with a Logbook (``tests/scripts/logbook_spikes.py``):
+Two ranks train the same small GPT twice with a Logbook (``tests/e2e/scripts/logbook_spikes.py``):
 on clean data, and with uniform-noise batches at data positions 50 and 51. Proves that the
 clean run never rolls back, that the other detects each bad batch, rolls back, skips it and
 goes on without a person, its logbook showing every event, and that it ends within 3% of the
@@ -23,7 +23,7 @@ STEPS, BAD = 280, (50, 51)
 
 @pytest.mark.process
 def test_a_run_with_bad_batches_recovers_by_itself(tmp_path: Path) -> None:
-    torchrun("tests/scripts/logbook_spikes.py", str(tmp_path), str(STEPS), *map(str, BAD))
+    torchrun("tests/e2e/scripts/logbook_spikes.py", str(tmp_path), str(STEPS), *map(str, BAD))
     clean, bad = read(tmp_path / "clean"), read(tmp_path / "bad")
     assert [e["event"] for e in clean.events if e["event"] != "checkpoint"] == ["started"]
     assert [s["step"] for s in clean.steps] == [s["step"] for s in bad.steps]

@@ -31,7 +31,7 @@ from tests.support.launch import torchrun
 )
 def test_parity_under_torchrun(tmp_path: Path, nproc: int, wrap: dict) -> None:
     out = tmp_path / "result.json"
-    torchrun("tests/scripts/torchrun_parity.py", str(out), json.dumps(wrap), nproc=nproc)
+    torchrun("tests/e2e/scripts/torchrun_parity.py", str(out), json.dumps(wrap), nproc=nproc)
     result = json.loads(out.read_text())
     assert result["world_size"] == nproc
     assert result["keys_match"]

@@ -1,81 +1,23 @@
-"""``transformers.Trainer`` and ``accelerate`` training a sharded model, under torchrun.
+"""``transformers.Trainer`` on a sharded model, in process.
 
-Process tier: each script runs the same training twice in one launch, on the plain model
-under DDP (what ``Trainer`` and ``accelerate`` do by default) and on a ``ShardedModule``, and
-must match it step for step. Proves:
-
-- ``shardwrap.hf.Trainer`` (GPT-2): fp32 losses, clipped gradient norms (global: the same as
-  DDP's) and evaluation losses within 1e-5 of DDP over 4 steps; the model is not wrapped in DDP;
-  the Trainer's own checkpoint (``checkpoint-2``) resumes to the same steps 3 and 4;
-  ``save_model`` writes a folder ``from_pretrained`` loads to the trained weights;
-  ``generate()`` with a different length on each rank completes with DDP's tokens;
-- a stock ``accelerate`` loop (Llama; ``prepare``, gradient accumulation, ``clip_grad_norm_``,
-  a scheduler, ``gather_for_metrics``) trains a ``ShardedModule`` unchanged, within 1e-5 of
-  the DDP run, and resumes from a shardwrap checkpoint saved at step 2.
-
-In process: moving a sharded model to the device its shards are on (``cpu`` and ``cpu:0``,
-as ``Trainer`` does) changes nothing, and a real move or cast is refused, naming the fix; the
-stock ``Trainer``, which would save on rank 0 alone and wait for good at its first checkpoint,
-is refused when it is built, naming ``shardwrap.hf.Trainer``.
+Moving a sharded model to the device its shards are on (``cpu`` and ``cpu:0``, as ``Trainer``
+does) changes nothing, and a real move or cast is refused, naming the fix; the stock
+``Trainer``, which would save on rank 0 alone and wait for good at its first checkpoint, is
+refused when it is built, naming ``shardwrap.hf.Trainer``. ``shardwrap.hf.Trainer`` and an
+``accelerate`` loop training against DDP under torchrun: ``tests/e2e/test_hf_trainer.py``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_trainer.py -q``
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardwrap import ShardedModule
-from tests.support.launch import torchrun
 from tests.support.models import GPT, Block
-
-
-def _assert_steps_match(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:
-    assert [g["step"] for g in got] == [w["step"] for w in want]
-    for g, w in zip(got, want):
-        for key in keys:
-            assert g[key] == pytest.approx(w[key], abs=1e-5), (g["step"], key)
-
-
-@pytest.mark.process
-def test_trainer_matches_ddp_and_resumes(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    torchrun("tests/scripts/hf_trainer.py", str(out), str(tmp_path))
-    result = json.loads(out.read_text())
-    ddp, sharded = result["ddp"], result["shardwrap"]
-    assert ddp["wrapped_in"] == "DistributedDataParallel"
-    assert sharded["wrapped_in"] == "GPT2LMHeadModel"
-    assert len(sharded["train"]) == 4
-    assert all(step["grad_norm"] > 1.0 for step in ddp["train"])  # every step clips
-    _assert_steps_match(sharded["train"], ddp["train"], ("loss", "grad_norm"))
-    assert sharded["eval"] == pytest.approx(ddp["eval"], abs=1e-5)
-    _assert_steps_match(sharded["resumed_train"], sharded["train"][2:], ("loss", "grad_norm"))
-    assert sharded["resumed_eval"] == pytest.approx(sharded["eval"][1:], abs=1e-5)
-    assert "checkpoint-2/shardwrap/metadata.json" in sharded["checkpoint_files"]
-    assert sharded["reload_equal"] is True
-    assert sharded["generated"] == ddp["generated"]
-    assert len(sharded["generated"][0]) != len(sharded["generated"][1])
-
-
-@pytest.mark.process
-def test_accelerate_loop_matches_ddp_and_resumes(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    torchrun("tests/scripts/hf_accelerate.py", str(out), str(tmp_path))
-    result = json.loads(out.read_text())
-    ddp, sharded = result["ddp"], result["shardwrap"]
-    assert ddp["prepared_as"] == "DistributedDataParallel"
-    assert sharded["prepared_as"] == "LlamaForCausalLM"
-    assert len(sharded["logs"]) == 4
-    assert all(step["grad_norm"] > 1.0 for step in ddp["logs"])
-    keys = ("loss", "grad_norm", "eval_loss")
-    _assert_steps_match(sharded["logs"], ddp["logs"], keys)
-    _assert_steps_match(sharded["resumed_logs"], sharded["logs"][2:], keys)
-    assert sharded["generated"] == ddp["generated"]
-    assert len(sharded["generated"][0]) != len(sharded["generated"][1])
 
 
 def test_moving_to_its_own_device_is_a_no_op_and_a_real_move_is_refused() -> None:

@@ -1,7 +1,7 @@
 """Train the same small GPT twice under torchrun with a Logbook: once on clean data, once with
 corrupted batches at known data positions. Launched by tests/e2e/test_logbook_torchrun.py:
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/logbook_spikes.py OUT STEPS BAD...
+    torchrun --standalone --nproc_per_node=2 tests/e2e/scripts/logbook_spikes.py OUT STEPS BAD...
 
 Writes ``OUT/clean`` and ``OUT/bad``: each run folder's logbook, plots and checkpoints, and
 ``eval.json``, the final model's loss on held-out batches (the same for both runs). AdamW's

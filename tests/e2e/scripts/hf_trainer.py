@@ -1,8 +1,8 @@
 """The Hugging Face Trainer on a sharded GPT-2 and on the same model under DDP; write both.
 
-Launched by tests/integrations/test_hf_trainer.py:
+Launched by tests/e2e/test_hf_trainer.py:
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/hf_trainer.py OUT.json WORKDIR
+    torchrun --standalone --nproc_per_node=2 tests/e2e/scripts/hf_trainer.py OUT.json WORKDIR
 
 For each of ``ddp`` (stock ``transformers.Trainer``, which wraps the plain model in DDP) and
 ``shardwrap`` (``shardwrap.hf.Trainer`` on a ``ShardedModule``), in this one launch: train

@@ -2,7 +2,7 @@
 
 Launched by tests/e2e/test_faults.py:
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/faults.py CASE WORKDIR TIMEOUT_S
+    torchrun --standalone --nproc_per_node=2 tests/e2e/scripts/faults.py CASE WORKDIR TIMEOUT_S
 
 ``init_process_group("gloo", timeout=TIMEOUT_S)``; a small GPT, SGD with momentum; after step 2
 a checkpoint ``WORKDIR/ckpt/step-2`` and, from rank 0, its full state dict in

@@ -1,10 +1,10 @@
 """Save a checkpoint, then stall half-way through a second save so that the test can kill us.
 
-    python tests/scripts/checkpoint_killed.py FOLDER
+    python tests/e2e/scripts/checkpoint_killed.py FOLDER
 
 Writes ``FOLDER/step-1`` (complete) and ``FOLDER/expected.pt`` (its full state dict), then
 starts ``FOLDER/step-2``, prints ``writing`` once the first tensor of it is on disk, and
-sleeps until killed. Used by ``tests/checkpoint/test_checkpoint.py``.
+sleeps until killed. Used by ``tests/e2e/test_checkpoint.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Launched by tests/e2e/test_torchrun.py:
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/torchrun_parity.py OUT.json [WRAP]
+    torchrun --standalone --nproc_per_node=2 tests/e2e/scripts/torchrun_parity.py OUT.json [WRAP]
 
 WRAP: extra ``ShardedModule`` keyword arguments as JSON, e.g. '{"compile": true}'. The key
 ``"hybrid": [R, S]`` shards over a ``DeviceMesh`` of R replicas of S ranks, dimensions

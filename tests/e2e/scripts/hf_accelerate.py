@@ -1,8 +1,8 @@
 """An ``accelerate`` training loop on a sharded Llama and on the same model under DDP.
 
-Launched by tests/integrations/test_hf_trainer.py:
+Launched by tests/e2e/test_hf_trainer.py:
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/hf_accelerate.py OUT.json WORKDIR
+    torchrun --standalone --nproc_per_node=2 tests/e2e/scripts/hf_accelerate.py OUT.json WORKDIR
 
 The loop is the one ``accelerate`` documents, unchanged between the two modes: ``prepare``,
 gradient accumulation over 2 micro-batches (``accumulate``), ``backward``, ``clip_grad_norm_``

@@ -1,0 +1,114 @@
+"""The benchmarks end to end, in the process tier; the test suite never needs DeepSpeed.
+
+``benchmarks/compare.py`` runs the methods that need no DeepSpeed in fp32 and bf16 on a tiny
+configuration; timings are not checked (this machine is noisy), only that every output file
+exists and holds what the report promises, that every method trains like DDP (same per-step
+losses), and that bf16 really ran in mixed precision (shardwrap and FSDP2 gather bf16 bytes;
+every loss moves, slightly). ``benchmarks/scaling.py`` runs one tiny cell, measured within 10%
+of its prediction. Their logic, in process: ``tests/test_benchmarks.py``.
+Run: ``pytest -m process tests/e2e/test_benchmarks.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.launch import ROOT
+
+pytestmark = pytest.mark.stage3  # no stage of the tests' own is involved: once is enough
+
+TINY = {"width": 32, "depth": 2, "heads": 2, "context": 16, "warmup": 1}
+
+
+@pytest.mark.process
+def test_compare_runs_fp32_and_bf16_and_writes_markdown_json_and_png(tmp_path: Path) -> None:
+    methods = ("shardwrap-s3", "fsdp2", "fsdp2-noreshard", "ddp")
+    cmd = [
+        sys.executable,
+        "benchmarks/compare.py",
+        "--methods",
+        "shardwrap",  # the alias of shardwrap-s3
+        *methods[1:],
+        "--precision",
+        "fp32",
+        "bf16",
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--config",
+        json.dumps(TINY),
+        "--theme",
+        "smoke",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("smoke_*.md")
+    (js,) = tmp_path.glob("smoke_*.json")
+    (png,) = tmp_path.glob("smoke_*.png")
+    report = json.loads(js.read_text())
+    rows = report["rows"]
+    assert list(rows) == ["fp32", "bf16"]
+    for precision, by_method in rows.items():
+        assert list(by_method) == list(methods)
+        for method, row in by_method.items():
+            assert row["step_s"] > 0 and row["peak_mb_per_rank"] > 0
+            assert row["comm_mb_per_step"] > 0
+            assert row["time_vs_fsdp2"] == pytest.approx(
+                row["step_s"] / by_method["fsdp2"]["step_s"]
+            )
+            (run,) = report["runs"][precision][method]
+            assert run["config"]["precision"] == precision
+            assert row["loss_diff_vs_ddp"] < (1e-5 if precision == "fp32" else 1e-3), method
+    for method in methods:
+        fp32, bf16 = rows["fp32"][method], rows["bf16"][method]
+        assert 1e-7 < abs(fp32["final_loss"] - bf16["final_loss"]) < 1e-2, method
+    # bf16 gathers and fp32 reductions: 2 + 2 + 4 bytes per parameter instead of 4 + 4 + 4.
+    for method in ("shardwrap-s3", "fsdp2", "fsdp2-noreshard"):
+        ratio = rows["bf16"][method]["comm_mb_per_step"] / rows["fp32"][method]["comm_mb_per_step"]
+        assert ratio < 0.8, (method, ratio)
+    assert rows["bf16"]["ddp"]["comm_mb_per_step"] == rows["fp32"]["ddp"]["comm_mb_per_step"]
+    # Kept from forward to backward, parameters are gathered once per step instead of twice.
+    fp32 = rows["fp32"]
+    assert fp32["fsdp2-noreshard"]["comm_mb_per_step"] < fp32["fsdp2"]["comm_mb_per_step"]
+    table = md.read_text()
+    for precision in ("fp32", "bf16"):
+        for method in methods:
+            assert f"| {method} | {precision} |" in table
+        assert f"\n- {precision}, shardwrap-s3 vs fsdp2: step time " in table
+    assert "time vs FSDP2" in table and "memory vs FSDP2" in table
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.process
+def test_scaling_runs_one_tiny_cell_and_writes_markdown_json_and_png(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "benchmarks/scaling.py",
+        *("--sizes", "32x2x2", "--world-sizes", "2", "--stages", "2"),
+        *("--steps", "1", "--context", "16", "--out-dir", str(tmp_path)),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("scaling_*.md")
+    (js,) = tmp_path.glob("scaling_*.json")
+    (png,) = tmp_path.glob("scaling_*.png")
+    report = json.loads(js.read_text())
+    (row,) = report["rows"]
+    assert (row["size"], row["stage"], row["world_size"]) == ("32x2x2", 2, 2)
+    assert row["params"] == report["sizes"]["32x2x2"]["params"]
+    assert 0 < row["build_resident_mb"] <= row["resident_mb"] and row["step_s"] > 0
+    assert row["ratio"] == pytest.approx(1, abs=0.1) and row["within"]
+    assert report["failed"] == []
+    assert "| 32x2x2 | " in md.read_text()
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
