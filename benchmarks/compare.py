@@ -30,16 +30,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from _launch import HERE, commit, hardware, run_once
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 DEEPSPEED = ("deepspeed-s1", "deepspeed-s2", "deepspeed-s3")
 METHODS = (
     "shardwrap-s1",
@@ -100,42 +98,6 @@ def deepspeed_version() -> str:
     from importlib.metadata import version
 
     return f"DeepSpeed {version('deepspeed')}"
-
-
-def run_once(method: str, config: dict[str, Any], nproc: int, timeout: float) -> dict[str, Any]:
-    """Launch one method under torchrun; return rank 0's result."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(HERE / "_worker.py"),
-        method,
-        json.dumps(config),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(
-        f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0).replace(" ", "-").lower()
-    return f"cpu{os.cpu_count()}"
-
-
-def commit() -> str:
-    """The checked-out commit, for the report (``unknown`` outside a git checkout)."""
-    proc = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    return proc.stdout.strip() or "unknown"
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:

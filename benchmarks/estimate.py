@@ -12,17 +12,16 @@ world size and batch from the meta device. The report goes to ``benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _launch
 import torch
+from _launch import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shardwrap import estimate_memory  # noqa: E402
@@ -32,19 +31,13 @@ MB = 2**20
 
 def measure(stage: int, config: dict[str, object]) -> dict[str, object]:
     """One ``_worker.py`` run of ``shardwrap-s{stage}``; its result line."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", "benchmarks/_worker.py"]
-    cmd += [f"shardwrap-s{stage}", json.dumps(config)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return _launch.run_once(f"shardwrap-s{stage}", config, 2, None)
 
 
 def tracked(stage: int, model: dict[str, int], batch: int, steps: int) -> int:
     """The same training with ranks as threads, every storage each rank creates from wrapping
     on tracked (``tests/_memory.py``); the larger rank's peak of live bytes."""
-    from tests.test_estimate import measured_peak
+    from tests.planning.test_estimate import measured_peak
 
     return measured_peak({"vocab": 256, **model}, stage, batch, steps, timeout=600.0)
 
@@ -77,9 +70,7 @@ def main() -> None:
             f"| {rss:.0f} ({est.peak / MB / rss:.3f}) |"
         )
         print(rows[-1], flush=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = _launch.commit()
     cols = ["stage", "params", "grads", "optimizer", "working set", "activations", "peak at"]
     cols += ["estimate", "tracked (ratio)", "resident set (ratio)"]
     header = f"| {' | '.join(cols)} |\n|{'---|' * len(cols)}"

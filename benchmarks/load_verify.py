@@ -17,22 +17,21 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _launch import ROOT, python
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = dict(vocab=256, width=1024, heads=16, depth=8, context=64)
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     sys.path.insert(0, str(ROOT))
+    from examples.train_gpt import GPT, Block
     from shardwrap import ShardedModule
-    from tests.support.models import GPT, Block
 
     torch.manual_seed(0)
     model = ShardedModule(GPT(**CONFIG), auto_wrap=Block)
@@ -75,9 +74,7 @@ def _evict(folder: Path) -> None:
 
 
 def _child(*args: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, *args]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return python(__file__, *args).stdout
 
 
 def main() -> None:

@@ -31,17 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _launch import HERE, commit, hardware, run_once
 from compare import (
     ALIASES,
     DEEPSPEED,
-    HERE,
     INSTALL_HINT,
     METHODS,
-    commit,
     deepspeed_installed,
     deepspeed_version,
-    hardware,
-    run_once,
     select_methods,
 )
 

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,8 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+from _launch import ROOT, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
 
@@ -77,8 +76,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
+    from examples.train_gpt import GPT, Block
     from shardwrap import Offload, ShardedModule
-    from tests.support.models import GPT, Block
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -198,14 +197,12 @@ def _bandwidth(folder: Path) -> tuple[float, float]:
 
 
 def _launch(args: argparse.Namespace, kind: str, result: Path, store: Path) -> list[dict]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    torchrun(
         __file__, "--worker", kind, "--result", str(result), "--store", str(store),
         "--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps),
         "--batch", str(args.batch), "--context", str(args.context),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+        capture=False, check=True,
+    )  # fmt: skip
     return json.loads(result.read_text())
 
 

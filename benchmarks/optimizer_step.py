@@ -38,8 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _launch import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 COPY_NUMEL = 100_000_000
 BYTES_PER_ELEMENT = {"AdamW": 7 * 4, "SGD": 5 * 4}  # fp32 tensors read + written per element
 

@@ -5,7 +5,7 @@ world size and model size, against each stage's memory formula.
     python benchmarks/scaling.py --sizes 25m 100m --world-sizes 1 2 --stages 2 3 --steps 2
     python benchmarks/scaling.py --sizes 64x2x2 --world-sizes 1 2   # WIDTHxDEPTHxHEADS
 
-Each cell is two ``torchrun`` launches of ``benchmarks/_worker.py`` (``compare.run_once``) with
+Each cell is two ``torchrun`` launches of ``benchmarks/_worker.py`` (``_launch.run_once``) with
 ``shardwrap-s<stage>``: the GPT of ``examples/train_gpt.py`` trained in fp32 with AdamW, the
 per-rank batch and context fixed, so the work per rank is the same at every world size N (the
 global batch grows with N). The first launch measures the median step time (slowest rank) and
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compare import HERE, ROOT, commit, hardware, run_once
+from _launch import HERE, ROOT, commit, hardware, run_once
 
 sys.path.insert(0, str(ROOT))
 

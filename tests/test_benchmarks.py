@@ -29,11 +29,18 @@ pytestmark = pytest.mark.stage3  # no stage of the tests' own is involved: once 
 
 
 def load_benchmark(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    """``benchmarks/<name>.py`` as its script runs: its folder first on the path while it
+    loads, where it finds ``_launch`` and ``compare``."""
+    folder = str(ROOT / "benchmarks")
+    spec = importlib.util.spec_from_file_location(name, f"{folder}/{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # as an import would: dataclasses look their module up
-    spec.loader.exec_module(module)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
     return module
 
 
@@ -42,14 +49,12 @@ def load_compare() -> ModuleType:
 
 
 @pytest.fixture
-def scaling(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare as a script does
+def scaling() -> ModuleType:
     return load_benchmark("scaling")
 
 
 @pytest.fixture
-def max_batch(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare as a script does
+def max_batch() -> ModuleType:
     return load_benchmark("max_batch")
 
 

@@ -1,0 +1,96 @@
+"""What every benchmark shares: the checkout it runs from, its launches in fresh processes, and
+what its reports record of the machine and the code.
+
+Every measurement runs in fresh processes, so that memory high-water marks are its own: training
+under ``torchrun --standalone`` (a free port each time), anything else as a plain Python child.
+Each runs from the checkout's root, which it can import (``shardwrap``, ``examples``), with one
+thread per process (``OMP_NUM_THREADS=1``), as the reports state. A script imports this module
+from its own folder, which Python puts first on the path of ``python benchmarks/<script>.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def torchrun(
+    script: str | Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float | None = None,
+    capture: bool = True,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under ``torchrun --standalone`` on ``nproc`` ranks.
+
+    Its output is captured, or with ``capture=False`` goes to this terminal as it comes; with
+    ``check`` a failed run raises ``CalledProcessError``, and past ``timeout`` seconds any run
+    raises ``TimeoutExpired``.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", str(script), *args]
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=capture,
+        text=True,
+        timeout=timeout,
+        check=check,
+    )
+
+
+def python(script: str | Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh Python process, its output captured; a failure raises
+    ``CalledProcessError``."""
+    cmd = [sys.executable, str(script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, check=True)
+
+
+def run_once(
+    method: str, config: dict[str, Any], nproc: int, timeout: float | None
+) -> dict[str, Any]:
+    """Train ``method`` once in ``_worker.py`` under torchrun; return rank 0's result.
+
+    Raises:
+        RuntimeError: the run printed no result; the message holds its exit code and the end
+            of its output.
+        subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds.
+    """
+    proc = torchrun(HERE / "_worker.py", method, json.dumps(config), nproc=nproc, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(
+        f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+
+
+def hardware() -> str:
+    """The GPU's name, or ``cpu<cores>``: the part of a report's file name that says where it
+    ran."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).replace(" ", "-").lower()
+    return f"cpu{os.cpu_count()}"
+
+
+def commit() -> str:
+    """The checked-out commit, for the report (``unknown`` outside a git checkout)."""
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "unknown"
