@@ -1,5 +1,5 @@
-"""What every benchmark shares: the checkout it runs from, its launches in fresh processes, and
-what its reports record of the machine and the code.
+"""What every benchmark shares: the checkout it runs from, its launches in fresh processes, where
+its reports go and what they record of the machine and the code.
 
 Every measurement runs in fresh processes, so that memory high-water marks are its own: training
 under ``torchrun --standalone`` (a free port each time), anything else as a plain Python child.
@@ -21,6 +21,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+
+
+def results_dir(benchmark: str) -> Path:
+    """The folder of ``benchmark``'s reports, ``benchmarks/results/<benchmark>/``, indexed in
+    ``benchmarks/results/README.md``."""
+    return HERE / "results" / benchmark
 
 
 def _env() -> dict[str, str]:

@@ -17,8 +17,8 @@ and the ratios to FSDP2 and DDP of the same precision; then the target ratios of
 against DeepSpeed at each stage, DDP and FSDP2, each met or not (``TARGETS``). ``bf16`` is
 mixed precision on fp32 master weights (see ``benchmarks/_worker.py``). The DeepSpeed rows need
 the ``bench`` extra (``pip install -e '.[bench]'`` or ``make bench``); without it they are
-skipped unless asked for. Output: ``benchmarks/results/<theme>_<hardware>_<date>.md``, a JSON
-file and a PNG bar chart beside it.
+skipped unless asked for. Output: ``benchmarks/results/compare/<theme>_<hardware>_<date>.md``, a
+JSON file and a PNG bar chart beside it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _launch import HERE, commit, hardware, run_once
+from _launch import commit, hardware, results_dir, run_once
 
 DEEPSPEED = ("deepspeed-s1", "deepspeed-s2", "deepspeed-s3")
 METHODS = (
@@ -281,7 +281,7 @@ def main() -> None:
     parser.add_argument(
         "--theme", help="default: gpt101m_<precisions> (t5_<precisions>), e.g. gpt101m_bf16"
     )
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=results_dir("compare"))
     parser.add_argument("--timeout", type=float, default=1200)
     args = parser.parse_args()
     methods, args.skipped = select_methods(args.methods, METHODS, deepspeed_installed())

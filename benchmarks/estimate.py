@@ -6,7 +6,7 @@ Each stage trains in fresh ``torchrun`` processes (2 ranks, gloo) through ``_wor
 (``shardwrap-s1``/``-s2``/``-s3``, fp32 AdamW, its reference configuration), which reports each
 rank's peak memory: the resident set's high-water mark above the resident set before the model
 was built (on GPU, ``max_memory_allocated``). ``shardwrap.estimate_memory`` plans the same model,
-world size and batch from the meta device. The report goes to ``benchmarks/results/``.
+world size and batch from the meta device. The report goes to ``benchmarks/results/estimate/``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks/results/estimate_cpu2_2026-11-23.md"
+        "--out", type=Path, default=ROOT / "benchmarks/results/estimate/estimate_cpu2_2026-11-23.md"
     )
     args = p.parse_args()
     model = {"width": 1024, "depth": 8, "heads": 16, "context": 64}  # _worker.Config's defaults

@@ -1,6 +1,6 @@
 """What checking checksums costs a load: the 101M GPT's checkpoint with AdamW state.
 
-    python benchmarks/load_verify.py [--rounds 3] [--out benchmarks/results/load_verify.md]
+    python benchmarks/load_verify.py [--rounds 3] [--out benchmarks/results/load_verify/FILE.md]
 
 Saves the checkpoint (world size 1: 1.2 GB, parameters and two AdamW moments) under a
 temporary folder, then times ``load_checkpoint`` in fresh processes, alternating loads that

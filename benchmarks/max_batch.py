@@ -16,7 +16,7 @@ The time column is ``--samples`` samples over all ranks at each method's largest
 time times the steps needed. That step time is the fitting trial's, or, with ``--time-steps K``,
 the median of K steps of one more launch at that batch (a search can then run one timed step
 per trial, ``"steps": 1`` in the config, and still report a steady time). Output:
-``benchmarks/results/<name>_<hardware>_<date>.md`` (``--name``, default ``max_batch``).
+``benchmarks/results/max_batch/<name>_<hardware>_<date>.md`` (``--name``, default ``max_batch``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _launch import HERE, commit, hardware, run_once
+from _launch import commit, hardware, results_dir, run_once
 from compare import (
     ALIASES,
     DEEPSPEED,
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument(
         "--config", default="{}", help="JSON overrides of benchmarks/_worker.py Config"
     )
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=results_dir("max_batch"))
     parser.add_argument("--name", default="max_batch", help="the report's file name stem")
     args = parser.parse_args()
     methods, skipped = select_methods(args.methods, DEFAULT, deepspeed_installed())

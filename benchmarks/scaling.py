@@ -16,8 +16,8 @@ formula (README, "Memory per stage"): the model states of ``FORMULAS`` plus the 
 activations, evaluated on this model, batch and N by ``shardwrap.estimate_memory`` on the meta
 device. A cell meets the project's requirement when the allocated peak is within
 ``TOLERANCE`` of the prediction; on GPU the first launch's ``max_memory_allocated`` is that
-peak and the second launch is skipped. Output: ``benchmarks/results/scaling_<hardware>_<date>.md``,
-a JSON file and a PNG plot beside it.
+peak and the second launch is skipped. Output:
+``benchmarks/results/scaling/scaling_<hardware>_<date>.md``, a JSON file and a PNG plot beside it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _launch import HERE, ROOT, commit, hardware, run_once
+from _launch import ROOT, commit, hardware, results_dir, run_once
 
 sys.path.insert(0, str(ROOT))
 
@@ -341,7 +341,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--batch", type=int, default=2, help="per rank")
     parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=results_dir("scaling"))
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     args = parser.parse_args()
     config = {
