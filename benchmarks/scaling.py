@@ -12,7 +12,7 @@ global batch grows with N). The first launch measures the median step time (slow
 the resident-set peak; the second counts every storage each rank creates (``"track"``: the
 CPU's counterpart of ``max_memory_allocated``, what the library and the model allocate, without
 the allocator's retention) over a first and a steady second step. Predicted: each stage's
-formula (README, "Memory per stage"): the model states of ``FORMULAS`` plus the working set and
+formula (docs/stages-and-tiers.md): the model states of ``FORMULAS`` plus the working set and
 activations, evaluated on this model, batch and N by ``shardwrap.estimate_memory`` on the meta
 device. A cell meets the project's requirement when the allocated peak is within
 ``TOLERANCE`` of the prediction; on GPU the first launch's ``max_memory_allocated`` is that

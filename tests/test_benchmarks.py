@@ -2,8 +2,8 @@
 reference, and it skips DeepSpeed only where nobody asked for it.
 
 ``benchmarks/scaling.py``: its parameter count is the example GPT's, its model states are the
-README's stage formulas, its prediction is the planner's, and its report from a made-up result
-set judges every cell's allocated peak against it.
+stage formulas of docs/stages-and-tiers.md, its prediction is the planner's, and its report from
+a made-up result set judges every cell's allocated peak against it.
 
 ``benchmarks/max_batch.py``: against launches faked by a linear memory model, its search finds
 the exact edge of the budget (or none, or its limit), and ``--time-steps`` times the largest

@@ -92,7 +92,7 @@ def test_a_restarted_demo_resumes_its_own_run(tmp_path: Path) -> None:
     whole = launch("examples/train_gpt.py", *common, "--out-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
-    # The launch line the README gives for restarts, with no --name.
+    # The launch line docs/operations.md gives for restarts, with no --name.
     out = tmp_path / "restarted"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
