@@ -118,6 +118,18 @@ def run(case: str, work: Path, rank: int, timeout: datetime.timedelta) -> None:
         _step(model, opt, step, rank, clip=case == "desync-clip")
 
 
+def _wait_for_every_rank(work: Path, rank: int, limit_s: float = 60.0) -> None:
+    """Stay alive until every rank has ended (marker files; there is no group to wait on):
+    torchrun stops the other ranks as soon as one exits, before a slower one could raise."""
+    (work / f"ended-{rank}").touch()
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if all((work / f"ended-{r}").exists() for r in range(world)):
+            return
+        time.sleep(0.05)
+
+
 def main(case: str, work: str, timeout_s: str) -> None:
     rank = int(os.environ["RANK"])
     try:
@@ -130,6 +142,8 @@ def main(case: str, work: str, timeout_s: str) -> None:
     except Exception as e:
         traceback.print_exc()
         print(f"ENDED {rank} {type(e).__name__}: {e}", flush=True)
+        if case == "no-group":
+            _wait_for_every_rank(Path(work), rank)
         sys.exit(1)
     print(f"ENDED {rank} normally", flush=True)
 
