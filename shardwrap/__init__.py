@@ -6,6 +6,7 @@ shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 """
 
 from . import _hf  # noqa: F401  (registers the Hugging Face habits with the engine)
+from ._allocations import AllocationTracker, track_allocations
 from ._checkpoint import latest_checkpoint, save_checkpoint
 from ._checkpoint_load import load_checkpoint
 from ._collectives import CollectiveFailed, CommStats
@@ -19,6 +20,7 @@ from ._options import MixedPrecision
 from ._sharded_module import ShardedModule
 
 __all__ = [
+    "AllocationTracker",
     "CollectiveFailed",
     "CommStats",
     "Logbook",
@@ -36,4 +38,5 @@ __all__ = [
     "load_checkpoint",
     "load_pretrained",
     "save_checkpoint",
+    "track_allocations",
 ]

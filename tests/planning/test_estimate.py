@@ -10,7 +10,9 @@ What this file proves:
 - the command line prints one row per stage and tier, and the disk tier moves the shards,
   gradients and optimizer state to files;
 - a Hugging Face model type is planned from its config alone;
-- bad input (stage 4, world size 0, the disk tier at stage 1) raises naming the fix.
+- bad input (stage 4, world size 0, the disk tier at stage 1) raises naming the fix;
+- ``track_allocations`` counts the tensors made inside it while they live, and neither views
+  of tensors made before nor memory torch was handed (a mapped file).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_estimate.py -q``
 """
@@ -18,7 +20,9 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_estimate.py -q``
 from __future__ import annotations
 
 import copy
+import mmap
 import time
+import warnings
 
 import pytest
 import torch
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from examples.train_gpt import GPT, Block
-from shardwrap import MixedPrecision, ShardedModule, estimate_memory
+from shardwrap import MixedPrecision, ShardedModule, estimate_memory, track_allocations
 from shardwrap.estimate import main
 from tests.support.memory import StorageTracker
 from tests.support.ranks import run_ranks
@@ -177,3 +181,40 @@ def test_the_help_shows_each_example_on_its_own_line(capsys: pytest.CaptureFixtu
     assert "    python -m shardwrap.estimate gpt2 --world-size 8 --batch 4 --seq 1024" in lines
     kwargs = """        --kwargs '{"width": 1024, "depth": 8, "heads": 16, "context": 64}'"""
     assert kwargs in lines
+
+
+# the allocation measure ----------------------------------------------------------------
+
+
+def test_tracked_allocations_count_what_the_block_makes_while_it_lives() -> None:
+    before = torch.ones(1000)  # 4000 bytes, made outside
+    with track_allocations() as tracked:
+        a = torch.zeros(1000)  # 4000
+        b = torch.tensor([1.0, 2.0])  # 8, filled outside any op, then lifted
+        view = before[10:20].view(2, 5)  # over a tensor made before: nothing new
+        before.mul_(2)  # in place: nothing new
+        del a
+        c = torch.empty(500, dtype=torch.float64)  # 4000, made after a is freed
+        assert tracked.live() == 4008
+        tracked.reset_peak()
+        d = torch.empty(250)  # 1000
+        del d
+    assert tracked.peak == 5008 and tracked.live() == 4008
+    assert view.shape == (2, 5) and b.numel() == 2 and c.numel() == 500
+
+
+def test_tracked_allocations_leave_out_memory_torch_was_handed() -> None:
+    mapped = mmap.mmap(-1, 4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns that the buffer is writable
+        with track_allocations() as tracked:
+            in_file = torch.frombuffer(mapped, dtype=torch.uint8).view(torch.float32)  # 4096
+            in_file.add_(1)
+            copy = in_file.clone()  # 4096, torch's own
+    assert tracked.peak == 4096 and copy.numel() == 1024
+
+
+def test_tracked_allocations_can_count_one_device() -> None:
+    with track_allocations(device="cuda") as on_gpu, track_allocations(device="cpu") as on_cpu:
+        kept = torch.zeros(256)
+    assert on_gpu.peak == 0 and on_cpu.peak == 1024 and kept.numel() == 256
