@@ -2,26 +2,22 @@
 
 Design note. The bytes that scale with the model come from the flat layout and the wrapping
 policy that ``ShardedModule`` itself uses (``_estimate_trace.py`` splits a meta-device twin of
-the model into units and flat groups); activations and the optimizer's temporaries are measured
-by running the meta model and one optimizer step. The planner then replays the meta run's trace,
-unit boundary by unit boundary, with each stage's buffer lifetimes on top (``_strategy.py``):
+the model into units and flat groups); activations are measured by running the meta model
+with its parameters shown as views of per-group buffers, as the engine shows them, so that
+autograd hands each group's gradients over at the moment it hands the engine's over; the
+optimizer's state and temporaries by one step over meta shards. The meta run's trace is then
+replayed with the engine's own decisions on top (``_estimate_replay.py``): gathers, prefetch
+and the buffer pool's spares, flat gradients and the reductions in flight, where each tier
+keeps shards, gradients and state, and the host tier's staged copies.
 
-- stage 3 gathers a unit before its forward and its backward and prefetches the next one into
-  buffers handed on through a pool that keeps up to two spares per size (``_pool.py``); the
-  root, and the unit that ran last in forward, stay gathered for backward;
-- autograd holds a unit's per-parameter gradients until the last of them exists, then the unit's
-  flat gradient (padded, in the reduce dtype) is built, and reduce-scattered with at most one
-  reduction in flight (``_reduce.py``); stage 1 keeps every flat gradient until the end of
-  backward; on the CPU over more than two ranks a reduction in flight also receives each
-  peer's piece into a buffer of its own (``_collectives.py``), (N-1)/N of the group;
-- the reduced 1/N gradients stay until ``zero_grad()``, through the optimizer step.
-
-The peak is the largest sum over the replay, counted on the rank with the most real elements
-(rank 0), in steady state (from the second step on: optimizer state exists, prefetch is on).
+What the plan counts is what ``shardwrap.track_allocations`` measures: the tensors a rank
+creates from wrapping on, at their peak over the first step and the steady ones after it, on
+the rank with the most real elements (rank 0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections import Counter
 from collections.abc import Callable
@@ -31,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._estimate_trace import GroupSpec, Trace, causal_loss, meta_twin, optimizer_bytes, trace
+from ._estimate_replay import Tier, replay
+from ._estimate_trace import causal_loss, meta_twin, optimizer_bytes, trace
 from ._options import MixedPrecision
 from ._wrap import AutoWrap
 
@@ -52,19 +49,25 @@ class MemoryEstimate:
     stage: int
     offload: str | None
     params: int
-    """Shards, and at stages 1 and 2 the full parameters kept (a low-precision copy too)."""
+    """Shards held in this memory, and at stages 1 and 2 the full parameters kept (the shard
+    a slice of them where they compute in its dtype)."""
     grads: int
-    """Gradients: per-parameter ones autograd holds, flat ones, reduced 1/N shards."""
+    """Flat gradients (being made, or reducing), reduced 1/N shards and the buffers peers'
+    pieces land in, and the host tier's kept gradient buffers."""
     optimizer: int
     """Optimizer state, plus its step's temporaries when the peak is in the step."""
     working_set: int
-    """Gathered flat buffers: units in flight and the pool's spares (stage 3)."""
+    """Gathered flat buffers of units in flight, the pool's spares (buffers and flat
+    gradients kept for reuse), and the host tier's shard copies staged for gathers."""
     activations: int
-    """Activations and temporaries of forward and backward, measured on the meta device."""
+    """Activations and temporaries of forward and backward, the per-parameter gradients
+    autograd holds until their group's flat gradient is made, and the previous step's outputs
+    until forward returns; measured on the meta device."""
     phase: str
     """Where the peak falls: ``"forward"``, ``"backward"`` or ``"optimizer step"``."""
     host: int = 0
-    """Peak bytes in host memory beside a GPU (the cpu tier with ``device="cuda"``)."""
+    """Peak bytes in host memory beside a GPU (the cpu tier with ``device="cuda"``): shards,
+    their gradient buffers, the optimizer's state and step."""
     disk: int = 0
     """Bytes in the disk tier's files (shards, gradient buffers, optimizer state)."""
 
@@ -87,6 +90,8 @@ class MemoryPlan:
     precision: str
     device: str
     rows: tuple[MemoryEstimate, ...] = field(default=())
+    inputs: str = ""
+    """Each sample, as fed: ``"seq 128"`` (token ids), ``"3x224x224 images"``."""
 
     def row(self, stage: int, offload: str | None = None) -> MemoryEstimate:
         """The estimate for ``stage`` and ``offload``."""
@@ -96,9 +101,10 @@ class MemoryPlan:
         raise KeyError(f"no estimate for stage {stage}, offload {offload!r} in this plan")
 
     def __str__(self) -> str:
+        sample = self.inputs or f"seq {self.seq}"
         head = (
             f"{self.model}: {self.params / 1e6:,.1f}M parameters in {self.units} units, "
-            f"world size {self.world_size}, batch {self.batch} x seq {self.seq}, "
+            f"world size {self.world_size}, batch {self.batch} x {sample}, "
             f"{self.precision}, {self.device}; per rank:"
         )
         cols = ["stage", "offload", "params", "grads", "optimizer", "working set"]
@@ -144,12 +150,17 @@ def estimate_memory(
         world_size: ranks sharing the model.
         stage: a ZeRO stage or several.
         offload: ``None``, ``"cpu"`` or ``"disk"``, or several: one row per stage and tier
-            (the disk tier at stage 3 only, as ``ShardedModule`` allows).
+            (the disk tier at stage 3 only, as ``ShardedModule`` allows). The cpu tier with
+            ``device="cpu"`` changes nothing, as in ``ShardedModule``. Offloaded optimizers
+            step with torch's fused kernel where their groups leave the choice to torch.
         mixed_precision: as given to ``ShardedModule``.
         batch, seq: per-rank inputs. A ``transformers`` model gets ``input_ids`` and ``labels``
-            (and ``decoder_input_ids`` if it is an encoder-decoder) of shape ``(batch, seq)``;
-            any other model is called on one int64 ``(batch, seq)`` tensor and returns a loss
-            or logits, scored by next-token cross-entropy in fp32.
+            (and ``decoder_input_ids`` if it is an encoder-decoder) of shape ``(batch, seq)``,
+            or if it takes images, ``batch`` images of its config's size (``seq`` unused) and
+            for a classifier their labels; any other model is called on one int64
+            ``(batch, seq)`` tensor and returns a loss or logits, scored by next-token
+            cross-entropy in fp32. The outputs stay alive until the next forward returns, as
+            in a loop that keeps ``out = model(...)``.
         auto_wrap: as given to ``ShardedModule``; default: a ``transformers`` model's
             ``_no_split_modules``, else the most frequent class held in an ``nn.ModuleList``.
         optimizer: ``"adamw"`` (default), ``"sgd"`` (with momentum), ``"none"``, or a factory
@@ -162,32 +173,46 @@ def estimate_memory(
         One :class:`MemoryEstimate` per stage and offload tier; ``print`` it for a table.
 
     Raises:
-        ValueError: a stage, world size, tier, batch or optimizer out of range, or the disk
-            tier below stage 3, naming the fix.
+        ValueError: a stage, world size, tier, batch or optimizer out of range, the disk
+            tier below stage 3, a ``transformers`` model whose inputs are neither token ids
+            nor images, or one that computes no loss from them, naming the fix.
     """
     stages = (stage,) if isinstance(stage, int) else tuple(stage)
     tiers = offload if isinstance(offload, tuple) else (offload,)
     _check(world_size, stages, tiers, batch, seq, optimizer, device)
     name, model, is_hf = _meta_model(model_or_config, kwargs or {})
     ids = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
+    feed, inputs = _hf_inputs(model, batch, seq) if is_hf else ({}, f"seq {seq}")
 
     def loss_of(m: nn.Module) -> tuple[Tensor, Any]:
         if is_hf:
-            extra = {"decoder_input_ids": ids} if m.config.is_encoder_decoder else {}
-            out = m(input_ids=ids, labels=ids, **extra)
-            return out.loss, out.logits
+            out = m(**feed)
+            if out.get("loss") is None:
+                raise ValueError(
+                    f"estimate_memory: {type(m).__name__} computes no loss from "
+                    f"{', '.join(feed)}; plan a model with a head that does (e.g. "
+                    "...ForCausalLM, ...ForImageClassification), or a factory whose "
+                    "forward(ids) returns the loss ('module:factory')."
+                )
+            return out.loss, out  # a training loop keeps the outputs until the next forward
         out = m(ids)
         return causal_loss(out, ids), out
 
     wrap = auto_wrap if auto_wrap is not None else _default_wrap(model)
     tr = trace(model, wrap, world_size, mixed_precision, loss_of, fused_dropout=device == "cuda")
-    state, most = optimizer_bytes(tr.groups, _optimizer(optimizer, device))
-    rows = tuple(
-        _Replay(tr, s, tier, state, most, device).run()
-        for s in stages
-        for tier in tiers
-        if tier != "disk" or s == 3
-    )
+    make_optimizer = _optimizer(optimizer)
+    rows = []
+    for tier in tiers:
+        where = _tier(tier, device)
+        # The offload tiers step with torch's fused kernel where the user left the choice.
+        state, most = optimizer_bytes(
+            tr.groups, make_optimizer, device, fuse=where.staged or where.disk
+        )
+        for s in stages:
+            if tier != "disk" or s == 3:
+                parts = replay(tr, s, where, state, most, device)
+                rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts)))
+    rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
     precision = "fp32"
     if mixed_precision is not None and mixed_precision.param_dtype is not None:
         precision = f"{str(mixed_precision.param_dtype).removeprefix('torch.')} mixed precision"
@@ -198,9 +223,10 @@ def estimate_memory(
         world_size=world_size,
         batch=batch,
         seq=seq,
+        inputs=inputs,
         precision=precision,
         device=device,
-        rows=rows,
+        rows=tuple(rows),
     )
 
 
@@ -238,16 +264,22 @@ def _check(
 
 
 def _optimizer(
-    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer], device: str
+    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer],
 ) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None:
     if callable(optimizer):
         return optimizer
-    foreach = device == "cuda"  # torch's default: one foreach step on CUDA, per tensor on CPU
     if optimizer == "adamw":
-        return lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+        return lambda params: torch.optim.AdamW(params, lr=1e-4)
     if optimizer == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
     return None
+
+
+def _tier(offload: str | None, device: str) -> Tier:
+    """What the engine makes of ``offload`` on ``device`` (``_home.make_home``): the cpu tier
+    stages shards to a GPU, and changes nothing on a CPU."""
+    staged = offload == "cpu" and device == "cuda"
+    return Tier(staged=staged, apart=staged and device == "cuda", disk=offload == "disk")
 
 
 def _meta_model(spec: Any, kwargs: dict[str, Any]) -> tuple[str, nn.Module, bool]:
@@ -261,10 +293,24 @@ def _meta_model(spec: Any, kwargs: dict[str, Any]) -> tuple[str, nn.Module, bool
             model = factory(**kwargs)
         return spec, model, _is_hf(model)
     if isinstance(spec, str) or type(spec).__name__.endswith("Config"):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+        from transformers import (
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoModelForImageClassification,
+            AutoModelForSeq2SeqLM,
+        )
 
         config = AutoConfig.for_model(spec, **kwargs) if isinstance(spec, str) else spec
-        auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+        autos = [AutoModelForCausalLM, AutoModelForImageClassification]
+        if config.is_encoder_decoder:
+            autos.insert(0, AutoModelForSeq2SeqLM)
+        auto = next((a for a in autos if type(config) in a._model_mapping), None)
+        if auto is None:
+            raise ValueError(
+                f"estimate_memory: a {type(config).__name__} names no causal, sequence-to-"
+                "sequence or image-classification model; build the model you train under "
+                'torch.device("meta") and pass it.'
+            )
         with torch.device("meta"):
             model = auto.from_config(config)
         return spec if isinstance(spec, str) else type(spec).__name__, model, True
@@ -275,6 +321,39 @@ def _meta_model(spec: Any, kwargs: dict[str, Any]) -> tuple[str, nn.Module, bool
     raise TypeError(
         f"estimate_memory takes a module, a transformers config or model type (e.g. 'gpt2'), "
         f"'module:factory' or a callable, got {type(spec).__name__}."
+    )
+
+
+def _hf_inputs(model: nn.Module, batch: int, seq: int) -> tuple[dict[str, Tensor], str]:
+    """What a ``transformers`` model is fed (on the meta device), and how the plan says it.
+
+    1. Token models (``main_input_name`` ``input_ids``): ``input_ids`` and ``labels`` of
+       ``(batch, seq)``, and ``decoder_input_ids`` for an encoder-decoder.
+    2. Vision models (``pixel_values``): images of ``(batch, channels, height, width)`` from
+       the config, and for an image classifier one class label per image.
+    3. Anything else (audio features, ...): refused, naming the input and the fix.
+    """
+    kind = getattr(model, "main_input_name", "input_ids")
+    config = model.config
+    if kind == "input_ids":
+        ids = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
+        feed = {"input_ids": ids, "labels": ids}
+        if config.is_encoder_decoder:
+            feed["decoder_input_ids"] = ids
+        return feed, f"seq {seq}"
+    if kind == "pixel_values":
+        size = config.image_size
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        shape = (batch, config.num_channels, height, width)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        feed = {"pixel_values": torch.zeros(shape, dtype=dtype, device="meta")}
+        if "ForImageClassification" in type(model).__name__:
+            feed["labels"] = torch.zeros(batch, dtype=torch.int64, device="meta")
+        return feed, f"{shape[1]}x{height}x{width} images"
+    raise ValueError(
+        f"estimate_memory: {type(model).__name__} takes {kind!r}; the planner feeds token ids "
+        "(input_ids) or images (pixel_values). Plan a factory instead ('module:factory'): a "
+        "module whose forward(ids) builds this model's inputs and returns its loss."
     )
 
 
@@ -299,230 +378,3 @@ def _default_wrap(model: nn.Module) -> tuple[type[nn.Module], ...]:
             "by default; pass auto_wrap= as you would to ShardedModule."
         )
     return (counts.most_common(1)[0][0],)
-
-
-# the replay ----------------------------------------------------------------------------
-
-
-class _Pool:
-    """The engine's buffer pool by size: buffers in use, and up to ``keep`` spares per size."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self.holding = True
-        self.in_use: dict[int, tuple[int, int]] = {}  # group -> (key, bytes)
-        self.free: Counter[tuple[int, int]] = Counter()
-
-    @property
-    def bytes(self) -> int:
-        return sum(n for _, n in self.in_use.values()) + sum(k[1] * c for k, c in self.free.items())
-
-    def take(self, g: int, spec: GroupSpec) -> None:
-        key = (spec.layout.padded_numel, spec.full)
-        if self.free[key]:
-            self.free[key] -= 1
-        self.in_use[g] = (key, spec.full)
-
-    def give(self, g: int) -> None:
-        key, _ = self.in_use.pop(g)
-        if self.holding and self.free[key] < self.keep:
-            self.free[key] += 1
-
-
-class _Replay:
-    """Replays a trace with one stage's lifetimes; keeps the peak and its breakdown."""
-
-    def __init__(
-        self, tr: Trace, stage: int, tier: str | None, state: int, most: int, device: str
-    ) -> None:
-        self.tr, self.stage, self.offload = tr, stage, tier
-        self.world = tr.groups[0].layout.world_size if tr.groups else 1
-        groups = tr.groups
-        host = tier == "cpu" and device == "cuda"
-        disk = tier == "disk"
-        shards = sum(g.shard for g in groups)
-        if stage == 3:
-            kept = 0
-        elif host:  # the full parameters on the device, the shards on the host
-            kept = sum(g.full for g in groups)
-        else:  # the full parameters: the shard is a slice of them unless they compute apart
-            kept = sum(g.full - (g.shard if g.compute_dtype == g.dtype else 0) for g in groups)
-        self.params = kept + (0 if host or disk else shards)
-        self.opt_state = 0 if host or disk else state
-        self.opt_step = 0 if host else most - (state if disk else 0)
-        self.shard_grads_here, self.shard_grads_host = not (host or disk), host
-        self.host_fixed = shards + state if host else 0
-        self.host_step = most - state if host else 0
-        self.disk = shards + sum(g.shard_grad for g in groups) + state if disk else 0
-        self.pool = _Pool()
-        self.gathered: set[int] = set()
-        self.held = [0] * len(groups)  # per-parameter gradients autograd holds, per group
-        self.flat: dict[int, int] = {}  # flat gradients alive (not yet reduced)
-        self.shard_grads = 0  # reduce-scatter outputs alive
-        self.pending: list[int] = []  # groups whose reduction is in flight
-        self.receive_peers = self.world - 1 if device == "cpu" and self.world > 2 else 0
-        self.order = [
-            i
-            for u in sorted(range(len(tr.units)), key=lambda u: -u)
-            for i, g in enumerate(groups)
-            if g.unit == u and g.requires_grad
-        ]
-        self.ready = {i: False for i in self.order}
-        self.issued = 0
-        self.best: tuple[int, ...] = (-1,)
-        self.phase = self.best_phase = "forward"
-        self.host_peak = 0
-
-    # accounting ----------------------------------------------------------------------
-
-    def check(self, activations: int) -> None:
-        parts = (
-            self.params,
-            sum(self.held)
-            + sum(self.flat.values())
-            + self.shard_grads * self.shard_grads_here
-            + self.receive_peers * sum(self.tr.groups[g].shard_grad for g in self.pending),
-            self.opt_step if self.phase == "optimizer step" else self.opt_state,
-            self.pool.bytes,
-            activations,
-        )
-        if sum(parts) > sum(self.best):
-            self.best, self.best_phase = parts, self.phase
-        host = self.host_fixed + (self.host_step if self.phase == "optimizer step" else 0)
-        self.host_peak = max(self.host_peak, host + self.shard_grads * self.shard_grads_host)
-
-    # units ----------------------------------------------------------------------------
-
-    def groups_of(self, unit: int) -> list[int]:
-        return [i for i, g in enumerate(self.tr.groups) if g.unit == unit]
-
-    def gather(self, unit: int, live: int) -> None:
-        if self.stage == 3 and unit not in self.gathered:
-            self.gathered.add(unit)
-            for g in self.groups_of(unit):
-                self.pool.take(g, self.tr.groups[g])
-            self.check(live)
-
-    def reshard(self, unit: int) -> None:
-        if unit in self.gathered:
-            self.gathered.discard(unit)
-            for g in self.groups_of(unit):
-                if g in self.pool.in_use:
-                    self.pool.give(g)
-
-    # reductions -----------------------------------------------------------------------
-
-    def issue(self, live: int) -> None:
-        """Issue the reductions ready in order, one in flight at a time."""
-        upto = self.issued
-        while upto < len(self.order) and self.ready[self.order[upto]]:
-            upto += 1
-        for i in range(self.issued, upto):
-            if self.pending:
-                self.land()
-            g = self.order[i]
-            self.flat.setdefault(g, self.tr.groups[g].flat_grad)  # zeros where unused
-            self.pending.append(g)
-            self.shard_grads += self.tr.groups[g].shard_grad
-            self.check(live)
-        self.issued = max(self.issued, upto)
-
-    def land(self) -> None:
-        for g in self.pending:
-            self.flat.pop(g, None)
-        self.pending = []
-
-    def complete(self, g: int, live: int) -> None:
-        """A group's last per-parameter gradient exists: the flat gradient is built."""
-        spec = self.tr.groups[g]
-        if self.stage == 3 and g in self.pool.in_use:
-            self.pool.give(g)
-        self.land()
-        self.flat[g] = spec.flat_grad
-        self.check(live)
-        self.held[g] = 0
-        self.ready[g] = True
-        unit = spec.unit
-        if all(self.ready[i] for i in self.groups_of(unit) if i in self.ready):
-            self.reshard(unit)
-        if self.world == 1 and self.stage != 1:
-            self.issue(live)
-
-    # the run --------------------------------------------------------------------------
-
-    def run(self) -> MemoryEstimate:
-        tr, stage = self.tr, self.stage
-        forward = [i for kind, i, _, _ in tr.events if kind == "fwd_pre"]
-        backward = list(dict.fromkeys(i for kind, i, _, _ in tr.events if kind == "bwd_pre"))
-        fwd_next, bwd_next = _successors(forward), _successors(backward)
-        last = forward[-1] if len(forward) > 1 else None
-        wanted = Counter(g for g in tr.param_group if tr.groups[g].requires_grad)
-        got: Counter[int] = Counter()
-        seen_bwd: set[int] = set()
-        for kind, i, live, most in tr.events:
-            self.check(most)
-            if kind == "fwd_pre":
-                self.gather(i, live)
-                if i in fwd_next:
-                    self.gather(fwd_next[i], live)
-            elif kind == "fwd_post" and stage == 3 and self.phase == "forward":
-                if i == 0:
-                    for u in list(self.gathered):
-                        if u not in (0, last):
-                            self.reshard(u)
-                elif i != last:
-                    self.reshard(i)
-            elif kind == "bwd_pre" and i not in seen_bwd:
-                seen_bwd.add(i)
-                self.phase = "backward"
-                if stage != 1 and self.world > 1:
-                    self.issue(live)
-                self.gather(i, live)
-                if i in bwd_next:
-                    self.gather(bwd_next[i], live)
-                else:
-                    self.pool.holding = False
-                    self.pool.free.clear()
-            elif kind == "grad":
-                g = tr.param_group[i]
-                self.held[g] += tr.param_grad_bytes[i]
-                got[g] += 1
-                if got[g] == wanted[g]:
-                    self.complete(g, live)
-                else:
-                    self.check(live)
-        self.check(tr.end)
-        self.phase = "backward"
-        for u in list(self.gathered):
-            self.pool.holding = False
-            self.reshard(u)
-        self.ready = dict.fromkeys(self.ready, True)
-        self.issue(tr.kept)
-        self.land()
-        trainable = [g for g in tr.groups if g.requires_grad]
-        # Landed shards join the shard parameters' .grad, in the shards' dtype.
-        self.shard_grads += sum(g.shard for g in trainable if g.grad_dtype != g.dtype)
-        self.check(tr.kept)
-        self.phase = "optimizer step"
-        self.shard_grads = sum(g.shard for g in trainable)
-        self.check(tr.kept)
-        params, grads, optimizer, working, activations = self.best
-        return MemoryEstimate(
-            stage=stage,
-            offload=self.offload,
-            params=params,
-            grads=grads,
-            optimizer=optimizer,
-            working_set=working,
-            activations=activations,
-            phase=self.best_phase,
-            host=self.host_peak,
-            disk=self.disk,
-        )
-
-
-def _successors(order: list[int]) -> dict[int, int]:
-    nxt: dict[int, int] = {}
-    for a, b in zip(order, order[1:]):
-        nxt.setdefault(a, b)
-    return nxt

@@ -3,15 +3,18 @@
 Design note. Nothing here allocates the model. A meta-device twin of the model is split into
 units and flat groups by the wrapping policy and the flat layout that ``ShardedModule`` uses,
 then runs one forward and backward on meta inputs under a dispatch mode that counts the bytes of
-every storage an op creates while it is alive (weakly referenced, as autograd frees them). The
-run leaves a trace: the live bytes at each unit boundary (forward start and end, backward start)
-and at each parameter's gradient, and the most live in between. The planner (``_estimate.py``)
-replays that trace with each stage's buffer lifetimes added on top.
+every storage an op creates while it is alive (weakly referenced, as autograd frees them). As in
+the engine, each unit's forward shows its parameters as views of one buffer per flat group,
+made by an autograd function whose backward receives every view's gradient at once: autograd
+runs it when it would run the engine's, which then makes the group's flat gradient. Units cast
+their floating inputs (and the root its outputs) as the engine's hooks do under mixed
+precision, and attention takes the kernel the device would.
 
-Parameter gradients are dropped as soon as autograd accumulates them, so the trace counts
-activations and temporaries only; the planner accounts for the gradients as the engine holds
-them (per unit, flat). The optimizer is measured the same way: one step over meta tensors shaped
-like rank 0's shard parameters gives its state and its step's temporaries.
+The run leaves a trace: the live bytes at each unit boundary (forward start and end, backward
+start) and at each group's gradients, and the most live in between. The planner replays it
+with the engine's buffers on top (``_estimate_replay.py``). The optimizer is measured the same
+way: one step over meta tensors shaped like rank 0's shard parameters gives its state and its
+step's temporaries.
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from ._layout import FlatLayout
+from ._offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
 from ._options import MixedPrecision
+from ._root import _cast_floating as cast_floating
 from ._wrap import AutoWrap, check_selects_something, group_key, place_parameters, resolve_policy
 
 __all__ = ["GroupSpec", "Trace", "meta_twin", "optimizer_bytes", "trace"]
+
+Slot = tuple[nn.Module, str]  # a module attribute that holds a parameter
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -75,15 +82,15 @@ class Trace:
     """One meta forward and backward, as unit boundaries and live bytes.
 
     ``events`` holds ``(kind, index, live, most)``: ``kind`` is ``"fwd_pre"``, ``"fwd_post"``
-    or ``"bwd_pre"`` (``index`` a unit) or ``"grad"`` (``index`` a parameter of ``param_group``,
-    first gradient only); ``live`` the bytes alive at the event and ``most`` the most alive since
-    the previous one. ``kept`` is what stays alive after backward (outputs, the loss).
+    or ``"bwd_pre"`` (``index`` a unit) or ``"grads"`` (``index`` a group: backward has made
+    every gradient of its parameters, still alive; ``grad_bytes[index]`` of them); ``live`` the
+    bytes alive at the event and ``most`` the most alive since the previous one. ``kept`` is
+    what stays alive after backward (outputs, the loss).
     """
 
     units: list[str]  # each unit's module class, in pre-order (the root first)
     groups: list[GroupSpec]
-    param_group: list[int]  # for each parameter, its group
-    param_grad_bytes: list[int]  # for each parameter, its gradient's bytes as autograd makes it
+    grad_bytes: dict[int, int]  # per group, its parameters' gradients as autograd made them
     events: list[tuple[str, int, int, int]]
     kept: int
     end: int  # the most alive between the last event and the end of backward
@@ -160,12 +167,7 @@ def _fused_attention(
 ) -> Tensor | None:
     """The fused kernel's output (its memory, not its numbers: dropout is not applied), or
     ``None`` where the device would not fuse (torch's own path then)."""
-    if (
-        (dropout_p and not fused_dropout)
-        or enable_gqa
-        or query.shape[-1] != value.shape[-1]
-        or query.ndim != 4
-    ):
+    if (dropout_p and not fused_dropout) or query.shape[-1] != value.shape[-1] or query.ndim != 4:
         return None
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return flash(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
@@ -204,69 +206,120 @@ def trace(
     check_selects_something(model, policy, auto_wrap)
     placement = place_parameters(model, policy)
     groups: list[GroupSpec] = []
-    params: list[nn.Parameter] = []
-    param_group: list[int] = []
+    members: list[list[tuple[nn.Parameter, list[Slot]]]] = []  # per group, in flat order
     for index, entries in enumerate(placement.params):
-        by_key: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
-        for _, p, _ in entries:
-            by_key.setdefault(group_key(p), []).append(p)
-        for (dtype, requires_grad), members in by_key.items():
+        by_key: dict[tuple[torch.dtype, bool], list[tuple[nn.Parameter, list[Slot]]]] = {}
+        for _, p, slots in entries:
+            by_key.setdefault(group_key(p), []).append((p, slots))
+        for (dtype, requires_grad), group in by_key.items():
             compute = precision.compute_dtype(dtype) if precision else dtype
             reduce = precision.gradient_dtype(dtype) if precision else compute
-            layout = FlatLayout(tuple(p.numel() for p in members), world_size)
+            layout = FlatLayout(tuple(p.numel() for p, _ in group), world_size)
             groups.append(GroupSpec(index, layout, dtype, compute, reduce, requires_grad))
-            params += members
-            param_group += [len(groups) - 1] * len(members)
-    for p, g in zip(params, param_group):  # compute as the gathered copies do
-        p.data = p.data.to(groups[g].compute_dtype)
-    return _run(placement.units, groups, params, param_group, loss_of, model, fused_dropout)
+            members.append(group)
+    return _run(placement.units, groups, members, loss_of, model, fused_dropout, precision)
+
+
+class _Views(torch.autograd.Function):
+    """A group's parameters as views of its gathered buffer, as the engine makes them
+    (``_FullParams``): autograd runs this backward once every view's gradient exists, in the
+    order it runs the engine's, which is when the engine makes the group's flat gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: Tensor, buffer: Tensor, shapes: Any, done: Any) -> Any:
+        ctx.done = done
+        return _views(buffer, shapes)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, None, None, None]:
+        storages = {
+            g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in grads if g is not None
+        }
+        ctx.done(sum(storages.values()))
+        return None, None, None, None
+
+
+def _views(buffer: Tensor, shapes: list[torch.Size]) -> tuple[Tensor, ...]:
+    views, offset = [], 0
+    for shape in shapes:
+        views.append(buffer[offset : offset + shape.numel()].view(shape))
+        offset += shape.numel()
+    return tuple(views)
 
 
 def _run(
     units: list[nn.Module],
     groups: list[GroupSpec],
-    params: list[nn.Parameter],
-    param_group: list[int],
+    members: list[list[tuple[nn.Parameter, list[Slot]]]],
     loss_of: Callable[[nn.Module], tuple[Tensor, Any]],
     model: nn.Module,
     fused_dropout: bool,
+    precision: MixedPrecision | None,
 ) -> Trace:
     events: list[tuple[str, int, int, int]] = []
+    grad_bytes: dict[int, int] = {}
     counter = _LiveBytes()
+    # Each group's gathered buffer (made outside the count, as the engine's are pooled) and
+    # the leaf that stands for it in autograd.
+    buffers = [
+        torch.empty(g.layout.padded_numel, dtype=g.compute_dtype, device="meta") for g in groups
+    ]
+    leaves = [torch.empty(0, device="meta").requires_grad_(g.requires_grad) for g in groups]
+    unit_groups = [[i for i, g in enumerate(groups) if g.unit == u] for u in range(len(units))]
+    shown: set[int] = set()  # units whose views this forward shows
 
     def note(kind: str, index: int) -> None:
         events.append((kind, index, *counter.mark()))
 
-    def pre(i: int) -> Callable[..., None]:
-        return lambda module, args: note("fwd_pre", i)
+    def done(index: int) -> Callable[[int], None]:
+        def on_grads(nbytes: int) -> None:
+            grad_bytes[index] = nbytes
+            note("grads", index)
+            counter.most -= nbytes  # freed as this backward returns, before anything else
 
-    def post(i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        return on_grads
+
+    def show(unit: int) -> None:
+        """The unit's parameters become views of its buffers, as a gather makes them."""
+        if unit in shown:
+            return
+        shown.add(unit)
+        for i in unit_groups[unit]:
+            shapes = [p.shape for p, _ in members[i]]
+            if groups[i].requires_grad:
+                views = _Views.apply(leaves[i], buffers[i], shapes, done(i))
+            else:
+                views = _views(buffers[i], shapes)
+            for view, (_, slots) in zip(views, members[i]):
+                for module, attr in slots:
+                    module.__dict__[attr] = view
+
+    # Every unit casts its floating inputs, and the root its outputs, as the engine's hooks do.
+    input_dtype = precision.param_dtype if precision else None
+    output_dtype = precision.output_dtype if precision else None
+
+    def pre(i: int) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            note("fwd_pre", i)
+            show(i)
+            return None if input_dtype is None else cast_floating((args, kwargs), input_dtype)
+
+        return hook
+
+    def post(i: int) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
             note("fwd_post", i)
+            if i == 0 and output_dtype is not None:
+                output = cast_floating(output, output_dtype)
             for t in tree_flatten(output)[0]:
                 if isinstance(t, Tensor) and t.requires_grad:
                     t.register_hook(lambda g: note("bwd_pre", i))
+            return output
 
         return hook
 
-    seen: set[int] = set()
-
-    def on_grad(i: int) -> Callable[[Tensor], None]:
-        def hook(p: Tensor) -> None:
-            p.grad = None  # the planner holds gradients as the engine does
-            if i not in seen:
-                seen.add(i)
-                note("grad", i)
-
-        return hook
-
-    handles = [u.register_forward_pre_hook(pre(i)) for i, u in enumerate(units)]
+    handles = [u.register_forward_pre_hook(pre(i), with_kwargs=True) for i, u in enumerate(units)]
     handles += [u.register_forward_hook(post(i)) for i, u in enumerate(units)]
-    handles += [
-        p.register_post_accumulate_grad_hook(on_grad(i))
-        for i, p in enumerate(params)
-        if p.requires_grad
-    ]
     try:
         with counter, _FusedAttention(fused_dropout):
             loss, kept = loss_of(model)
@@ -275,22 +328,31 @@ def _run(
     finally:
         for h in handles:
             h.remove()
+        for group in members:
+            for _, slots in group:
+                for module, attr in slots:
+                    module.__dict__.pop(attr, None)
     return Trace(
         units=[type(u).__name__ for u in units],
         groups=groups,
-        param_group=param_group,
-        param_grad_bytes=[p.numel() * p.dtype.itemsize for p in params],
+        grad_bytes=grad_bytes,
         events=events,
         kept=kept_bytes,
         end=end,
     )
 
 
-def optimizer_bytes(groups: list[GroupSpec], optimizer: OptimizerFactory | None) -> tuple[int, int]:
+def optimizer_bytes(
+    groups: list[GroupSpec], optimizer: OptimizerFactory | None, device: str, fuse: bool = False
+) -> tuple[int, int]:
     """The optimizer's state on rank 0 (which holds the most), and the most its step holds.
 
     One step over meta shard parameters, shaped like rank 0's pieces (1-D, in the shards'
     dtype), each with a gradient; returns ``(state bytes, most alive during the step)``.
+    Where a parameter group left ``fused`` and ``foreach`` unset, torch steps it as it would
+    on ``device`` (one foreach step on CUDA, tensor by tensor on a CPU), and with ``fuse``
+    (the offload tiers) the engine turns on torch's fused kernel for the optimizers that have
+    one (``_offload.prefer_fused``): a fused step updates in place and allocates nothing.
     """
     if optimizer is None:
         return 0, 0
@@ -306,11 +368,24 @@ def optimizer_bytes(groups: list[GroupSpec], optimizer: OptimizerFactory | None)
     counter = _LiveBytes()
     with counter:
         opt = optimizer(params)
+        fused = []
+        for group in opt.param_groups:
+            unset = group.get("fused") is None and group.get("foreach") is None
+            fused.append(bool(group.get("fused")) or (fuse and unset and _has_fused(opt)))
+            # meta tensors have no fused kernel: step them per tensor, for the state
+            if "foreach" in group:
+                group["foreach"] = device == "cuda" if unset else bool(group["foreach"])
+            if "fused" in group:
+                group["fused"] = False
         opt.step()
         state = counter.live()
     _, most = counter.mark()
     del opt
-    return state, most
+    return state, state if all(fused) else most
+
+
+def _has_fused(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, FUSED_OPTIMIZERS)
 
 
 def causal_loss(out: Any, targets: Tensor) -> Tensor:

@@ -2,15 +2,19 @@
 
 What this file proves:
 
-- the estimate of what a rank holds at its peak is within 10% of the peak measured while
-  training (every storage each rank creates, from wrapping on, tracked over two AdamW steps)
-  at stages 1, 2 and 3, two ranks, on the benchmark model (the GPT of
-  ``examples/train_gpt.py``, at a small width), in fp32 and in bf16 mixed precision;
+- the estimate of what a rank holds at its peak is within 5% of the peak of tracked
+  allocations while training (``shardwrap.track_allocations`` on each rank, from wrapping on,
+  over three AdamW steps, two ranks as threads) at stages 1, 2 and 3, and within 10% at both
+  offload tiers (the host tier run staged on the CPU, the disk tier), on GPT-2, Llama, Qwen2,
+  BERT, T5 and ViT (``tests/_memory.py``: untied and tied heads, grouped-query attention,
+  dropout, an encoder-decoder, images), in fp32 and bf16 mixed precision, and on the
+  benchmark GPT of ``examples/train_gpt.py`` (also over four ranks, within 0.5%);
 - the model is never materialised: a 70.9B-parameter GPT is planned in seconds;
 - the command line prints one row per stage and tier, and the disk tier moves the shards,
   gradients and optimizer state to files;
-- a Hugging Face model type is planned from its config alone;
-- bad input (stage 4, world size 0, the disk tier at stage 1) raises naming the fix;
+- a Hugging Face model type is planned from its config alone, a vision model from images;
+- bad input (stage 4, world size 0, the disk tier at stage 1, a model whose inputs are
+  neither token ids nor images, one without a loss) raises naming the fix;
 - ``track_allocations`` counts the tensors made inside it while they live, and neither views
   of tensors made before nor memory torch was handed (a mapped file).
 
@@ -19,25 +23,44 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_estimate.py -q``
 
 from __future__ import annotations
 
-import copy
 import mmap
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed import ProcessGroup
+from torch import Tensor, nn
 
 from examples.train_gpt import GPT, Block
-from shardwrap import MixedPrecision, ShardedModule, estimate_memory, track_allocations
+from shardwrap import MixedPrecision, estimate_memory, track_allocations
 from shardwrap.estimate import main
-from tests.support.memory import StorageTracker
-from tests.support.ranks import run_ranks
+from tests.support.memory import (
+    FAMILIES,
+    family_model,
+    hf_batches,
+    hf_loss,
+    staged_on_cpu,
+    training_peak,
+)
 
 CONFIG = {"width": 128, "depth": 4, "heads": 4, "context": 64}
 BATCH = 2
-STEPS = 2  # the second runs in steady state: optimizer state, prefetch
+STEPS = 3  # the first step, then steady ones: optimizer state, prefetch
+
+
+def gpt_batches(batch: int, seq: int, steps: int) -> Any:
+    def make(rank: int, model: nn.Module) -> list[Tensor]:
+        gen = torch.Generator().manual_seed(rank)
+        return [torch.randint(256, (batch, seq + 1), generator=gen) for _ in range(steps)]
+
+    return make
+
+
+def gpt_loss(model: nn.Module, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), logits
 
 
 def measured_peak(
@@ -49,37 +72,24 @@ def measured_peak(
     timeout: float = 60.0,
     world_size: int = 2,
 ) -> int:
-    """The largest peak of ``world_size`` ranks (threads) training the GPT of
-    ``examples/train_gpt.py`` like ``benchmarks/_worker.py``, every storage each creates from
-    wrapping on tracked (``tests/_memory.py``), in bytes. ``benchmarks/estimate.py`` measures
-    with it too."""
+    """The largest peak of ``world_size`` ranks training the GPT of ``examples/train_gpt.py``
+    like ``benchmarks/_worker.py``, every tensor each creates from wrapping on tracked."""
     torch.manual_seed(0)
-    model = GPT(**config)
-    seq = config["context"]
-
-    def fn(rank: int, pg: ProcessGroup) -> int:
-        plain = copy.deepcopy(model)
-        gen = torch.Generator().manual_seed(rank)
-        tokens = [torch.randint(256, (batch, seq + 1), generator=gen) for _ in range(steps)]
-        with StorageTracker(existing=tuple(tokens)) as tracker:
-            m = ShardedModule(
-                plain, auto_wrap=Block, process_group=pg, stage=stage, mixed_precision=precision
-            )
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-            for t in tokens:
-                logits = m(t[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), t[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-        return tracker.peak
-
-    return max(run_ranks(world_size, fn, timeout=timeout))
+    return training_peak(
+        GPT(**config),
+        gpt_batches(batch, config["context"], steps),
+        gpt_loss,
+        world_size=world_size,
+        timeout=timeout,
+        auto_wrap=Block,
+        stage=stage,
+        mixed_precision=precision,
+    )
 
 
 @pytest.mark.stage3  # names its stages itself: once is enough
 @pytest.mark.parametrize("precision", [None, MixedPrecision()], ids=["fp32", "bf16"])
-def test_estimate_is_within_10_percent_of_the_measured_peak_at_every_stage(
+def test_estimate_is_within_5_percent_of_the_measured_peak_at_every_stage(
     precision: MixedPrecision | None,
 ) -> None:
     plan = estimate_memory(
@@ -93,7 +103,7 @@ def test_estimate_is_within_10_percent_of_the_measured_peak_at_every_stage(
     for stage in (1, 2, 3):
         estimate = plan.row(stage).peak
         measured = measured_peak(CONFIG, stage, BATCH, STEPS, precision)
-        assert abs(estimate - measured) <= 0.1 * measured, (
+        assert abs(estimate - measured) <= 0.05 * measured, (
             f"stage {stage}: estimated {estimate / 2**20:.2f} MiB, measured "
             f"{measured / 2**20:.2f} MiB\n{plan}"
         )
@@ -110,6 +120,53 @@ def test_estimate_counts_the_receive_buffers_of_a_reduction_over_four_ranks(stag
     estimate = plan.row(stage).peak
     measured = measured_peak(CONFIG, stage, BATCH, STEPS, world_size=4)
     assert abs(estimate - measured) <= 0.005 * measured, (estimate, measured)
+
+
+# Each family: every stage, the host tier at stages 1 and 3, the disk tier (stage 3 only).
+CELLS = [(1, None), (2, None), (3, None), (1, "cpu"), (3, "cpu"), (3, "disk")]
+HF_BATCH, HF_SEQ = 2, 32
+
+
+def assert_planned(family: str, cells: list[tuple[int, str | None]], **options: Any) -> None:
+    """Plan the family's test model and train it in each cell: within 5% of the tracked peak
+    without offload, 10% with (the bounds the README promises)."""
+    model = family_model(family)
+    names = set(model._no_split_modules)
+    blocks = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+    misses = []
+    for stage, offload in cells:
+        with staged_on_cpu(offload == "cpu"):
+            plan = estimate_memory(
+                model, world_size=2, stage=stage, offload=offload, batch=HF_BATCH, seq=HF_SEQ,
+                auto_wrap=blocks, **options,
+            )  # fmt: skip
+        estimate = plan.row(stage, offload).peak
+        measured = training_peak(
+            model, hf_batches(STEPS, HF_BATCH, HF_SEQ), hf_loss,
+            offload=offload, auto_wrap=blocks, stage=stage, **options,
+        )  # fmt: skip
+        bound = 0.05 if offload is None else 0.1
+        if abs(estimate - measured) > bound * measured:
+            misses.append(
+                f"stage {stage}, offload {offload}: estimated {estimate / 2**20:.2f} MiB, "
+                f"measured {measured / 2**20:.2f} MiB ({estimate / measured:.3f}x)"
+            )
+    assert not misses, "\n".join([family, *misses])
+
+
+@pytest.mark.stage3  # names its stages itself: once is enough
+@pytest.mark.parametrize("family", FAMILIES)
+def test_estimate_of_each_model_family_is_within_the_bounds_at_every_stage_and_tier(
+    family: str,
+) -> None:
+    assert_planned(family, CELLS)
+
+
+@pytest.mark.stage3  # names its stages itself: once is enough
+@pytest.mark.parametrize("family", ["llama", "vit"])
+def test_estimate_in_bf16_mixed_precision_is_within_the_bounds(family: str) -> None:
+    cells = [(2, None), (3, None), (3, "cpu"), (3, "disk")]
+    assert_planned(family, cells, mixed_precision=MixedPrecision())
 
 
 def test_a_70b_model_is_planned_without_being_materialised() -> None:
@@ -149,6 +206,17 @@ def test_the_command_prints_every_stage_and_the_disk_tier(capsys: pytest.Capture
     assert disk.peak < memory.peak
 
 
+def test_a_vision_model_is_planned_from_images() -> None:
+    plan = estimate_memory(
+        "vit", world_size=2, stage=3, batch=4,
+        kwargs={"image_size": 32, "patch_size": 8, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 2},
+    )  # fmt: skip
+    assert "batch 4 x 3x32x32 images" in str(plan)
+    assert plan.model == "vit" and plan.units == 4  # the root, ViTEmbeddings, two ViTLayer
+    assert plan.row(3).activations > 0
+
+
 def test_a_hugging_face_model_type_is_planned_from_its_config() -> None:
     tiny = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256}
     plan = estimate_memory("gpt2", world_size=4, stage=(1, 3), batch=2, seq=32, kwargs=tiny)
@@ -181,6 +249,33 @@ def test_the_help_shows_each_example_on_its_own_line(capsys: pytest.CaptureFixtu
     assert "    python -m shardwrap.estimate gpt2 --world-size 8 --batch 4 --seq 1024" in lines
     kwargs = """        --kwargs '{"width": 1024, "depth": 8, "heads": 16, "context": 64}'"""
     assert kwargs in lines
+
+
+def test_a_model_fed_neither_token_ids_nor_images_is_refused_naming_its_input() -> None:
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.Wav2Vec2ForCTC(config)
+    with pytest.raises(ValueError, match="Wav2Vec2ForCTC takes 'input_values'.*factory"):
+        estimate_memory(model, world_size=2, stage=3)
+
+
+def test_a_model_without_a_loss_is_refused_naming_it() -> None:
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=8, hidden_size=32, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.ViTModel(config)
+    with pytest.raises(ValueError, match="ViTModel computes no loss from pixel_values"):
+        estimate_memory(model, world_size=2, stage=3)
 
 
 # the allocation measure ----------------------------------------------------------------
