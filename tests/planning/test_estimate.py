@@ -6,7 +6,7 @@ What this file proves:
   allocations while training (``shardwrap.track_allocations`` on each rank, from wrapping on,
   over three AdamW steps, two ranks as threads) at stages 1, 2 and 3, and within 10% at both
   offload tiers (the host tier run staged on the CPU, the disk tier), on GPT-2, Llama, Qwen2,
-  BERT, T5 and ViT (``tests/_memory.py``: untied and tied heads, grouped-query attention,
+  BERT, T5 and ViT (``tests/support/memory.py``: untied and tied heads, grouped-query attention,
   dropout, an encoder-decoder, images), in fp32 and bf16 mixed precision, and on the
   benchmark GPT of ``examples/train_gpt.py`` (also over four ranks, within 0.5%);
 - the model is never materialised: a 70.9B-parameter GPT is planned in seconds;

@@ -6,7 +6,7 @@
 - Model families at two sizes (:func:`family_model`), fed as the planner feeds a
   ``transformers`` model (:func:`hf_batches`).
 
-``TorchDispatchMode`` is per thread, so under ``tests._ranks`` each rank tracks only its own
+``TorchDispatchMode`` is per thread, so under ``tests.support.ranks`` each rank tracks only its own
 allocations.
 """
 
