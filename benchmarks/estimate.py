@@ -1,6 +1,6 @@
 """The memory planner against measured peaks: six model families, 2 ranks, every stage and tier.
 
-    python benchmarks/estimate.py                       # about 25 minutes on 2 CPU cores
+    python benchmarks/estimate.py                       # about 10 minutes on 2 CPU cores
     python benchmarks/estimate.py --families qwen2 bert --size test
 
 Each family of ``tests/support/memory.py`` (GPT-2, Llama, Qwen2, BERT, T5, ViT; ``--size bench``:

@@ -112,7 +112,7 @@ def track_allocations(device: str | torch.device | None = None) -> AllocationTra
         - A storage counts from the op that creates it while anything keeps it alive; views
           of tensors made before the block, and memory torch was handed (mapped files such as
           the disk tier's store, NumPy arrays), never count.
-        - Tracking is per thread (each rank of a threaded run tracks its own) and costs a
-          Python call per op: expect steps several times slower inside the block.
+        - Tracking is per thread (each rank of a threaded run tracks its own) and runs Python
+          at every op: steps inside the block are slower, so keep it out of timed ones.
     """
     return AllocationTracker(device)
