@@ -135,7 +135,8 @@ def main() -> None:
     p.add_argument("--no-resident", action="store_true", help="skip the torchrun runs")
     p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     day = time.strftime("%Y-%m-%d")
-    p.add_argument("--out", type=Path, default=ROOT / f"benchmarks/results/estimate/estimate_cpu2_{day}.md")
+    out = ROOT / f"benchmarks/results/estimate/estimate_cpu2_{day}.md"
+    p.add_argument("--out", type=Path, default=out)
     args = p.parse_args()
     if args.worker:
         family, size, stage, offload, batch, seq = args.worker
