@@ -261,8 +261,7 @@ class Root:
             return
         self._backward_seen.add(unit.index)
         self._recording.append(unit)
-        strategy = self.strategy
-        if not strategy.gathers_in_backward and not strategy.defer_reductions:
+        if self.strategy.offers_reductions_in_backward:
             self.schedule.offer_reductions()
         self.ensure_gathered(unit, backward=True)
         if unit.index in self._backward_next:

@@ -1,7 +1,8 @@
 """The strategy: when a unit's gathered parameters and its gradients live and die.
 
 Design note. Every decision about a unit's buffers is asked of this one object; the root
-and the schedule carry them out and decide nothing themselves:
+and the schedule carry them out and decide nothing themselves, and the memory planner's
+replay (``_estimate_replay.py``) asks it the same questions:
 
 - after a unit's forward: release its gathered parameters, or keep them for backward;
 - after a unit's backward: release them, or keep them for the next step;
@@ -78,6 +79,13 @@ class Strategy:
     def gathers_in_backward(self) -> bool:
         """Whether backward gathers units (so its handshakes can carry the reductions)."""
         return self.stage == 3 and self.reshard_after_forward
+
+    @property
+    def offers_reductions_in_backward(self) -> bool:
+        """Whether each unit's backward begins with a handshake of its own that issues the
+        reductions every rank has ready: none are deferred, and no gather in backward carries
+        them (stage 2, and stage 3 kept after forward), so they still overlap backward."""
+        return not self.gathers_in_backward and not self.defer_reductions
 
     @property
     def defer_reductions(self) -> bool:

@@ -9,7 +9,8 @@ file proves what distinguishes the stages:
   of the full parameters it keeps, to the element; at stage 1 the full gradients of every unit
   are alive together at the end of backward, at stage 2 they are not;
 - communication: stages 1 and 2 gather each unit once per step (DDP's bytes: one gather and one
-  reduce-scatter of the model), stage 3 also in backward;
+  reduce-scatter of the model), stage 3 also in backward; where backward gathers nothing and
+  reductions are not deferred, each unit's backward begins with a handshake that issues them;
 - SGD parameter parity and AdamW loss parity at each stage on GPT and on Hugging Face GPT-2,
   with ``generate()`` after training, and with torch's fused SGD and AdamW kernels;
 - checkpoints saved at one stage and world size load at another and train on in parity;
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap._strategy import Strategy
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, make_batch
 from tests.support.parity import (
@@ -241,6 +243,47 @@ def test_gathers_per_step_follow_the_stage(stage: int) -> None:
             assert sent["all_gather"] == model_bytes  # each unit once: DDP's volume
         else:
             assert sent["all_gather"] > model_bytes  # gathered again for backward
+
+
+@pytest.mark.stage3  # every strategy, explicitly: once is enough
+@pytest.mark.parametrize(
+    ("stage", "reshard", "offers"),
+    [(1, True, False), (2, True, True), (3, True, False), (3, False, True)],
+)
+def test_each_units_backward_offers_reductions_where_no_gather_carries_them(
+    stage: int, reshard: bool, offers: bool
+) -> None:
+    """Stage 2 (and stage 3 kept after forward) gathers nothing in backward: each unit's
+    backward begins with a handshake of its own, so reductions overlap backward. Stage 1
+    defers them to the end of backward; stage 3 issues them at the handshakes of its gathers."""
+    assert (
+        Strategy(stage=stage, reshard_after_forward=reshard).offers_reductions_in_backward is offers
+    )
+    torch.manual_seed(0)
+    model = GPT(depth=4)
+    x, y = make_batch(seed=0, batch=4)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[int, int]:
+        options = {} if stage < 3 else {"reshard_after_forward": reshard}
+        m = ShardedModule(
+            copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage, **options
+        )
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):  # the second step runs with the order recorded by the first
+            loss = m(_slice(x, rank, 2), _slice(y, rank, 2))
+            m.comm_stats.reset()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return m.comm_stats.calls["handshake"], len(m._shardwrap_root.units)
+
+    for handshakes, units in run_ranks(2, fn, timeout=30.0):
+        if offers:  # one per unit's backward, and the end of backward
+            assert handshakes == units + 1
+        elif stage == 1:  # the end of backward only
+            assert handshakes == 1
+        else:  # one per gather in backward (the root and the last unit stay), and the end
+            assert handshakes == units - 2 + 1
 
 
 # checkpoints across stages -----------------------------------------------------------
