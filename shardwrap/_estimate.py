@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ._estimate_replay import Tier, replay
 from ._estimate_trace import causal_loss, meta_twin, optimizer_bytes, trace
 from ._options import MixedPrecision
+from ._strategy import Strategy
 from ._wrap import AutoWrap
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "estimate_memory"]
@@ -210,7 +211,7 @@ def estimate_memory(
         )
         for s in stages:
             if tier != "disk" or s == 3:
-                parts = replay(tr, s, where, state, most, device)
+                parts = replay(tr, Strategy(stage=s), where, state, most, device)
                 rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts)))
     rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
     precision = "fp32"

@@ -3,7 +3,9 @@
 Design note. The meta run (``_estimate_trace.py``) gives activations at each unit boundary
 and each parameter's gradient. Here the engine's own decisions are replayed on top, in the
 order its hooks take them (``_root.py``, ``_schedule.py``, ``_reduce.py``, ``_pool.py``,
-``_home.py``), for rank 0 (which holds the most elements):
+``_home.py``), for rank 0 (which holds the most elements). Every lifetime is asked of the
+engine's ``Strategy`` and every pooled buffer of its pool's policy (``Spares``, its buffers
+here the keys whose bytes are counted), so that the plan follows a change to either:
 
 - gathers take full buffers from the pool; it hands out a spare flat gradient first, then a
   spare gathered buffer of the same size and dtype, and allocates only when it has neither;
@@ -28,12 +30,14 @@ ahead, the outputs a training loop keeps until its next forward returns) is in.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from ._estimate_trace import Trace
+from ._pool import Spares
+from ._root import _successors
+from ._strategy import Strategy
 
 __all__ = ["Parts", "Tier", "replay"]
 
@@ -67,49 +71,25 @@ class Parts:
     disk: int
 
 
-class _Pool:
-    """The engine's buffer pool by key: spare gathered buffers (``free``, up to ``keep`` per
-    key while ``holding``) and spare flat gradients (``scratch``, up to ``keep`` per key)."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self.holding = True
-        self.free: Counter[Key] = Counter()
-        self.scratch: Counter[Key] = Counter()
-
-    @property
-    def bytes(self) -> int:
-        return sum(_nbytes(k) * n for k, n in (self.free + self.scratch).items())
-
-    def take(self, key: Key) -> None:
-        for spares in (self.scratch, self.free):
-            if spares[key]:
-                spares[key] -= 1
-                return
-
-    def give(self, key: Key) -> None:
-        if self.holding and self.free[key] < self.keep:
-            self.free[key] += 1
-
-    def give_scratch(self, key: Key) -> None:
-        if self.scratch[key] < self.keep:
-            self.scratch[key] += 1
+def _made(key: Key) -> Key:
+    """A pooled buffer in the replay: its key, all its bytes need."""
+    return key
 
 
 class _Replay:
     """One rank's buffers through the engine's training step."""
 
     def __init__(
-        self, tr: Trace, stage: int, tier: Tier, state: int, step_most: int, device: str
+        self, tr: Trace, strategy: Strategy, tier: Tier, state: int, step_most: int, device: str
     ) -> None:
-        self.tr, self.stage, self.tier = tr, stage, tier
+        self.tr, self.strategy, self.tier = tr, strategy, tier
         groups = tr.groups
         self.world = groups[0].layout.world_size if groups else 1
         self.units = len(tr.units)
         self.unit_groups = [
             [i for i, g in enumerate(groups) if g.unit == u] for u in range(self.units)
         ]
-        keeps = stage in (1, 2)
+        keeps = strategy.keeps_params
         # Stages 1 and 2 keep full buffers: the shard is a slice of one in its own dtype (not
         # staged), else the full buffer is a pooled one, kept for good.
         self.resident = [keeps and g.compute_dtype == g.dtype and not tier.staged for g in groups]
@@ -136,14 +116,14 @@ class _Replay:
         forward = [i for kind, i, _, _ in tr.events if kind == "fwd_pre"]
         backward = list(dict.fromkeys(i for kind, i, _, _ in tr.events if kind == "bwd_pre"))
         # what the first step records for the next: the order of units, the last in forward
-        self.learned = _successors(forward), _successors(backward)
+        self.learned = _successors(forward, int), _successors(backward, int)
         self.last = forward[-1] if len(forward) > 1 else None
         self.fwd_next: dict[int, int] = {}
         self.bwd_next: dict[int, int] = {}
         self.keep_last: int | None = None  # stays gathered after forward
         self.has_state = False  # the optimizer made its state (at the first step)
         # the engine's state between steps
-        self.pool = _Pool()
+        self.pool: Spares[Key, Key] = Spares(_made)
         self.buffers: dict[int, Key] = {}  # gathered buffers from the pool, by group
         self.gathered: set[int] = set()
         self.fresh: set[int] = set()  # units gathered since the shards last changed
@@ -182,7 +162,7 @@ class _Replay:
             + self.grads,
             self.step_most if self.phase == "optimizer step" else self.state * self.has_state,
             sum(_nbytes(k) for g, k in self.buffers.items() if g not in self.kept)
-            + self.pool.bytes
+            + sum(_nbytes(k) for k in self.pool.spares())
             + sum(self.inputs.values())
             + sum(n for n, _ in self.staged.values()),
             activations,
@@ -204,7 +184,7 @@ class _Replay:
         self.handshake(live)
         for g in self.unit_groups[u]:
             if not self.resident[g] and g not in self.buffers:
-                self.pool.take(self.key(g))
+                self.pool.pop(self.key(g))
                 self.buffers[g] = self.key(g)
             if self.tier.staged:
                 spec = self.tr.groups[g]
@@ -257,10 +237,17 @@ class _Replay:
 
     def release(self, g: int) -> None:
         if g in self.buffers and g not in self.kept:
-            self.pool.give(self.buffers.pop(g))
+            key = self.buffers.pop(g)
+            self.pool.put(key, key)
 
-    def reshard(self, u: int) -> None:
-        if self.stage == 3 and u in self.gathered:
+    def reshard(self, u: int, backward: bool) -> None:
+        """Release ``u``'s gathered buffers after its forward or backward, if the strategy says."""
+        strategy = self.strategy
+        if backward:
+            release = strategy.release_after_backward
+        else:
+            release = strategy.release_after_forward(grad_enabled=True)
+        if release and u in self.gathered:
             self.finish(u)
             for g in self.unit_groups[u]:
                 self.release(g)
@@ -275,7 +262,7 @@ class _Replay:
     def issue(self, live: int) -> None:
         """Issue the reductions ready in order, one in flight at a time."""
         upto = self.issued
-        if self.stage != 1 or self.closing:
+        if not self.strategy.defer_reductions or self.closing:
             while upto < len(self.order) and self.ready[self.order[upto]]:
                 upto += 1
         for i in range(self.issued, upto):
@@ -291,24 +278,24 @@ class _Replay:
         """Land every reduction in flight: its flat gradient becomes a spare."""
         for _, flat, out in self.pending:
             if not self.closing:
-                self.pool.give_scratch(flat)
+                self.pool.put_scratch(flat, flat)
             self.landed += 0 if self.tier.staged else out  # the host tier copies it home
         self.pending = []
 
     def views_done(self, g: int, live: int) -> None:
         """Backward has made every gradient of ``g``'s parameters (alive in ``live``): the
         buffer goes, the reduction in flight lands, the flat gradient is made from them."""
-        if self.stage == 3:
+        if self.strategy.release_after_backward:
             self.release(g)
         self.drain()
-        self.pool.take(self.grad_key(g))
+        self.pool.pop(self.grad_key(g))
         self.flat[g] = self.grad_key(g)
         self.check(live)
         live -= self.tr.grad_bytes[g]  # autograd drops them once the flat gradient is made
         self.released.add(g)
         u = self.tr.groups[g].unit
         if all(i in self.released for i in self.unit_groups[u] if self.tr.groups[i].requires_grad):
-            self.reshard(u)
+            self.reshard(u, backward=True)
         self.ready[g] = True
         if self.world == 1:
             self.issue(live)
@@ -340,11 +327,11 @@ class _Replay:
                 self.prefetch(self.fwd_next, i, False, live)
             elif kind == "fwd_post" and self.phase == "forward":
                 if i != 0 and i != self.keep_last:
-                    self.reshard(i)
+                    self.reshard(i, backward=False)
                 if i == 0:
                     for u in list(self.gathered):
                         if u not in (0, self.last):
-                            self.reshard(u)
+                            self.reshard(u, backward=False)
                     self.handshake(live)
                     if self.last is not None:
                         self.stage_after(self.last, True, live)
@@ -352,21 +339,21 @@ class _Replay:
             elif kind == "bwd_pre" and i not in seen_bwd:
                 seen_bwd.add(i)
                 self.phase = "backward"
-                if self.stage == 2:
+                if self.strategy.offers_reductions_in_backward:
                     self.handshake(live)
                 self.ensure_gathered(i, True, live)
                 if i in self.bwd_next:
                     self.prefetch(self.bwd_next, i, True, live)
                 else:
                     self.pool.holding = False
-                    self.pool.free.clear()
+                    self.pool.trim()
             elif kind == "grads":
                 self.views_done(i, live)
         self.check(tr.end)
         self.phase = "backward"
         self.pool.holding = False
         for u in list(self.gathered):
-            self.reshard(u)
+            self.reshard(u, backward=True)
         self.closing = True
         self.ready = dict.fromkeys(self.order, True)
         self.issue(kept)
@@ -378,7 +365,7 @@ class _Replay:
             self.check(kept)
             self.grads = sum(g.shard for g in trainable)
             self.landed = 0
-        self.pool.scratch.clear()
+        self.pool.trim_scratch()
         self.check(kept)
         self.phase = "optimizer step"
         self.check(kept)
@@ -386,9 +373,11 @@ class _Replay:
         self.grads = 0  # zero_grad()
 
 
-def replay(tr: Trace, stage: int, tier: Tier, state: int, step_most: int, device: str) -> Parts:
-    """Rank 0's peak over a first step and two steady ones, for ``stage`` and ``tier``."""
-    run = _Replay(tr, stage, tier, state, step_most, device)
+def replay(
+    tr: Trace, strategy: Strategy, tier: Tier, state: int, step_most: int, device: str
+) -> Parts:
+    """Rank 0's peak over a first step and two steady ones, for ``strategy`` and ``tier``."""
+    run = _Replay(tr, strategy, tier, state, step_most, device)
     for first in (True, False, False):
         run.step(first)
     params, grads, optimizer, working, activations = run.best
@@ -398,10 +387,3 @@ def replay(tr: Trace, stage: int, tier: Tier, state: int, step_most: int, device
     return Parts(
         params, grads, optimizer, working, activations, run.best_phase, run.host_peak, disk
     )
-
-
-def _successors(order: list[int]) -> dict[int, int]:
-    nxt: dict[int, int] = {}
-    for a, b in zip(order, order[1:]):
-        nxt.setdefault(a, b)
-    return nxt

@@ -2,15 +2,76 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "Spares"]
+
+K = TypeVar("K", bound=Hashable)
+B = TypeVar("B")
 
 
-class BufferPool:
+class Spares(Generic[K, B]):
+    """The pool's policy: which released buffers are kept, and which one a request gets.
+
+    A request for ``key`` (a size, dtype, ...) gets a spare flat gradient first, then a spare
+    gathered buffer, and ``make(key)`` only when there is neither. A released gathered buffer
+    is kept (up to ``keep`` per key) while ``holding``; a flat gradient is kept (up to ``keep``
+    per key) apart from them, whatever ``holding`` says, until ``trim_scratch``. The engine's
+    pool makes real buffers (:class:`BufferPool`); the memory planner makes keys it counts the
+    bytes of, so that the plan follows these rules as the engine does.
+    """
+
+    def __init__(self, make: Callable[[K], B], keep: int = 2) -> None:
+        self.keep = keep
+        self.holding = True  # False: released buffers are freed, not kept
+        self._make = make
+        self._free: dict[K, list[B]] = {}
+        self._scratch: dict[K, list[B]] = {}
+
+    def pop(self, key: K) -> B:
+        """A spare for ``key`` (a flat gradient first), else a new one."""
+        for lists in (self._scratch, self._free):
+            free = lists.get(key)
+            if free:
+                return free.pop()
+        return self._make(key)
+
+    def put(self, key: K, buf: B) -> None:
+        """Keep a released gathered buffer, while holding and fewer than ``keep`` of its key."""
+        free = self._free.setdefault(key, [])
+        if self.holding and len(free) < self.keep:
+            free.append(buf)
+
+    def put_scratch(self, key: K, buf: B) -> None:
+        """Keep a flat gradient nothing reads any more, if fewer than ``keep`` of its key."""
+        free = self._scratch.setdefault(key, [])
+        if len(free) < self.keep:
+            free.append(buf)
+
+    def trim(self) -> None:
+        """Free every spare gathered buffer (nothing will be gathered for a while)."""
+        self._free.clear()
+
+    def trim_scratch(self) -> None:
+        """Free the flat gradients kept for reuse (backward is over)."""
+        self._scratch.clear()
+
+    def spares(self) -> Iterator[B]:
+        """Every buffer kept, gathered buffers and flat gradients alike."""
+        for lists in (self._free, self._scratch):
+            for free in lists.values():
+                yield from free
+
+
+def _empty(key: tuple[int, torch.dtype, torch.device]) -> Tensor:
+    return torch.empty(key[0], dtype=key[1], device=key[2])
+
+
+class BufferPool(Spares[tuple[int, torch.dtype, torch.device], Tensor]):
     """Full flat buffers passed from unit to unit, so a gather reuses memory.
 
     A buffer a unit releases goes to the free list of its size (up to ``keep`` per size)
@@ -23,18 +84,16 @@ class BufferPool:
     its gathered parameters, and once reduced it is handed to the next unit's backward, which
     then allocates nothing. They are kept apart from the parameters' free list, whatever
     ``holding`` says, until ``trim_scratch`` at the end of backward, and never enter ``holder``.
+    Which buffer is kept and handed out is :class:`Spares`' policy.
     """
 
     def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self.holding = True  # False: released buffers are freed, not kept
+        super().__init__(_empty, keep)
         self.holder: dict[int, Any] = {}
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
-        self._scratch: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, holder: Any) -> Tensor:
         """A 1-D buffer to gather ``holder`` into, its values undefined."""
-        buf = self._pop((numel, dtype, device))
+        buf = self.pop((numel, dtype, device))
         self.claim(buf, holder)
         return buf
 
@@ -44,33 +103,15 @@ class BufferPool:
 
     def take_scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D buffer for a flat gradient, its values undefined."""
-        return self._pop((numel, dtype, device))
+        return self.pop((numel, dtype, device))
 
     def give_scratch(self, buf: Tensor) -> None:
         """Take back a flat gradient that nothing reads any more."""
         if buf.is_contiguous() and buf.dim() == 1 and buf.storage_offset() == 0:
-            free = self._scratch.setdefault((buf.numel(), buf.dtype, buf.device), [])
-            if len(free) < self.keep:
-                free.append(buf)
-
-    def trim_scratch(self) -> None:
-        """Free the flat gradients kept for reuse (backward is over)."""
-        self._scratch.clear()
-
-    def _pop(self, key: tuple[int, torch.dtype, torch.device]) -> Tensor:
-        for lists in (self._scratch, self._free):
-            free = lists.get(key)
-            if free:
-                return free.pop()
-        return torch.empty(key[0], dtype=key[1], device=key[2])
+            self.put_scratch((buf.numel(), buf.dtype, buf.device), buf)
 
     def give(self, buf: Tensor, keep: bool = True) -> None:
         """Take ``buf`` back; with ``keep=False`` free it (a size no gather will ask for)."""
         del self.holder[buf.data_ptr()]
-        free = self._free.setdefault((buf.numel(), buf.dtype, buf.device), [])
-        if keep and self.holding and len(free) < self.keep:
-            free.append(buf)
-
-    def trim(self) -> None:
-        """Free every parameter buffer no unit holds (nothing will be gathered for a while)."""
-        self._free.clear()
+        if keep:
+            self.put((buf.numel(), buf.dtype, buf.device), buf)

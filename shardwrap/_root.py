@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +54,8 @@ from ._strategy import Strategy
 from ._unit import ShardState, Unit
 
 __all__ = ["Phase", "Root"]
+
+T = TypeVar("T")
 
 
 class Phase(Enum):
@@ -217,7 +219,7 @@ class Root:
             if last is not None:  # backward starts with it: stage the unit it gathers next
                 self._stage_after(last, backward=True)
             self._forward_last = self._recording[-1] if len(self._recording) > 1 else None
-            self._forward_next = _successors(self._recording)
+            self._forward_next = _successors(self._recording, _unit_index)
             self.phase = Phase.IDLE
         return output
 
@@ -324,7 +326,7 @@ class Root:
                 for g in unit.trainable:
                     g.mark_stale()
         self.schedule.finish_backward()
-        self._backward_next = _successors(self._recording)
+        self._backward_next = _successors(self._recording, _unit_index)
         self._leave_backward()
         if self.optimizers is not None:  # an optimizer steps next: hook any new one
             self.check_state()
@@ -438,9 +440,14 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _successors(order: list[Unit]) -> dict[int, Unit]:
-    """For each unit, the unit that ran right after its first run."""
-    nxt: dict[int, Unit] = {}
+def _unit_index(unit: Unit) -> int:
+    return unit.index
+
+
+def _successors(order: list[T], index: Callable[[T], int]) -> dict[int, T]:
+    """For each unit, the unit that ran right after its first run, by the first's ``index``
+    (a unit's index; the memory planner replays the order of units by index alone)."""
+    nxt: dict[int, T] = {}
     for a, b in zip(order, order[1:]):
-        nxt.setdefault(a.index, b)
+        nxt.setdefault(index(a), b)
     return nxt

@@ -10,6 +10,7 @@ What this file proves:
   dropout, an encoder-decoder, images), in fp32 and bf16 mixed precision, and on the
   benchmark GPT of ``examples/train_gpt.py`` (also over four ranks, within 0.5%);
 - the model is never materialised: a 70.9B-parameter GPT is planned in seconds;
+- the plan follows the engine's pool policy and strategy (changing either changes it);
 - the command line prints one row per stage and tier, and the disk tier moves the shards,
   gradients and optimizer state to files;
 - a Hugging Face model type is planned from its config alone, a vision model from images;
@@ -35,7 +36,9 @@ from torch import Tensor, nn
 
 from examples.train_gpt import GPT, Block
 from shardwrap import MixedPrecision, estimate_memory, track_allocations
-from shardwrap.estimate import main
+from shardwrap._pool import Spares
+from shardwrap._strategy import Strategy
+from shardwrap.estimate import MemoryEstimate, main
 from tests.support.memory import (
     FAMILIES,
     family_model,
@@ -179,6 +182,28 @@ def test_a_70b_model_is_planned_without_being_materialised() -> None:
     row = plan.row(3)
     assert row.params == pytest.approx(4 * plan.params / 64, rel=1e-3)  # fp32 shards
     assert row.optimizer == pytest.approx(8 * plan.params / 64, rel=1e-3)  # AdamW's moments
+
+
+def test_the_plan_follows_the_engines_pool_and_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay asks the engine's own pool policy and strategy: changing either changes the
+    plan, as it changes what the engine holds."""
+
+    def plan() -> MemoryEstimate:
+        with torch.device("meta"):
+            model = GPT(**CONFIG)
+        return estimate_memory(model, world_size=1, stage=2, batch=2, seq=32).row(2)
+
+    engine = plan()
+    assert engine.working_set > 0  # a reduced flat gradient, kept for the next unit's backward
+    with monkeypatch.context() as m:
+        m.setattr(Spares, "put_scratch", lambda self, key, buf: None)  # keep no flat gradient
+        assert plan().working_set == 0
+    with monkeypatch.context() as m:  # stage 2 releasing its buffers as stage 3 does
+        m.setattr(Strategy, "keeps_params", property(lambda self: False))
+        m.setattr(Strategy, "release_after_backward", property(lambda self: True))
+        # the full parameters are no longer kept: gathered for each unit, in the working set
+        assert plan().working_set > engine.working_set
+    assert plan() == engine
 
 
 def test_the_command_prints_every_stage_and_the_disk_tier(capsys: pytest.CaptureFixture) -> None:
