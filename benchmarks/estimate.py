@@ -204,7 +204,7 @@ commit {commit}, {time.strftime("%Y-%m-%d")}, {minutes:.0f} minutes.
 - Environment: {malloc}.
 - Training: fp32 AdamW (fused by shardwrap at the offload tiers), batch {args.batch} per rank,
   {STEPS} steps, 2 ranks with gloo; the host tier (`Offload(device="cpu")`) runs its staged
-  path on the CPU (`shardwrap._home.STAGE_ON_CPU`, as its tests do), the disk tier's files
+  path on the CPU (`shardwrap.tiers.home.STAGE_ON_CPU`, as its tests do), the disk tier's files
   in a temporary folder.
 - plan: `shardwrap.estimate_memory(model, world_size=2, stage=..., offload=...,
   batch={args.batch}, seq={args.seq}, auto_wrap=...)`, the peak of rank 0 over the first step

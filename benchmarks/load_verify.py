@@ -51,7 +51,7 @@ def save(folder: Path) -> None:
 
 
 def load(folder: Path, check: bool) -> float:
-    import shardwrap._checkpoint_load as loading
+    import shardwrap.checkpoint.load as loading
     from shardwrap import load_checkpoint
 
     if not check:

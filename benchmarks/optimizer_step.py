@@ -100,7 +100,7 @@ def _params(numel: int, tensors: int) -> list[torch.Tensor]:
 def _stored_params(numel: int, tensors: int, folder: Path) -> tuple[list[torch.Tensor], object]:
     """Shard parameters of the disk tier over one store file, gradients set."""
     sys.path.insert(0, str(ROOT))
-    from shardwrap._home import DiskHome
+    from shardwrap.tiers.home import DiskHome
 
     store = DiskHome(torch.device("cpu"), folder, 0)
     flat = store.tensor(numel, torch.float32, "shard")

@@ -5,19 +5,19 @@ opt = torch.optim.AdamW(model.parameters())
 shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 """
 
-from . import _hf  # noqa: F401  (registers the Hugging Face habits with the engine)
-from ._allocations import AllocationTracker, track_allocations
-from ._checkpoint import latest_checkpoint, save_checkpoint
-from ._checkpoint_load import load_checkpoint
-from ._collectives import CollectiveFailed, CommStats
-from ._estimate import estimate_memory
-from ._export import export, load_pretrained
-from ._grad_scaler import ShardedGradScaler
-from ._logbook import Logbook, SpikeError, Spikes
-from ._mesh import Mesh
-from ._offload import Offload, StoreError
-from ._options import MixedPrecision
-from ._sharded_module import ShardedModule
+from .checkpoint.export import export, load_pretrained
+from .checkpoint.load import load_checkpoint
+from .checkpoint.save import latest_checkpoint, save_checkpoint
+from .comm.collectives import CollectiveFailed, CommStats
+from .comm.mesh import Mesh
+from .engine.grad_scaler import ShardedGradScaler
+from .engine.sharded_module import ShardedModule
+from .integrations import hf as _hf  # noqa: F401  (registers its habits with the engine)
+from .options import MixedPrecision, Offload
+from .planning.allocations import AllocationTracker, track_allocations
+from .planning.planner import estimate_memory
+from .runs.logbook import Logbook, SpikeError, Spikes
+from .tiers.offload import StoreError
 
 __all__ = [
     "AllocationTracker",

@@ -17,8 +17,8 @@ import json
 
 import torch
 
-from ._estimate import MemoryEstimate, MemoryPlan, estimate_memory
-from ._options import MixedPrecision
+from .options import MixedPrecision
+from .planning.planner import MemoryEstimate, MemoryPlan, estimate_memory
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "estimate_memory", "main"]
 

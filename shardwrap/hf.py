@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import transformers
 
-from ._checkpoint import save_checkpoint
-from ._checkpoint_load import load_checkpoint
-from ._export import load_pretrained
-from ._sharded_module import ShardedModule
+from .checkpoint.export import load_pretrained
+from .checkpoint.load import load_checkpoint
+from .checkpoint.save import save_checkpoint
+from .engine.sharded_module import ShardedModule
 
 __all__ = ["Seq2SeqTrainer", "ShardedTrainerMixin", "Trainer"]
 

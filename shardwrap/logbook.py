@@ -1,6 +1,6 @@
 """``python -m shardwrap.logbook FOLDER [FOLDER]``: summarise logged runs and redraw their plots.
 
-The logbook itself is :class:`shardwrap.Logbook` (``shardwrap/_logbook.py``); this module is
+The logbook itself is :class:`shardwrap.Logbook` (``shardwrap/runs/logbook.py``); this module is
 its command line and re-exports it.
 """
 
@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import _runlog
-from ._logbook import Logbook, SpikeError, Spikes
+from .runs import runlog
+from .runs.logbook import Logbook, SpikeError, Spikes
 
 __all__ = ["Logbook", "SpikeError", "Spikes", "main", "summary"]
 
 
 def summary(*folders: str | Path) -> str:
     """A table of the runs logged in ``folders``, one column each (what the command prints)."""
-    return _runlog.summary([_runlog.read(Path(folder)) for folder in folders])
+    return runlog.summary([runlog.read(Path(folder)) for folder in folders])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     print(summary(*args.folders))
     if not args.no_plots:
         for folder in args.folders:
-            _runlog.draw(folder)
+            runlog.draw(folder)
             print(f"drew {folder / 'loss.png'} and {folder / 'system.png'}")
 
 

@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 import shardwrap
-import shardwrap._checkpoint_load
+import shardwrap.checkpoint.load
 from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, save_checkpoint
-from shardwrap._pool import BufferPool
-from shardwrap._storage import SafetensorsWriter
+from shardwrap.checkpoint.files import SafetensorsWriter
+from shardwrap.engine.pool import BufferPool
 from tests.support.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch, tiny_gpt2_config
 from tests.support.ranks import run_ranks
 
@@ -48,13 +48,9 @@ def _group(pg: ProcessGroup) -> ProcessGroup | None:
     return pg if pg.size() > 1 else None
 
 
-def _wrap(
-    model: nn.Module, pg: ProcessGroup | None, auto_wrap: Any = Block, **options: Any
-) -> Any:
+def _wrap(model: nn.Module, pg: ProcessGroup | None, auto_wrap: Any = Block, **options: Any) -> Any:
     group = _group(pg) if pg is not None else None
-    return ShardedModule(
-        copy.deepcopy(model), auto_wrap=auto_wrap, process_group=group, **options
-    )
+    return ShardedModule(copy.deepcopy(model), auto_wrap=auto_wrap, process_group=group, **options)
 
 
 def _local(t: Tensor, pg: ProcessGroup) -> Tensor:
@@ -273,13 +269,13 @@ def test_each_rank_opens_only_the_files_holding_its_pieces(
     """Same world size and policy: rank r reads rank r's file and no other."""
     _saved(2, tmp_path / "ckpt", _gpt(), make_opt=_adamw)
     opened: list[tuple[str, str]] = []
-    real = shardwrap._checkpoint_load.safe_open
+    real = shardwrap.checkpoint.load.safe_open
 
     def spy(path: Path, framework: str) -> Any:
         opened.append((threading.current_thread().name, Path(path).name))
         return real(path, framework=framework)
 
-    monkeypatch.setattr(shardwrap._checkpoint_load, "safe_open", spy)
+    monkeypatch.setattr(shardwrap.checkpoint.load, "safe_open", spy)
     other = _gpt(seed=1)
 
     def fn(rank: int, pg: ProcessGroup) -> None:

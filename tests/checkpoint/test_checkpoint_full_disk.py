@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, export, latest_checkpoint, load_checkpoint, save_checkpoint
-from shardwrap._storage import SafetensorsWriter
+from shardwrap.checkpoint.files import SafetensorsWriter
 from tests.support.models import GPT, Block, make_batch
 from tests.support.ranks import run_ranks
 

@@ -37,7 +37,7 @@ from shardwrap import (
     load_pretrained,
     save_checkpoint,
 )
-from shardwrap._checksum import buffer_checksum
+from shardwrap.checkpoint.checksum import buffer_checksum
 from tests.support.models import GPT, Block
 from tests.support.ranks import run_ranks
 
@@ -240,7 +240,7 @@ def test_resave_killed_between_renames_loses_nothing(
     """Replacing ``ckpt/step`` moves the old copy aside, then renames the new one in: a kill in
     between leaves no ``ckpt/step``. Loads find the copy moved aside; the next save puts it
     back before replacing it, so the last complete checkpoint is never deleted."""
-    import shardwrap._storage as storage
+    import shardwrap.checkpoint.files as storage
 
     model = _model()
     save_checkpoint(tmp_path / "step", model, keep_last=1, version=1)

@@ -20,7 +20,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwrap import CollectiveFailed, Mesh, ShardedModule, save_checkpoint
-from shardwrap._collectives import all_gather, failed, reduce_scatter
+from shardwrap.comm.collectives import all_gather, failed, reduce_scatter
 from tests.support.models import GPT, Block, make_batch
 from tests.support.ranks import run_ranks
 

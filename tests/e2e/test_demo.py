@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import shardwrap
-from shardwrap._runlog import read
+from shardwrap.runs.runlog import read
 from tests.support.launch import ROOT, launch
 
 TINY = ("--batch", "2", "--context", "16", "--width", "16", "--depth", "2", "--heads", "2")
@@ -132,7 +132,7 @@ def test_a_restarted_demo_resumes_its_own_run(tmp_path: Path) -> None:
 @pytest.mark.process
 def test_demo_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
     """Rewind a finished run to its step-3 checkpoint and resume: steps 4-6 repeat exactly."""
-    from shardwrap._runlog import read
+    from shardwrap.runs.runlog import read
     from tests.support.launch import torchrun
 
     data = tmp_path / "data.txt"

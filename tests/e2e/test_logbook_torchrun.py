@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwrap._runlog import read
+from shardwrap.runs.runlog import read
 from tests.support.launch import torchrun
 
 STEPS, BAD = 280, (50, 51)

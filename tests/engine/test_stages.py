@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
-from shardwrap._strategy import Strategy
+from shardwrap.engine.strategy import Strategy
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, make_batch
 from tests.support.parity import (

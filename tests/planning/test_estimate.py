@@ -19,7 +19,7 @@ What this file proves:
 - ``track_allocations`` counts the tensors made inside it while they live, and neither views
   of tensors made before nor memory torch was handed (a mapped file).
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_estimate.py -q``
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/planning/test_estimate.py -q``
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from examples.train_gpt import GPT, Block
 from shardwrap import MixedPrecision, estimate_memory, track_allocations
-from shardwrap._pool import Spares
-from shardwrap._strategy import Strategy
+from shardwrap.engine.pool import Spares
+from shardwrap.engine.strategy import Strategy
 from shardwrap.estimate import MemoryEstimate, main
 from tests.support.memory import (
     FAMILIES,

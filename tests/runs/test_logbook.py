@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from shardwrap._runlog import read, system_figure
-from shardwrap._spikes import SpikeCheck
 from shardwrap.logbook import Logbook, Spikes, main
+from shardwrap.runs.runlog import read, system_figure
+from shardwrap.runs.spikes import SpikeCheck
 from tests.support.models import GPT, Block
 from tests.support.ranks import run_ranks
 from tests.support.stream import CONTEXT, VOCAB, stream

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-import shardwrap._estimate as estimate_module
-import shardwrap._home as home_module
-import shardwrap._sharded_module as sharded_module
+import shardwrap.engine.sharded_module as sharded_module
+import shardwrap.planning.planner as estimate_module
+import shardwrap.tiers.home as home_module
 from shardwrap import AllocationTracker, Offload, ShardedModule, track_allocations
 from tests.support.ranks import run_ranks
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwrap import Offload, ShardedModule
-from shardwrap._home import HostHome
+from shardwrap.tiers.home import HostHome
 from tests.support.models import GPT, Block, make_batch
 
 pytestmark = [

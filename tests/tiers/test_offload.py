@@ -55,8 +55,8 @@ from shardwrap import (
     load_checkpoint,
     save_checkpoint,
 )
-from shardwrap._home import DiskHome
-from shardwrap._offload import StoreError
+from shardwrap.tiers.home import DiskHome
+from shardwrap.tiers.offload import StoreError
 from tests.support.launch import ROOT
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
@@ -405,7 +405,7 @@ def test_a_store_file_truncated_under_a_live_model_is_named_not_a_crash(tmp_path
         f"""
         import os, pathlib, sys, torch
         from shardwrap import Offload, ShardedModule
-        from shardwrap._offload import StoreError
+        from shardwrap.tiers.offload import StoreError
         from tests.support.models import GPT, Block, make_batch
 
         def truncate(folder, kind):

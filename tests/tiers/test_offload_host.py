@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed import ProcessGroup
 
-import shardwrap._sharded_module as sharded_module
+import shardwrap.engine.sharded_module as sharded_module
 from shardwrap import (
     MixedPrecision,
     Offload,
@@ -46,7 +46,7 @@ from shardwrap import (
     load_checkpoint,
     save_checkpoint,
 )
-from shardwrap._home import Home, HostHome
+from shardwrap.tiers.home import Home, HostHome
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
 from tests.support.optimizers import SGDKeepingGrads
 from tests.support.ranks import run_ranks

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from shardwrap import ShardedModule, save_checkpoint
-from shardwrap._storage import SafetensorsWriter
+from shardwrap.checkpoint.files import SafetensorsWriter
 from tests.support.models import GPT, Block, make_batch
 
 

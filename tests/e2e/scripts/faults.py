@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from shardwrap import ShardedModule, save_checkpoint
-from shardwrap._storage import SafetensorsWriter
+from shardwrap.checkpoint.files import SafetensorsWriter
 from tests.support.models import GPT, Block, make_batch
 
 

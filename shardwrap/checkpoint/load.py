@@ -1,0 +1,503 @@
+"""Loading a sharded checkpoint: validate everything, then read only the bytes this rank needs.
+
+The folder's layout is described in :mod:`shardwrap.checkpoint.save`. Each rank intersects its own
+pieces (for its world size and policy) with the saved element ranges and reads only those
+bytes, memory-mapped. Every check runs on every rank before anything is written into the model
+or the optimizer.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import struct
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from ..engine.param_index import Param
+from .checksum import buffer_checksum, tensor_checksum
+from .files import DTYPES, agree, is_plain_name
+from .save import (
+    BUFFERS,
+    FORMAT,
+    METADATA,
+    OPTIMIZER,
+    VERSION,
+    extra_file,
+    few,
+    names_by_id,
+    persistent_buffers,
+    resolve_folder,
+    wrapped_root,
+)
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load a checkpoint saved by :func:`save_checkpoint` at any world size and policy.
+
+    Each rank reads only the element ranges its own shards hold, memory-mapped. Everything
+    is validated on every rank before anything is modified, so a failed load leaves the
+    model and optimizer as they were. Call on every rank.
+
+    Args:
+        path: a checkpoint folder, or a folder whose ``latest`` pointer names one.
+        model: the model, wrapped with :class:`ShardedModule` at any world size and
+            ``auto_wrap``; parameter dtypes may differ from the saved ones (values are cast).
+        optimizer: an optimizer of the saved class over ``model.parameters()``, grouped into
+            the same parameter groups by name (the order within a group is free); its
+            state and hyperparameters are replaced. ``None`` loads the model alone.
+
+    Returns:
+        The ``**extra`` this rank saved; a rank beyond the saving world size gets rank 0's.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``, or a missing file.
+        ValueError: a truncated or corrupt file; a model whose parameter or buffer names or
+            shapes differ (all differences named); an optimizer of another class or with
+            other parameter groups, or one given for a checkpoint saved without.
+    """
+    root = wrapped_root(model, "load_checkpoint")
+    if optimizer is not None and root.optimizers is not None:
+        root.optimizers.add(optimizer)  # its steps get the offload tier's hook from now
+    params = root.params
+    with ExitStack() as files:
+        loader: _Loader | None = None
+
+        def prepare() -> int:
+            nonlocal loader
+            loader = _Loader(Path(path), model, params, optimizer, root.mesh.rank, files)
+            return 0
+
+        agree(root.mesh.control, root.mesh.control_device, "load_checkpoint", prepare)
+        assert loader is not None
+        loader.apply()
+        return loader.extra
+
+
+Read = tuple[str, int, int, int]  # file, saved piece's start, overlap [lo, hi) in the parameter
+
+
+class _Loader:
+    """One rank's view of a checkpoint, validated on construction; :meth:`apply` loads it."""
+
+    def __init__(
+        self,
+        path: Path,
+        model: nn.Module,
+        params: list[Param],
+        optimizer: torch.optim.Optimizer | None,
+        rank: int,
+        stack: ExitStack,
+    ) -> None:
+        self.folder = resolve_folder(path)
+        self.meta = _read_metadata(self.folder)
+        self.params = params
+        self.buffers = persistent_buffers(model, params)
+        self.optimizer = optimizer
+        self._stack = stack
+        self._handles: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}
+        self._read_keys: dict[str, set[str]] = {}  # file -> the tensors this rank reads
+        # file -> optimizer tensors read whole into fresh memory: checked there, while read
+        self._checked_when_read: dict[str, set[str]] = {}
+        self._names = names_by_id(model)
+        self._check_model()
+        self.saved_optimizer = self._check_optimizer() if optimizer is not None else None
+        self.reads = {p.name: self._plan_reads(p) for p in params}
+        if self.buffers:
+            self._open(BUFFERS)
+            missing = [k for k in self.buffers if k not in self._keys[BUFFERS]]
+            if missing:
+                raise ValueError(
+                    f"load_checkpoint: {self.folder / BUFFERS} lacks buffers {few(missing)}"
+                )
+            self._read_keys.setdefault(BUFFERS, set()).update(self.buffers)
+        for file, keys in self._read_keys.items():
+            self._verify(file, keys - self._checked_when_read.get(file, set()))
+        self.optimizer_state = self._optimizer_state_dict() if self.optimizer is not None else None
+        saved_ranks = self.meta.get("ranks", self.meta["world_size"])
+        self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
+
+    # validation ----------------------------------------------------------------------
+
+    def _check_model(self) -> None:
+        saved, saved_buffers = self.meta["params"], self.meta["buffers"]
+        own = {p.name: p.shape for p in self.params}
+        own_buffers = {k: tuple(v.shape) for k, v in self.buffers.items()}
+        problems = []
+        for kind, mine, theirs in (
+            ("parameters", own, saved),
+            ("buffers", own_buffers, saved_buffers),
+        ):
+            missing = [n for n in mine if n not in theirs]
+            unexpected = [n for n in theirs if n not in mine]
+            shapes = [
+                f"'{n}': checkpoint {tuple(theirs[n]['shape'])}, model {mine[n]}"
+                for n in mine
+                if n in theirs and tuple(theirs[n]["shape"]) != mine[n]
+            ]
+            if missing:
+                problems.append(f"{kind} missing from the checkpoint: {few(missing)}")
+            if unexpected:
+                problems.append(f"{kind} not in the model: {few(unexpected)}")
+            if shapes:
+                problems.append(f"{kind} of another shape: {few(shapes, quote=False)}")
+        if problems:
+            raise ValueError(
+                f"load_checkpoint: {self.folder} does not match the model; "
+                + "; ".join(problems)
+                + ". Build the model with the configuration it was saved with."
+            )
+        for name, entry in saved.items():
+            at = 0
+            for _, start, stop in sorted(entry["pieces"], key=lambda piece: piece[1]):
+                if start != at:
+                    break
+                at = stop
+            numel = 1
+            for s in entry["shape"]:
+                numel *= s
+            if at != numel:
+                raise ValueError(
+                    f"load_checkpoint: {self.folder / METADATA} is corrupt: pieces of '{name}'"
+                )
+
+    def _check_optimizer(self) -> dict[str, Any]:
+        assert self.optimizer is not None
+        if self.meta["optimizer"] is None:
+            raise ValueError(
+                f"load_checkpoint: {self.folder} was saved without an optimizer; pass "
+                "optimizer=None to load the model alone"
+            )
+        saved = self._load_pt(OPTIMIZER, sized=True)
+        problem = _optimizer_problem(saved)
+        if problem is not None:
+            raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
+        cls = type(self.optimizer).__name__
+        if saved["class"] != cls:
+            raise ValueError(
+                f"load_checkpoint: optimizer mismatch: the checkpoint holds {saved['class']} "
+                f"state, got {cls}"
+            )
+        if any(id(p) not in self._names for g in self.optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "load_checkpoint: the optimizer holds a parameter that is not one of the model's"
+            )
+        current = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+        groups = saved["param_groups"]
+        if len(groups) != len(current):
+            raise ValueError(
+                f"load_checkpoint: optimizer mismatch: the checkpoint has {len(groups)} parameter "
+                f"groups, the optimizer {len(current)}"
+            )
+        for j, (mine, theirs) in enumerate(zip(current, groups)):
+            if set(mine) != set(theirs["params"]):
+                raise ValueError(
+                    f"load_checkpoint: optimizer mismatch in parameter group {j}: only in the "
+                    f"checkpoint {few(sorted(set(theirs['params']) - set(mine)))}, only in the "
+                    f"optimizer {few(sorted(set(mine) - set(theirs['params'])))}"
+                )
+        return saved
+
+    def _open(self, file: str) -> Any:
+        """A memory-mapped handle on ``file``, checked against its recorded size."""
+        if file not in self._handles:
+            path = self._sized(file)
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
+            except Exception as e:
+                raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
+            self._keys[file] = set(self._handles[file].keys())
+        return self._handles[file]
+
+    def _sized(self, file: str) -> Path:
+        path = self.folder / file
+        if not path.is_file():
+            raise FileNotFoundError(f"load_checkpoint: {path} is missing")
+        size, expected = path.stat().st_size, self.meta["files"].get(file)
+        if size != expected:
+            raise ValueError(
+                f"load_checkpoint: {path} is {size} bytes, the checkpoint recorded {expected}: "
+                "truncated or overwritten"
+            )
+        return path
+
+    def _load_pt(self, file: str, sized: bool) -> Any:
+        path = self._sized(file) if sized else self.folder / file
+        if not path.is_file():
+            raise FileNotFoundError(f"load_checkpoint: {path} is missing")
+        data = path.read_bytes()
+        self._verify_file(file, data)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"load_checkpoint: cannot read {path}: {e}") from e
+
+    def _plan_reads(self, p: Param) -> list[Read]:
+        """The saved ranges overlapping this rank's piece of ``p``, their headers checked."""
+        piece = p.group.pieces[p.index]
+        keys = [f"model/{p.name}"]
+        if self.optimizer is not None:
+            keys += [
+                f"optim/{k}/{p.name}" for k in self.meta["optimizer"]["state_keys"].get(p.name, [])
+            ]
+        reads = []
+        for file, start, stop in self.meta["params"][p.name]["pieces"]:
+            lo, hi = max(piece.start, start), min(piece.stop, stop)
+            if lo >= hi:
+                continue
+            handle = self._open(file)
+            for key in keys:
+                if key not in self._keys[file] or handle.get_slice(key).get_shape() != [
+                    stop - start
+                ]:
+                    raise ValueError(
+                        f"load_checkpoint: {self.folder / file} lacks '{key}' of "
+                        f"{stop - start} elements"
+                    )
+            reads.append((file, start, lo, hi))
+            self._read_keys.setdefault(file, set()).update(keys)
+            if (lo, hi) == (start, stop) and lo == piece.start:
+                whole = {k for k in keys if k.startswith("optim/")}
+                self._checked_when_read.setdefault(file, set()).update(whole)
+        return reads
+
+    def _verify_file(self, file: str, data: bytes) -> None:
+        """Check a whole ``.pt`` file against the checksum recorded when it was written."""
+        if buffer_checksum(data) != self.meta["checksums"]["files"].get(file):
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} fails its checksum: the file was "
+                "corrupted or replaced after the save. Load an earlier checkpoint."
+            )
+
+    def _verify(self, file: str, keys: set[str]) -> None:
+        """Check each stored tensor this rank reads from ``file``, whole, against the dtype
+        and checksum recorded when it was written."""
+        path = self.folder / file
+        recorded = self.meta["checksums"]["tensors"].get(file)
+        if recorded is None:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / METADATA} has no checksums for {file}"
+            )
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            (length,) = struct.unpack("<Q", mm[:8])
+            header = json.loads(mm[8 : 8 + length])
+            for key in sorted(keys):
+                entry, saved = header.get(key), recorded.get(key)
+                if not isinstance(entry, dict) or saved is None:
+                    raise ValueError(f"load_checkpoint: no checksum recorded for '{key}' in {path}")
+                if entry.get("dtype") != saved[0]:
+                    raise ValueError(
+                        f"load_checkpoint: {path} stores '{key}' as {entry.get('dtype')}, but it "
+                        f"was written as {saved[0]}: the file was altered after the save"
+                    )
+                start, stop = entry["data_offsets"]
+                if buffer_checksum(mm, 8 + length + start, stop - start) != saved[1]:
+                    raise ValueError(
+                        f"load_checkpoint: '{key}' in {path} fails its checksum: the file was "
+                        "corrupted after the save (a disk or copy error). Load an earlier "
+                        "checkpoint."
+                    )
+
+    # loading -------------------------------------------------------------------------
+
+    def _read(self, key: str, p: Param, out: Tensor) -> None:
+        """Fill ``out`` (this rank's piece of ``p``) with the saved tensor ``key``; check the
+        pieces :meth:`_plan_reads` left to be checked here, in ``out`` itself."""
+        first = p.group.pieces[p.index].start
+        for file, start, lo, hi in self.reads[p.name]:
+            region = out[lo - first : hi - first]
+            stored = self._open(file).get_slice(key)
+            region.copy_(stored[lo - start : hi - start])
+            if key not in self._checked_when_read.get(file, ()):
+                continue
+            saved_dtype, saved_sum = self.meta["checksums"]["tensors"][file][key]
+            as_saved = saved_dtype == stored.get_dtype() == DTYPES.get(region.dtype)
+            got = tensor_checksum(region) if as_saved else None
+            if got is None:  # cast or unaligned: check the stored bytes instead
+                self._verify(file, {key})
+            elif got != saved_sum:
+                raise ValueError(
+                    f"load_checkpoint: '{key}' in {self.folder / file} fails its checksum: the "
+                    "file was corrupted after the save (a disk or copy error). Load an earlier "
+                    "checkpoint."
+                )
+
+    def apply(self) -> None:
+        """Write what construction read and checked: nothing here can fail on bad data."""
+        with torch.no_grad():
+            for p in self.params:
+                self._read(f"model/{p.name}", p, p.shard)
+            for k, v in self.buffers.items():
+                v.copy_(self._open(BUFFERS).get_tensor(k))
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's own ``state_dict`` format, for the current parameters' pieces."""
+        assert self.optimizer is not None and self.saved_optimizer is not None
+        by_name = {p.name: p for p in self.params}
+        keys, scalars = self.meta["optimizer"]["state_keys"], self.saved_optimizer["state"]
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for group, saved in zip(self.optimizer.param_groups, self.saved_optimizer["param_groups"]):
+            ids = []
+            for param in group["params"]:
+                name = self._names[id(param)]
+                if name in keys or name in scalars:
+                    p = by_name[name]
+                    entry: dict[str, Any] = dict(scalars.get(name, {}))
+                    for key in keys.get(name, []):
+                        entry[key] = torch.empty_like(p.shard, requires_grad=False)
+                        self._read(f"optim/{key}/{name}", p, entry[key])
+                    state[index] = entry
+                ids.append(index)
+                index += 1
+            hyper = {k: v for k, v in saved.items() if k != "params"}
+            groups.append({**hyper, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+
+def _optimizer_problem(saved: object) -> str | None:
+    """What is wrong with the structure of a saved ``optimizer.pt``, or ``None``.
+
+    Scalar state (``step``) must be what ``save_checkpoint`` writes: a number or a 0-d tensor,
+    so that nothing the optimizer would refuse is found only after the model is overwritten.
+    """
+    if not isinstance(saved, dict) or not isinstance(saved.get("class"), str):
+        return 'it must be a dict with the optimizer\'s "class" name'
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or any(
+        not isinstance(g, dict)
+        or not isinstance(g.get("params"), list)
+        or not all(isinstance(n, str) for n in g["params"])
+        for g in groups
+    ):
+        return '"param_groups" must be a list of groups, each listing its parameters by name'
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        return '"state" must map parameter names to their scalar state'
+    for name, entry in state.items():
+        if not isinstance(entry, dict):
+            return f'the scalar state of "{name}" must be a dict'
+        for key, value in entry.items():
+            scalar = isinstance(value, (int, float)) or (
+                isinstance(value, torch.Tensor) and value.dim() == 0
+            )
+            if not scalar:
+                return (
+                    f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
+                )
+    return None
+
+
+def _read_metadata(folder: Path) -> dict[str, Any]:
+    path = folder / METADATA
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"load_checkpoint: {path} is not a shardwrap checkpoint's metadata")
+    if meta.get("version") != VERSION:
+        raise ValueError(
+            f"load_checkpoint: {path} has format version {meta.get('version')}; this "
+            f"shardwrap reads {VERSION}"
+        )
+    problem = _metadata_problem(meta)
+    if problem is not None:
+        raise ValueError(f"load_checkpoint: {path} is malformed: {problem}")
+    return meta
+
+
+def _metadata_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the structure of a checkpoint's metadata, or ``None``.
+
+    Every file it names must be a plain name inside the checkpoint's folder.
+    """
+
+    def bad_int(v: object, least: int = 0) -> bool:
+        return not isinstance(v, int) or isinstance(v, bool) or v < least
+
+    def bad_file(v: object) -> bool:
+        return not is_plain_name(v)
+
+    def bad_shape(v: object) -> bool:
+        return not isinstance(v, list) or any(bad_int(d) for d in v)
+
+    for key in ("world_size", "files", "params", "buffers", "optimizer", "checksums"):
+        if key not in meta:
+            return f'it lacks the "{key}" entry'
+    if bad_int(meta["world_size"], 1) or bad_int(meta.get("ranks", 1), 1):
+        return '"world_size" and "ranks" must be positive integers'
+    files = meta["files"]
+    if not isinstance(files, dict) or any(bad_file(f) or bad_int(n) for f, n in files.items()):
+        return '"files" must map plain file names inside the folder to sizes in bytes'
+    params = meta["params"]
+    if not isinstance(params, dict):
+        return '"params" must map parameter names to their entries'
+    for name, entry in params.items():
+        if not isinstance(entry, dict) or bad_shape(entry.get("shape")):
+            return f'parameter "{name}" needs a "shape" (a list of sizes)'
+        if not isinstance(entry.get("dtype"), str):
+            return f'parameter "{name}" needs a "dtype" name'
+        pieces = entry.get("pieces")
+        if not isinstance(pieces, list) or any(
+            not isinstance(pc, list)
+            or len(pc) != 3
+            or bad_file(pc[0])
+            or bad_int(pc[1])
+            or bad_int(pc[2], pc[1] if isinstance(pc[1], int) else 0)
+            for pc in pieces
+        ):
+            return (
+                f'parameter "{name}": "pieces" must be a list of [file, start, stop], the file '
+                "a plain name inside the folder"
+            )
+    buffers = meta["buffers"]
+    if not isinstance(buffers, dict) or any(
+        not isinstance(b, dict) or bad_shape(b.get("shape")) or not isinstance(b.get("dtype"), str)
+        for b in buffers.values()
+    ):
+        return '"buffers" must map buffer names to their "shape" and "dtype"'
+    optimizer = meta["optimizer"]
+    if optimizer is not None and (
+        not isinstance(optimizer, dict)
+        or not isinstance(optimizer.get("state_keys"), dict)
+        or any(
+            not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
+            for keys in optimizer["state_keys"].values()
+        )
+    ):
+        return '"optimizer" must be null or hold "state_keys": parameter name to key names'
+    sums = meta.get("checksums")
+    if (
+        not isinstance(sums, dict)
+        or not isinstance(sums.get("tensors"), dict)
+        or not isinstance(sums.get("files"), dict)
+        or any(
+            not isinstance(by_key, dict)
+            or any(
+                not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, str) for x in v)
+                for v in by_key.values()
+            )
+            for by_key in sums["tensors"].values()
+        )
+        or any(not isinstance(v, str) for v in sums["files"].values())
+    ):
+        return (
+            '"checksums" must hold "tensors" (file to key to [dtype, checksum]) and "files" '
+            "(file to checksum)"
+        )
+    return None

@@ -1,0 +1,568 @@
+"""Sharded checkpoints: every rank writes its own pieces; any world size and policy loads them.
+
+Design note. Nothing on disk depends on the world size or the ``auto_wrap`` policy that
+wrote it: every tensor is keyed by the parameter's original (canonical) name and by an
+element range ``[start, stop)`` of the flattened parameter. Rank ``r`` writes the pieces its
+shards hold, with no collective beyond three small agreements (see
+:func:`~shardwrap.checkpoint.files.agree`); rank 0 adds the metadata, which it computes from the
+flat layouts without asking anyone. With hybrid sharding the first replica writes the shard
+files and every other replica writes only its ``extra``: a checkpoint is written once, and
+loads at any mesh. A loading rank intersects its own pieces (for its world
+size and policy) with the saved ranges and reads only those bytes, memory-mapped. A folder::
+
+    metadata.json                     names, full shapes, dtypes, which file holds which range
+    rank-00000-of-00002.safetensors   rank 0's pieces, 1-D: model/NAME and optim/KEY/NAME
+    rank-00001-of-00002.safetensors
+    buffers.safetensors               buffers (BatchNorm statistics), from rank 0
+    optimizer.pt                      optimizer class, param_groups by name, scalar state
+    extra-00000.pt, extra-00001.pt    each rank's ``**extra``
+
+Optimizer state is split by shape: a tensor shaped like the 1-D shard parameter (Adam's
+moments, SGD's momentum) is sharded like the parameter; a 0-d tensor or a number (``step``)
+is a scalar, equal on every rank, saved once by rank 0. Any other state (a factored or
+matrix preconditioner) has no meaning per element range and is refused at save time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..engine.param_index import Param
+from ..engine.root import Phase, Root
+from .checksum import buffer_checksum
+from .files import (
+    LATEST,
+    LOGBOOK,
+    Entry,
+    SafetensorsWriter,
+    agree,
+    begin_folder,
+    commit_folder,
+    full_disk_error,
+    is_plain_name,
+    partial_path,
+    point_latest,
+    remove_folder,
+    restore_moved_aside,
+    safetensors_nbytes,
+    stage_latest,
+    surviving,
+    write_file,
+)
+
+__all__ = ["latest_checkpoint", "save_checkpoint"]
+
+FORMAT = "shardwrap.checkpoint"
+VERSION = 2  # 2: content checksums of every stored tensor and file
+METADATA = "metadata.json"
+BUFFERS = "buffers.safetensors"
+OPTIMIZER = "optimizer.pt"
+
+
+def wrapped_root(model: nn.Module, caller: str) -> Root:
+    root = getattr(model, "_shardwrap_root", None)
+    if not isinstance(root, Root):
+        raise TypeError(
+            f"{caller} takes a model wrapped with ShardedModule, got {type(model).__name__}"
+        )
+    root.settle()
+    if root.phase is not Phase.IDLE:
+        raise RuntimeError(f"{caller} cannot run during forward or backward")
+    root.check_state()
+    root.schedule.enter(caller)
+    return root
+
+
+def persistent_buffers(model: nn.Module, params: list[Param]) -> dict[str, Tensor]:
+    """The persistent buffers of the state dict (everything that is not a parameter)."""
+    shard_ids = {id(p.shard) for p in params}
+    return {
+        k: v
+        for k, v in nn.Module.state_dict(model, keep_vars=True).items()
+        if isinstance(v, Tensor) and id(v) not in shard_ids
+    }
+
+
+def rank_file(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def extra_file(rank: int) -> str:
+    return f"extra-{rank:05d}.pt"
+
+
+def _checksum_file(rank: int) -> str:
+    """Where a rank leaves its rank file's checksums for rank 0 (merged into the metadata)."""
+    return f".checksums-{rank:05d}.json"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The checkpoint that ``folder/latest`` points to, or ``None`` if there is none yet."""
+    pointer = Path(folder) / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not is_plain_name(name):
+        raise ValueError(
+            f"{pointer} names {name!r}, not a checkpoint inside {folder}: a latest pointer "
+            "holds the name of a folder beside it. Rewrite it or delete it."
+        )
+    return Path(folder) / name
+
+
+def resolve_folder(path: Path) -> Path:
+    path = surviving(path)
+    if (path / METADATA).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(
+            f"load_checkpoint: no checkpoint at {path}: it holds neither {METADATA} nor a "
+            f"'{LATEST}' pointer (no save to it has completed yet)"
+        )
+    latest = surviving(latest)
+    if not (latest / METADATA).is_file():
+        raise FileNotFoundError(
+            f"load_checkpoint: {path / LATEST} points to {latest}, which has no {METADATA}"
+        )
+    return latest
+
+
+# what a folder holds ---------------------------------------------------------------------
+
+
+def _metadata_of(folder: Path) -> dict[str, Any] | None:
+    """The metadata of the checkpoint ``folder`` is, or ``None`` if it is none."""
+    try:
+        meta = json.loads((folder / METADATA).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def _own_files(meta: dict[str, Any]) -> set[str]:
+    """The names in a checkpoint's folder that the checkpoint wrote, by its metadata."""
+    files, ranks = meta.get("files"), meta.get("ranks", meta.get("world_size"))
+    names = {METADATA, *(files if isinstance(files, dict) else ())}
+    return names | {extra_file(r) for r in range(ranks if isinstance(ranks, int) else 0)}
+
+
+def saves_in(folder: Path) -> list[str]:
+    """What of shardwrap's own saves ``folder`` holds, each said for an error message: a
+    checkpoint, checkpoints (a ``latest`` pointer, checkpoint folders), a Logbook's run."""
+    if not folder.is_dir():
+        return []
+    found = []
+    if _metadata_of(folder) is not None:
+        found.append(f"a shardwrap checkpoint ({METADATA})")
+    if (folder / LATEST).is_file():
+        found.append(f"a '{LATEST}' pointer to checkpoints")
+    inside = sorted(c.name for c in folder.iterdir() if _metadata_of(c) is not None)
+    if inside:
+        found.append(f"checkpoints {few(inside)}")
+    if (folder / LOGBOOK).is_file():
+        found.append(f"a Logbook's run ({LOGBOOK})")
+    return found
+
+
+def _refuse_to_replace(target: Path) -> None:
+    """Raise unless a checkpoint saved at ``target`` would delete nothing it did not write:
+    ``target`` must be new, an empty folder, or a checkpoint holding only its own files."""
+    folder = surviving(target)
+    if not os.path.lexists(folder):
+        return
+    if not folder.is_dir():
+        raise ValueError(
+            f"save_checkpoint: {target} is a file, not a checkpoint folder; pass a folder "
+            "path that does not exist yet, e.g. ckpt/step-000100"
+        )
+    names = sorted(c.name for c in folder.iterdir())
+    meta = _metadata_of(folder)
+    if meta is None and names:
+        saves = saves_in(folder)
+        held = "; ".join(saves) if saves else few(names)
+        hint = f", e.g. {target / 'step-000100'}" if (folder / LATEST).is_file() else ""
+        raise ValueError(
+            f"save_checkpoint: {target} is not a shardwrap checkpoint: it holds {held}, which "
+            f"replacing it would delete. Save to a folder path that does not exist yet{hint}"
+        )
+    foreign = [n for n in names if meta is not None and n not in _own_files(meta)]
+    if foreign:
+        raise ValueError(
+            f"save_checkpoint: {target} is a checkpoint that also holds {few(foreign)}, which "
+            "it did not write and replacing it would delete. Move them out of it, or save to "
+            "another path"
+        )
+
+
+# save --------------------------------------------------------------------------------
+
+
+@dataclass
+class _OptimizerPlan:
+    """What one rank saves of the optimizer: sharded tensors, and scalars and groups for rank 0."""
+
+    cls: str  # the optimizer's class name
+    sharded: dict[str, dict[str, Tensor]]  # name -> state key -> 1-D piece
+    scalars: dict[str, dict[str, Any]]  # name -> state key -> 0-d tensor or number
+    groups: list[dict[str, Any]]  # hyperparameters, "params": names
+
+
+def names_by_id(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> _OptimizerPlan:
+    names = names_by_id(model)
+    plan = _OptimizerPlan(type(optimizer).__name__, {}, {}, [])
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        group_names = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    "save_checkpoint: the optimizer holds a parameter that is not one of the "
+                    f"model's (shape {tuple(p.shape)}); build it from model.parameters() after "
+                    "wrapping"
+                )
+            name = names[id(p)]
+            group_names.append(name)
+            sharded, scalars = {}, {}
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor) and value.ndim == 1 and value.numel() == p.numel():
+                    sharded[key] = value
+                elif (isinstance(value, Tensor) and value.ndim == 0) or isinstance(
+                    value, (int, float, bool)
+                ):
+                    scalars[key] = value
+                else:
+                    raise ValueError(
+                        f"save_checkpoint: optimizer state '{key}' of '{name}' is a "
+                        f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}, "
+                        "neither shaped like the parameter nor a scalar; only elementwise "
+                        "optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) can be saved sharded"
+                    )
+            if sharded or scalars or p in optimizer.state:
+                plan.sharded[name], plan.scalars[name] = sharded, scalars
+        plan.groups.append({**hyper, "params": group_names})
+    return plan
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    keep_last: int | None = None,
+    **extra: Any,
+) -> Path:
+    """Save a sharded checkpoint that loads at any world size and ``auto_wrap`` policy.
+
+    Every rank writes its own pieces of the parameters and of the optimizer state, in
+    parallel and without gathering; rank 0 writes the metadata. The save is atomic: files go
+    to a temporary folder next to ``path``, are fsynced, and the folder is renamed to
+    ``path`` once every rank is done; then ``path.parent/latest`` is pointed at it. A save
+    that fails, or is killed, before that leaves the previous checkpoint and pointer intact;
+    a failed one leaves no temporary files behind. Call on every rank.
+
+    Args:
+        path: the checkpoint folder to create, e.g. ``ckpt/step-1000``: a path that does
+            not exist yet, an empty folder, or a checkpoint of this function to replace.
+        model: a model wrapped with :class:`ShardedModule`.
+        optimizer: an optimizer over ``model.parameters()``; its per-parameter state, scalar
+            state (``step``) and ``param_groups`` hyperparameters are saved by parameter name.
+        keep_last: once the new checkpoint is complete, delete all but the newest
+            ``keep_last`` checkpoints in ``path.parent`` (and leftovers of killed saves).
+        **extra: anything ``torch.load(weights_only=True)`` reads back (step, scheduler and
+            data-loader state dicts, RNG states), saved per rank; see :func:`load_checkpoint`.
+
+    Returns:
+        ``path``, as a ``Path``.
+
+    Raises:
+        TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
+            its key; raised on every rank before anything is written.
+        ValueError: optimizer state that is not elementwise, or an optimizer parameter that
+            is not the model's; or a ``path`` holding anything but a checkpoint's own files
+            (replacing it would delete them). Raised on every rank before anything is written.
+        OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
+            naming the checkpoint, the bytes it needs and those free, once its temporary
+            files are deleted.
+    """
+    root = wrapped_root(model, "save_checkpoint")
+    if optimizer is not None and root.optimizers is not None:
+        root.optimizers.add(optimizer)  # its steps get the offload tier's hook from now
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    target = Path(path)
+    mesh = root.mesh
+    rank, world = mesh.shard_rank, mesh.shard_size
+    params = root.params
+    tmp = partial_path(target)
+    opt_plan: _OptimizerPlan | None = None
+    extra_bytes = b""
+    entries: list[Entry] = []
+    tensors: list[Tensor] = []
+    needed = 0  # bytes of the whole checkpoint's tensor and extra files, once known
+    staged: Path | None = None
+
+    def prepare() -> int:
+        """Check ``path`` and what is saved, and return the bytes this rank will write."""
+        nonlocal opt_plan, extra_bytes, needed
+        _refuse_to_replace(target)
+        extra_bytes = _extra_bytes(extra)
+        if optimizer is not None:
+            opt_plan = _plan_optimizer(model, optimizer)
+        for p in params if mesh.writes else ():
+            if p.shard.numel() == 0:
+                continue
+            entries.append((f"model/{p.name}", (p.shard.numel(),), p.shard.dtype))
+            tensors.append(p.shard)
+            for key, value in (opt_plan.sharded.get(p.name, {}) if opt_plan else {}).items():
+                entries.append((f"optim/{key}/{p.name}", (value.numel(),), value.dtype))
+                tensors.append(value)
+        needed = len(extra_bytes)
+        if mesh.writes:
+            needed += safetensors_nbytes(entries, {"format": "pt"})
+        if mesh.rank == 0:
+            buffers = persistent_buffers(model, params)
+            needed += safetensors_nbytes(
+                [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()], {"format": "pt"}
+            )
+            begin_folder(target)
+        return needed
+
+    def write_rank_files() -> int:
+        """Write this rank's extra, and its shard's file if it is the shard's writing replica.
+
+        Returns ``1 + size * world + shard rank`` for a writer, ``0`` for anyone else, so one
+        agreement tells rank 0 every shard file's size.
+        """
+        write_file(tmp / extra_file(mesh.rank), extra_bytes)
+        if not mesh.writes:
+            return 0
+        with SafetensorsWriter(tmp / rank_file(rank, world), entries, {"format": "pt"}) as w:
+            for t in tensors:
+                w.write(t)
+            size = w.close()
+        write_file(tmp / _checksum_file(rank), json.dumps(w.checksums).encode())
+        return 1 + size * world + rank
+
+    def finish(codes: list[int]) -> int:
+        nonlocal staged
+        if mesh.rank == 0:
+            sizes = [0] * world
+            for code in (c - 1 for c in codes if c > 0):
+                sizes[code % world] = code // world
+            _restore_moved_aside(target.parent)
+            sequence = 1 + max((n for n, _, _ in _completed(target.parent)), default=0)
+            metadata = _metadata(model, params, opt_plan, sizes, mesh.world_size, sequence, tmp)
+            write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
+            staged = stage_latest(target.parent, target.name)  # the last bytes written
+            commit_folder(tmp, target)
+            point_latest(staged)
+            if keep_last is not None:
+                _prune(target.parent, keep_last, target)
+        return 0
+
+    def undo() -> None:
+        """After a failure anywhere: rank 0 deletes what this save wrote and did not commit."""
+        if mesh.rank == 0:
+            remove_folder(tmp)
+            if staged is not None:
+                staged.unlink(missing_ok=True)
+
+    control, device = mesh.control, mesh.control_device
+    try:
+        needed = sum(agree(control, device, "save_checkpoint", prepare, undo))
+        codes = agree(control, device, "save_checkpoint", write_rank_files, undo)
+        agree(control, device, "save_checkpoint", lambda: finish(codes), undo)
+    except Exception as e:
+        full = full_disk_error(
+            e,
+            "save_checkpoint",
+            target,
+            needed,
+            f"Nothing of it was kept, and '{LATEST}' and the checkpoints before it are as "
+            "they were. Free space there (keep_last deletes older checkpoints once a save "
+            "completes), or save to another disk.",
+        )
+        if full is None:
+            raise
+        raise full from e
+    return target
+
+
+def _extra_bytes(extra: dict[str, Any]) -> bytes:
+    """``extra`` serialised, once checked that ``load_checkpoint`` will read it back.
+
+    Raises:
+        TypeError: naming each key whose value ``torch.load(weights_only=True)`` refuses.
+    """
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    if not _loads_back(buffer.getvalue()):
+        refused = []
+        for key, value in extra.items():
+            leaf = _refused_leaf(value)
+            if leaf is not None:
+                refused.append(
+                    f"'{key}' (holds a {type(leaf).__module__}.{type(leaf).__qualname__})"
+                )
+        raise TypeError(
+            f"save_checkpoint: extra {', '.join(refused)} would not load back: "
+            "load_checkpoint reads with torch.load(weights_only=True), which takes tensors, "
+            "numbers, strings, and lists, tuples and dicts of them. Convert first, e.g. "
+            "vars(args) for an argparse.Namespace, torch.from_numpy(a) or a.tolist() for a "
+            "numpy array, and for numpy's RNG state its tuple with the array as a list."
+        ) from None
+    return buffer.getvalue()
+
+
+def _loads_back(data: bytes) -> bool:
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:  # any refusal: what is refused is found by _refused_leaf
+        return False
+    return True
+
+
+def _refused_leaf(value: Any) -> Any | None:
+    """The first value inside ``value`` that ``torch.load(weights_only=True)`` refuses."""
+    children: Any = ()
+    if isinstance(value, dict):
+        children = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        children = value
+    for child in children:
+        leaf = _refused_leaf(child)
+        if leaf is not None:
+            return leaf
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return None if _loads_back(buffer.getvalue()) else value
+
+
+def _metadata(
+    model: nn.Module,
+    params: list[Param],
+    opt_plan: _OptimizerPlan | None,
+    rank_sizes: list[int],
+    ranks: int,
+    sequence: int,
+    tmp: Path,
+) -> dict[str, Any]:
+    """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0).
+
+    Gathers the checksums: every rank file's (left by its writer, then removed), the
+    buffers', and those of the whole ``.pt`` files.
+    """
+    world = len(rank_sizes)
+    files = {rank_file(r, world): size for r, size in enumerate(rank_sizes)}
+    tensor_sums: dict[str, dict[str, list[str]]] = {}
+    file_sums: dict[str, str] = {}
+    for r in range(world):
+        left = tmp / _checksum_file(r)
+        tensor_sums[rank_file(r, world)] = json.loads(left.read_bytes())
+        left.unlink()
+    for r in range(ranks):
+        file_sums[extra_file(r)] = buffer_checksum((tmp / extra_file(r)).read_bytes())
+    entries: dict[str, Any] = {}
+    for p in params:
+        pieces = [
+            [rank_file(r, world), pc.start, pc.stop] for r, pc in p.group.layout.owners(p.index)
+        ]
+        entries[p.name] = {
+            "shape": list(p.shape),
+            "dtype": _dtype_name(p.group.dtype),
+            "pieces": pieces,
+        }
+    buffers = persistent_buffers(model, params)
+    with SafetensorsWriter(
+        tmp / BUFFERS, [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()], {"format": "pt"}
+    ) as w:
+        for v in buffers.values():
+            w.write(v)
+        files[BUFFERS] = w.close()
+    tensor_sums[BUFFERS] = w.checksums
+    optimizer = None
+    if opt_plan is not None:
+        saved = {"class": opt_plan.cls, "param_groups": opt_plan.groups, "state": opt_plan.scalars}
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        files[OPTIMIZER] = write_file(tmp / OPTIMIZER, buffer.getvalue())
+        file_sums[OPTIMIZER] = buffer_checksum(buffer.getvalue())
+        optimizer = {"state_keys": {n: sorted(s) for n, s in opt_plan.sharded.items()}}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "saved_at_ns": time.time_ns(),
+        "sequence": sequence,
+        "world_size": world,
+        "ranks": ranks,
+        "files": files,
+        "params": entries,
+        "buffers": {
+            k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in buffers.items()
+        },
+        "optimizer": optimizer,
+        "checksums": {"tensors": tensor_sums, "files": file_sums},
+    }
+
+
+def _completed(folder: Path) -> list[tuple[int, int, Path]]:
+    """The complete checkpoints in ``folder``: (save sequence, save time, path), oldest first.
+
+    Order is the sequence each save took as it completed; the clock only orders checkpoints
+    written before saves were numbered, all of which come first.
+    """
+    found = []
+    for child in folder.iterdir() if folder.is_dir() else ():
+        if child.name.startswith("."):
+            continue
+        meta = _metadata_of(child)
+        if meta is not None:
+            sequence, saved = meta.get("sequence", 0), meta.get("saved_at_ns", 0)
+            if isinstance(sequence, int) and isinstance(saved, int):
+                found.append((sequence, saved, child))
+    return sorted(found)
+
+
+def _restore_moved_aside(folder: Path) -> None:
+    """Put back every checkpoint of ``folder`` that a killed replacing save left moved aside."""
+    for child in folder.iterdir():
+        if child.name.startswith(".") and child.name.endswith(".old"):
+            restore_moved_aside(folder / child.name[1 : -len(".old")])
+
+
+def _prune(folder: Path, keep_last: int, newest: Path) -> None:
+    """Delete all but the last ``keep_last`` completed checkpoints, and leftovers (rank 0).
+
+    ``newest``, the save just completed and what ``latest`` names, is never deleted.
+    """
+    for child in folder.iterdir():
+        if child.name.startswith(".") and child.name.endswith((".partial", ".deleting", ".old")):
+            shutil.rmtree(child)
+    done = [path for _, _, path in _completed(folder) if path != newest]
+    for path in done[: max(0, len(done) - (keep_last - 1))]:
+        remove_folder(path)
+
+
+def few(items: list[str], limit: int = 8, quote: bool = True) -> str:
+    """``items`` for an error message, at most ``limit`` of them."""
+    shown = ", ".join(f"'{i}'" if quote else i for i in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

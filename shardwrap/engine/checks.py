@@ -1,0 +1,301 @@
+"""Checks of ``ShardedModule``'s arguments, made before any parameter is moved.
+
+Each names the problem and the fix. The only one that communicates, :func:`check_same_model`,
+is one small all-reduce, so every rank raises alike instead of some hanging later: it agrees on
+the model's parameters, on every argument of ``ShardedModule`` and on the unit plan they lead
+to, before any flat buffer is communicated. Only where something differs does a second
+collective gather what each rank has, so that every rank names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..comm.collectives import Group, all_reduce, group_size
+from .wrap import AutoWrap, Placement, group_key, resolve_policy
+
+__all__ = [
+    "check_device",
+    "check_not_wrapped",
+    "check_same_model",
+    "checkpoint_policy",
+    "describe",
+    "resolve_compile",
+    "unit_plan",
+]
+
+ROOT_ATTR = "_shardwrap_root"
+UNIT_ATTR = "_shardwrap_unit"
+SHARD_ATTR = "_shardwrap_shard"
+
+
+def check_not_wrapped(module: nn.Module) -> None:
+    for name, m in module.named_modules():
+        if hasattr(m, ROOT_ATTR) or hasattr(m, UNIT_ATTR):
+            already_wrapped("the model" if not name else f"its submodule '{name}'")
+    for name, p in module.named_parameters():
+        if getattr(p, SHARD_ATTR, False):
+            already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
+
+
+def already_wrapped(where: str) -> None:
+    raise ValueError(
+        f"ShardedModule: {where} is already wrapped. Wrap once, at the top, and let "
+        "auto_wrap select the submodules: ShardedModule(model, auto_wrap=Block)."
+    )
+
+
+def check_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    devices: dict[torch.device, str] = {}
+    for name, p in module.named_parameters():
+        devices.setdefault(p.device, name)
+    if len(devices) > 1:
+        listed = ", ".join(f"'{n}' on {d}" for d, n in devices.items())
+        raise ValueError(
+            f"ShardedModule: parameters are on several devices ({listed}). Move the model to "
+            "one device first, e.g. model.to('cpu'), and pass device= for where shards go."
+        )
+    if devices and not any(d.type == "meta" for d in devices):
+        for name, b in module.named_buffers():
+            if b.is_meta:
+                raise ValueError(
+                    f"ShardedModule: buffer '{name}' is on the meta device but the parameters "
+                    "are not; build the whole model under `with torch.device('meta'):`, or "
+                    "none of it."
+                )
+    if device is not None:
+        return torch.device(device)
+    if devices:
+        only = next(iter(devices))
+        if only.type not in ("cpu", "meta"):
+            return only
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def checkpoint_policy(
+    module: nn.Module, units: Callable[[nn.Module], bool], value: bool | AutoWrap
+) -> Callable[[nn.Module], bool]:
+    """Which units to checkpoint; a policy that selects no unit is an error, not a no-op."""
+    if value is True or value is False:
+        return lambda m: value
+    if value is None:
+        return lambda m: False
+    try:
+        selected = resolve_policy(module, value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"checkpoint_activations: {e}") from None
+    if not any(units(m) and selected(m) for m in module.modules() if m is not module):
+        raise ValueError(
+            f"checkpoint_activations={value!r} selects none of the units; it chooses among "
+            "the modules auto_wrap selects. Pass checkpoint_activations=True to checkpoint "
+            "every unit, or select a class that auto_wrap also selects."
+        )
+    return selected
+
+
+def resolve_compile(value: bool | dict[str, Any]) -> dict[str, Any] | None:
+    if value is True:
+        return {}
+    if value is False or value is None:
+        return None
+    if isinstance(value, dict):
+        return dict(value)
+    raise TypeError(
+        f"compile takes True, False or a dict of torch.compile options, got {value!r}; "
+        "e.g. compile={'mode': 'max-autotune'}."
+    )
+
+
+def describe(value: object) -> str:
+    """``value`` as text that is the same on every rank for the same argument: classes and
+    functions by qualified name (never an address), containers and dataclasses field by field."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(describe(v) for v in value) + ")"
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in items) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        shown = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in fields)
+        return f"{type(value).__name__}({shown})"
+    named = value if isinstance(value, type) or hasattr(value, "__qualname__") else type(value)
+    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
+
+
+def unit_plan(
+    module: nn.Module, placement: Placement, checkpoint: Callable[[nn.Module], bool]
+) -> dict[str, str]:
+    """What wrapping makes of ``module``, as text to agree on: every unit with its flat groups
+    (dtype, trainable or frozen, elements), and the units whose activations are recomputed.
+
+    Each is a list, one item a line after a count, which :func:`check_same_model` shows by its
+    first item that differs across ranks.
+    """
+    names = {id(m): name for name, m in module.named_modules()}
+    units = []
+    for index, (unit, params) in enumerate(zip(placement.units, placement.params)):
+        sizes: dict[tuple[torch.dtype, bool], int] = {}
+        for _, p, _ in params:
+            sizes[group_key(p)] = sizes.get(group_key(p), 0) + p.numel()
+        groups = ", ".join(
+            f"{str(dtype).removeprefix('torch.')} {'trainable' if grad else 'frozen'} {n}"
+            for (dtype, grad), n in sizes.items()
+        )
+        units.append(f"#{index} {names[id(unit)] or '(root)'}: {groups or 'no parameters'}")
+    recomputed = [names[id(m)] for m in placement.units[1:] if checkpoint(m)]
+    return {
+        "auto_wrap (the units it makes)": "\n".join([_count(units, "unit"), *units]),
+        "checkpoint_activations (the units it recomputes)": "\n".join(
+            [_count(recomputed, "unit"), *recomputed]
+        ),
+    }
+
+
+def _count(items: list[str], noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def _digest(text: str) -> int:
+    """56 bits of ``text``'s hash: positive, and so is its negation's magnitude, in an int64."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
+
+
+def _signature(name: str, p: Tensor) -> int:
+    return _digest(f"{name}|{tuple(p.shape)}|{p.dtype}|{p.requires_grad}")
+
+
+def check_same_model(
+    module: nn.Module, group: Group, device: torch.device, options: Mapping[str, str]
+) -> None:
+    """One small all-reduce: every rank must hold the same parameter names, shapes and dtypes,
+    and the same ``options`` (each argument of ``ShardedModule`` and the unit plan it leads to,
+    described as text, see :func:`describe` and :func:`unit_plan`).
+
+    Raises:
+        ValueError: on every rank alike: naming the first parameter that differs, or else
+            every option that differs with each rank's value (one more collective gathers
+            them).
+    """
+    if group_size(group) == 1:
+        return
+    named = list(module.named_parameters())
+    sigs = [_signature(n, p) for n, p in named]
+    texts = list(options.values())
+    values = [len(sigs), _digest("|".join(map(str, sigs))), *map(_digest, texts)]
+    length = len(_SEPARATOR.join(texts).encode())
+    t = torch.tensor(values + [-v for v in values] + [-length], dtype=torch.int64, device=device)
+    all_reduce(t, group, dist.ReduceOp.MIN).wait()
+    agreed = t.tolist()
+    n = len(values)
+    low, high, longest = agreed[:n], [-v for v in agreed[n : 2 * n]], -agreed[-1]
+    if low[:2] != high[:2]:
+        _name_first_parameter_difference(named, sigs, high[0], group, device)
+    differ = [i for i in range(len(texts)) if low[2 + i] != high[2 + i]]
+    if differ:
+        _name_option_differences(list(options), texts, differ, longest, group, device)
+
+
+_SEPARATOR = "\x1f"  # between option texts on the wire; no description holds it
+
+
+def _name_option_differences(
+    names: list[str],
+    texts: list[str],
+    differ: list[int],
+    longest: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> NoReturn:
+    """Every rank is here: gather every rank's option texts (one all-reduce) and raise alike."""
+    rank, world = group.rank(), group.size()
+    mine = _SEPARATOR.join(texts).encode()
+    rows = torch.zeros(world, longest, dtype=torch.uint8)
+    rows[rank, : len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    rows = rows.to(device)
+    all_reduce(rows, group, dist.ReduceOp.SUM).wait()
+    every = [bytes(row.cpu().tolist()).rstrip(b"\0").decode().split(_SEPARATOR) for row in rows]
+    lines = []
+    for i in differ:
+        ranks: dict[str, list[int]] = {}
+        for r in range(world):
+            ranks.setdefault(every[r][i], []).append(r)
+        shown = _shown(list(ranks))
+        lines.append(
+            f"  {names[i]}: "
+            + "; ".join(f"{s} on {_ranks(rs)}" for s, rs in zip(shown, ranks.values()))
+        )
+    raise ValueError(
+        f"ShardedModule: ranks passed different arguments (this is rank {rank} of {world}), "
+        "so their collectives would not pair up:\n"
+        + "\n".join(lines)
+        + "\nPass the same arguments on every rank."
+    )
+
+
+def _shown(values: list[str]) -> list[str]:
+    """Each value as a message shows it. A list (a count, then one ``name: details`` item a
+    line) shows its count and the first item whose name differs among ``values``, or else
+    whose details differ."""
+    if not any("\n" in v for v in values):
+        return values
+    items = [v.split("\n") for v in values]
+    longest = max(len(lines) for lines in items)
+
+    def first(key: Callable[[str], str]) -> int | None:
+        for k in range(1, longest):
+            if len({tuple(key(x) for x in lines[k : k + 1]) for lines in items}) > 1:
+                return k
+        return None
+
+    k = first(lambda item: item.split(": ")[0]) or first(lambda item: item) or 1
+    shown = [lines[k] if k < len(lines) else "none" for lines in items]
+    return [f"{lines[0]}, first differing {item}" for lines, item in zip(items, shown)]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as "ranks 0-2, 5"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][-1] == r - 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _name_first_parameter_difference(
+    named: list[tuple[str, Tensor]],
+    sigs: list[int],
+    longest: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> NoReturn:
+    """Every rank is here: find the first parameter that differs (one more all-reduce)."""
+    padded = sigs + [-1] * (longest - len(sigs))
+    t = torch.tensor(padded + [-s for s in padded], dtype=torch.int64, device=device)
+    all_reduce(t, group, dist.ReduceOp.MIN).wait()
+    values = t.tolist()
+    first = next(i for i in range(longest) if values[i] != -values[longest + i])
+    if first < len(named):
+        name, p = named[first]
+        here = f"parameter #{first} '{name}' with shape {tuple(p.shape)} and dtype {p.dtype}"
+    else:
+        here = f"no parameter #{first} (this rank has only {len(named)})"
+    raise ValueError(
+        f"ShardedModule: the model differs across ranks; rank {group.rank()} has {here}, "
+        "which differs on another rank. Build the same model on every rank (same config, "
+        "same code path) before wrapping."
+    )

@@ -1,0 +1,66 @@
+"""Where integrations plug into the engine.
+
+Design note. The engine (``ShardedModule`` and what it builds) imports no integration: the
+Hugging Face habits, checkpoints, export and the Logbook sit above it and import it, never the
+reverse. An integration that changes how a model is wrapped registers a callable here when it
+is imported (``shardwrap/__init__.py`` imports each, so a user sees every integration without
+asking for it), and the engine calls what is registered at the points below, in order of
+registration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .root import Root
+    from .unit import Unit
+
+__all__ = [
+    "checkpoint_unit",
+    "check_move",
+    "class_habits",
+    "register_class_habits",
+    "register_move_check",
+    "register_unit_checkpointer",
+]
+
+_class_habits: list[Callable[[type], tuple[type, ...]]] = []
+_unit_checkpointers: list[Callable[[Root, Unit], bool]] = []
+_move_checks: list[Callable[[nn.Module], None]] = []
+
+
+def register_class_habits(habits: Callable[[type], tuple[type, ...]]) -> None:
+    """``habits(cls)``: classes a wrapped model of class ``cls`` gains, ahead of ``cls``."""
+    _class_habits.append(habits)
+
+
+def register_unit_checkpointer(checkpointer: Callable[[Root, Unit], bool]) -> None:
+    """``checkpointer(root, unit)``: checkpoint ``unit``'s activations its own way, and say
+    whether it did (else the next one, and finally shardwrap's own, is asked)."""
+    _unit_checkpointers.append(checkpointer)
+
+
+def register_move_check(check: Callable[[nn.Module], None]) -> None:
+    """``check(model)``: called as a sharded ``model`` is moved or cast (``.to()`` and friends),
+    before anything changes; it raises to refuse the move."""
+    _move_checks.append(check)
+
+
+def class_habits(cls: type) -> tuple[type, ...]:
+    """The classes every integration adds to a wrapped model of class ``cls``."""
+    return tuple(h for habits in _class_habits for h in habits(cls))
+
+
+def checkpoint_unit(root: Root, unit: Unit) -> bool:
+    """Whether an integration checkpointed ``unit`` its own way."""
+    return any(checkpointer(root, unit) for checkpointer in _unit_checkpointers)
+
+
+def check_move(model: nn.Module) -> None:
+    """Run every registered move check on ``model``."""
+    for check in _move_checks:
+        check(model)

@@ -1,0 +1,364 @@
+"""One flat buffer: the parameters of a unit that share a dtype and ``requires_grad``.
+
+Design note. A flat group keeps this rank's 1/N shard of a padded flat buffer; the
+optimizer sees one ``nn.Parameter`` per original parameter, a 1-D view of that shard.
+Those shard parameters stay registered in the modules at all times, so ``parameters()``,
+``state_dict()`` and an optimizer built after wrapping always see shards.
+
+While gathered, the full flat buffer (a pooled tensor, given back on release) is split into
+views shaped like the original parameters, and the views shadow the registered parameters
+through each module's instance ``__dict__``: ``module.weight`` returns the full view,
+``module._parameters`` keeps the shard. Autograd accumulates the gradients of all views into
+the group's one leaf, ``full``, whose ``.grad`` is then reduce-scattered straight from the
+flat layout.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..comm.collectives import CommStats, Pending, all_gather
+from ..comm.mesh import Mesh
+from ..tiers.home import Home
+from .layout import FlatLayout, LocalPiece
+from .pool import BufferPool
+
+__all__ = ["FlatGroup", "Slot", "views_of"]
+
+Slot = tuple[nn.Module, str]
+
+
+class FlatGroup:
+    """The parameters of one unit that share a dtype and ``requires_grad``.
+
+    Three dtypes meet here: the shard's (``dtype``, the optimizer's master copy), the
+    gathered parameters' (``compute_dtype``, which forward and backward use) and the flat
+    gradient's (``grad_dtype``, in which ranks average it). Without mixed precision all three
+    are the parameters' dtype.
+
+    Args:
+        names: canonical name of each parameter (as ``named_parameters()`` gives it).
+        params: the original, full parameters, in flat order.
+        slots: for each parameter, every ``(module, attribute)`` that holds it (several for
+            tied parameters).
+        mesh: the model's groups and device; the layout splits over its shard group.
+        pool: where the full buffer comes from while gathered.
+        compute_dtype: dtype of the gathered parameters (default: ``dtype``).
+        grad_dtype: dtype of the flat gradient and its reduction (default: ``compute_dtype``).
+        resident: keep the full buffer for good, with the shard as this rank's slice of it
+            (stages 1 and 2, when the parameters compute in the shards' dtype): the full
+            parameters then cost no memory beyond the shard's own, and a gather only fills
+            the other ranks' slices.
+        home: where the shard, its gradient buffer and the optimizer state live, and how the
+            shard reaches the compute device (``tiers/home.py``); default: on the mesh's device,
+            read in place.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        slots: list[list[Slot]],
+        mesh: Mesh,
+        pool: BufferPool,
+        compute_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
+        resident: bool = False,
+        home: Home | None = None,
+    ) -> None:
+        self.names = names
+        self.pool = pool
+        self.slots = slots
+        self.mesh = mesh
+        self.home = home = home or Home(mesh.device)
+        device = home.device
+        self.shapes = [p.shape for p in params]
+        self.dtype = params[0].dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        self.grad_dtype = grad_dtype or self.compute_dtype
+        self.requires_grad = params[0].requires_grad
+        self.layout = FlatLayout(tuple(p.numel() for p in params), mesh.shard_size)
+        rank = mesh.shard_rank
+        self.pieces: tuple[LocalPiece, ...] = self.layout.local_pieces(rank)
+
+        lo, hi = self.layout.shard_range(rank)
+        # 1-D, padded numel, compute_dtype: the full buffer kept for good (resident groups only).
+        self._resident: Tensor | None = None
+        if resident and self.compute_dtype == self.dtype and not home.staged:
+            self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
+            pool.claim(self._resident, self)
+            self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N
+        else:
+            self.shard = home.tensor(hi - lo, self.dtype, "shard")  # zeros
+        with torch.no_grad():
+            for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
+                a, b = max(lo, offset), min(hi, offset + n)
+                if a < b:
+                    self.shard[a - lo : b - lo].copy_(
+                        p.detach().reshape(-1)[a - offset : b - offset]
+                    )
+        self.shard_params = [
+            home.shard_param(
+                self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad
+            )
+            for pc in self.pieces
+        ]
+        # 1-D, padded/N: where a step's reduced gradient lands in a home that keeps a buffer
+        # for it (the disk tier's, in grad_dtype; the host tier's, in dtype).
+        self.home_grad: Tensor | None = None
+        if self.requires_grad:
+            self.home_grad = home.grad_buffer(hi - lo, self.grad_dtype, self.dtype)
+
+        # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
+        # parameters. Its gradient is the flat gradient (grad_dtype); the values live in a
+        # pooled buffer (1-D, padded numel, compute_dtype) while gathered.
+        self.full: Tensor = _unbacked(self.layout.padded_numel, self.grad_dtype, device)
+        self.full.requires_grad_(self.requires_grad)
+        self._buffer: Tensor | None = None
+
+        self.views: list[Tensor] | None = None
+        self.views_track_grad = False
+        # Differentiable uses of the views whose backward has not run; at zero, backward is
+        # done reading the gathered parameters (their gradients are not yet one flat tensor).
+        self.splits_pending = 0
+        self._on_views_done: Callable[[FlatGroup], None] | None = None
+        self.gathered_version = -1
+        # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
+        self._grad_flat: Callable[[], Tensor | None] = _dead_ref
+        self._grad_views: list[Callable[[], Tensor | None]] = []
+
+    # storage -------------------------------------------------------------------------
+
+    def alloc_storage(self, dtype: torch.dtype, apart: bool = False) -> None:
+        """Give the group a full buffer of ``dtype``: its resident one where it has one, unless
+        ``apart`` asks for a buffer whose edits cannot reach the shard."""
+        resident = self._resident if not apart and dtype == self.dtype else None
+        wanted = (resident is not None, dtype)
+        if (
+            self._buffer is not None
+            and (self._buffer is self._resident, self._buffer.dtype) != wanted
+        ):
+            self.release()
+        if self._buffer is None:
+            self._buffer = resident if resident is not None else self.take_buffer(dtype)
+
+    def take_buffer(self, dtype: torch.dtype) -> Tensor:
+        """A full buffer of ``dtype`` from the pool (1-D, padded numel, values undefined)."""
+        return self.pool.take(self.layout.padded_numel, dtype, self.home.device, self)
+
+    @property
+    def full_data(self) -> Tensor:
+        """The gathered flat buffer, outside autograd (only while gathered)."""
+        if self._buffer is None:
+            raise RuntimeError(f"flat group {self.names[:2]}... is not gathered")
+        return self._buffer
+
+    @property
+    def is_allocated(self) -> bool:
+        return self._buffer is not None
+
+    def free_storage(self) -> None:
+        if self._buffer is not None and self._buffer is not self._resident:
+            self.pool.give(self._buffer)
+        self._buffer = None
+
+    @property
+    def is_stale(self) -> bool:
+        """True when the buffer does not hold the shards for compute: it is gathered in another
+        dtype, or the shard changed (an optimizer step, a load) since the last gather."""
+        return self.shard._version != self.gathered_version or (
+            self._buffer is not None and self._buffer.dtype != self.compute_dtype
+        )
+
+    # gather --------------------------------------------------------------------------
+
+    def gather(self, stats: CommStats | None, exact: bool = False) -> Pending:
+        """All-gather the shards into the full buffer (asynchronously where possible).
+
+        The buffer is in ``compute_dtype``, or with ``exact`` in the shards' own dtype.
+        """
+        self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
+        self.mark_gathered()
+        return all_gather(self._buffer, self.home.gather_input(self.shard), self.mesh.shard, stats)
+
+    def make_views(self, track_grad: bool) -> None:
+        """Shape the gathered buffer into the parameters and shadow the shard params with them."""
+        track_grad = track_grad and self.requires_grad
+        if self.views is not None and self.views_track_grad == track_grad:
+            return
+        if track_grad:
+            self.splits_pending += 1
+            self.views = list(_FullParams.apply(self.full, self._buffer, self))
+        else:
+            self.views = self.param_views()
+        self.views_track_grad = track_grad
+        for view, slots in zip(self.views, self.slots):
+            for module, attr in slots:
+                module.__dict__[attr] = view
+
+    def param_views(self) -> list[Tensor]:
+        """The gathered buffer shaped into the parameters, outside autograd."""
+        return views_of(self.full_data, self)
+
+    def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
+        """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
+        the padding): one copy, which also casts, into a buffer from the pool."""
+        flat = self.pool.take_scratch(self.layout.padded_numel, self.grad_dtype, self.home.device)
+        for g, offset, n in zip(grads, self.layout.offsets, self.layout.numels):
+            if g is None:
+                flat[offset : offset + n].zero_()
+            else:
+                flat[offset : offset + n].copy_(g.reshape(-1))
+        flat[self.layout.numel :].zero_()
+        return flat
+
+    def views_backward_done(self) -> None:
+        """One autograd use of the views has its gradients: at the last, release the buffer."""
+        self.splits_pending -= 1
+        if self.splits_pending == 0 and self._on_views_done is not None:
+            self._on_views_done(self)
+
+    def call_when_views_done(self, callback: Callable[[FlatGroup], None]) -> None:
+        """Have ``callback(group)`` called when backward last reads the views (see above)."""
+        self._on_views_done = callback
+
+    def end_backward(self) -> None:
+        """Forget the uses of the views one backward counted, however it ended."""
+        self.splits_pending = 0
+
+    def mark_gathered(self) -> None:
+        """The buffer now holds the shard as it is."""
+        self.gathered_version = self.shard._version
+
+    def mark_stale(self) -> None:
+        """The shard may change unseen (not every write is counted in its version): gather
+        afresh before the buffer is next read."""
+        self.gathered_version = -1
+
+    def drop_views(self) -> None:
+        if self.views is None:
+            return
+        self.views = None
+        for slots in self.slots:
+            for module, attr in slots:
+                module.__dict__.pop(attr, None)
+
+    def release(self) -> None:
+        """Drop the views and give the buffer back to the pool."""
+        self.drop_views()
+        self.free_storage()
+
+    def write_back(self) -> None:
+        """Copy this rank's range of the full buffer (gathered ``exact``) back into the shard."""
+        lo, hi = self.layout.shard_range(self.mesh.shard_rank)
+        with torch.no_grad():
+            self.shard.copy_(self.full_data[lo:hi])
+
+    # gradients -----------------------------------------------------------------------
+
+    def take_grad(self) -> Tensor:
+        """Take the flat gradient (1-D, padded numel, ``grad_dtype``) out of the leaf, for
+        reduction; zeros where this rank produced none."""
+        grad = self.full.grad
+        self.full.grad = None
+        if grad is None:
+            grad = torch.zeros(
+                self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
+            )
+        return grad
+
+    def drop_grad(self) -> None:
+        """Drop the flat gradient of a backward that raised."""
+        self.full.grad = None
+
+    def free_home_grad(self) -> Tensor | None:
+        """The home's gradient buffer, if it may take this backward's gradient."""
+        return self.home_grad if self.grad_buffer_free(self.home_grad) else None
+
+    def grad_buffer_free(self, buffer: Tensor | None) -> bool:
+        """Whether ``buffer``, a gradient buffer this group keeps between steps, may take this
+        backward's reduced gradient: no shard param has a ``.grad`` and nothing else holds the
+        buffer's memory (a ``.grad`` that a user kept past ``zero_grad()``, say, which it would
+        overwrite)."""
+        if buffer is None or any(p.grad is not None for p in self.shard_params):
+            return False
+        # Held by the buffer itself and by the storage object asked; any view adds one.
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+
+    def accumulate(self, new: Tensor, as_grad: Callable[[Tensor], Tensor]) -> None:
+        """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
+
+        The ``.grad`` tensors are views of one flat buffer, typed by ``as_grad``, known here
+        only weakly: once ``zero_grad()`` drops them, their memory is freed.
+        """
+        new = new.to(self.dtype)
+        params = self.shard_params
+        flat = self._grad_flat()
+        if (
+            flat is not None
+            and flat is not new
+            and all(p.grad is not None and p.grad is v() for p, v in zip(params, self._grad_views))
+        ):
+            flat.add_(new)
+        elif all(p.grad is None for p in params):
+            views = [
+                as_grad(new[pc.shard_offset : pc.shard_offset + pc.numel]) for pc in self.pieces
+            ]
+            for p, v in zip(params, views):
+                p.grad = v
+            self._grad_flat = weakref.ref(new)
+            self._grad_views = [weakref.ref(v) for v in views]
+        else:
+            for p, pc in zip(params, self.pieces):
+                piece = new[pc.shard_offset : pc.shard_offset + pc.numel]
+                if p.grad is None:
+                    p.grad = as_grad(piece.clone())
+                else:
+                    p.grad.add_(piece)
+            self._grad_flat, self._grad_views = _dead_ref, []
+
+
+def _dead_ref() -> None:
+    return None
+
+
+def _unbacked(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D leaf of ``numel`` elements over one element of memory (stride 0).
+
+    Only its size, dtype and gradient matter; autograd still takes a contiguous gradient
+    returned for it as ``.grad`` without copying.
+    """
+    return torch.empty_strided((numel,), (0,), dtype=dtype, device=device)
+
+
+def views_of(buffer: Tensor, group: FlatGroup) -> list[Tensor]:
+    return [
+        buffer[offset : offset + n].view(shape)
+        for offset, n, shape in zip(group.layout.offsets, group.layout.numels, group.shapes)
+    ]
+
+
+class _FullParams(torch.autograd.Function):
+    """The full parameters as views of a gathered buffer, differentiable as the group's leaf.
+
+    Forward shapes the buffer into the parameters; backward lays their gradients out flat
+    as the gradient of ``full``, the group's one leaf, so that however many forwards used
+    the group, one accumulator sums them. Backward is also the moment autograd stops
+    reading the parameters: the buffer is released before the flat gradient is allocated.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, full: Tensor, buffer: Tensor, group: FlatGroup) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return tuple(views_of(buffer, group))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+        group: FlatGroup = ctx.group
+        group.views_backward_done()
+        return group.flat_grad(grads), None, None

@@ -1,0 +1,291 @@
+"""Gradient norms over shards: ``torch.nn.utils.clip_grad_norm_`` on a sharded model is global.
+
+Design note. Each shard parameter's ``.grad`` is a :class:`ShardGrad`: a view of the reduced
+flat gradient whose type records the group it is sharded over. A norm taken over the whole of
+one (``torch.linalg.vector_norm``, ``torch.norm``, ``Tensor.norm``, ``torch.linalg.norm``,
+``torch._foreach_norm``: the first step of every clipping routine) yields a
+:class:`PartialNorm`, this rank's part of that norm. Moving, stacking or copying partial norms
+keeps them partial; reading one's value in any other way completes it with one all-reduce
+over the shard group (the sum of p-th powers; max for inf, min for -inf, sum for 0). So
+``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` sees the global norm, at the cost
+of one small collective, and clips every rank alike, exactly as on the unwrapped model; a
+per-parameter norm is that parameter's whole norm.
+
+Completing is a collective: every rank must read the value, as every rank calls every other
+collective. Metadata (shape, dtype, device) and ``repr`` never communicate. Any other
+operation on a ``ShardGrad`` (the optimizer's, the grad scaler's) runs as on a plain tensor,
+at the cost of one Python call per torch call, and returns plain tensors; aliases of a
+``ShardGrad`` (``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.collectives import CommStats, Group, all_reduce
+from ..tiers.offload import count_fused_write
+
+if TYPE_CHECKING:
+    from ..tiers.home import Home
+
+__all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "shard_grad_owner"]
+
+_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+
+
+class _Owner:
+    """The group a gradient is sharded over, the counters its completions add to, what every
+    rank calls first to agree it is completing a norm (``enter``), and the gradient's home
+    (state an optimizer makes from it may belong there)."""
+
+    def __init__(self, group: Group, stats: CommStats, home: Home) -> None:
+        self.group = group
+        self.stats = stats
+        self.device = home.device  # where the group's collectives take tensors
+        self.home = home
+        self.enter: Callable[[], None] = _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
+    """``view`` (sharing its memory) typed as a :class:`ShardGrad` of ``owner``'s group."""
+    grad = view.as_subclass(ShardGrad)
+    grad._shardwrap_owner = owner
+    return grad
+
+
+def shard_grad_owner(group: Group, stats: CommStats, home: Home) -> _Owner:
+    """What :func:`as_shard_grad` records for gradients sharded over ``group`` that live in
+    ``home``, whose collectives take tensors on its compute device (the gradients may be on
+    the host)."""
+    return _Owner(group, stats, home)
+
+
+def _norm_order(func: Callable[..., Any], args: tuple, kwargs: dict) -> float | None:
+    """The order of the norm ``func`` takes over *all* of its input, or ``None`` if it is
+    not such a norm (another function, or a norm along given dimensions)."""
+
+    def arg(i: int, name: str, default: Any) -> Any:
+        return args[i] if len(args) > i else kwargs.get(name, default)
+
+    if func is torch._foreach_norm:
+        order = arg(1, "ord", 2.0)
+    elif func is torch.linalg.vector_norm:
+        if arg(2, "dim", None) is not None:
+            return None
+        order = arg(1, "ord", 2.0)
+    elif func is torch.linalg.norm:
+        if arg(2, "dim", None) is not None or args[0].dim() != 1:
+            return None
+        order = arg(1, "ord", None)
+        order = 2.0 if order is None else order
+    elif func in (torch.norm, Tensor.norm):
+        if arg(2, "dim", None) is not None:
+            return None
+        order = arg(1, "p", "fro")
+        order = 2.0 if order == "fro" else order
+    else:
+        return None
+    return float(order) if isinstance(order, (int, float)) else None
+
+
+# Calls whose result is an alias or a converted copy of their input: a ShardGrad's stays one.
+_GRAD_ALIASES = {
+    Tensor.detach,
+    Tensor.view,
+    Tensor.reshape,
+    Tensor.flatten,
+    Tensor.contiguous,
+    Tensor.to,
+    Tensor.float,
+    Tensor.double,
+    Tensor.half,
+    Tensor.bfloat16,
+    Tensor.clone,
+    Tensor.data.__get__,  # type: ignore[attr-defined]
+}
+
+
+class ShardGrad(Tensor):
+    """The gradient of a shard parameter: this rank's piece of the averaged gradient."""
+
+    _shardwrap_owner: _Owner
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        order = _norm_order(func, args, kwargs)
+        if order is not None:
+            return _local_norms(func, order, args, kwargs)
+        owner = getattr(args[0], "_shardwrap_owner", None) if args else None
+        if owner is not None:
+            made = owner.home.made_from_grad(func, args, kwargs)
+            if made is not None:
+                return made
+        with _DisableSubclass():
+            out = func(*args, **kwargs)
+        if func in _GRAD_ALIASES and isinstance(out, Tensor):
+            return as_shard_grad(out, args[0]._shardwrap_owner)
+        count_fused_write(func, args)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        with _DisableSubclass():
+            copied = self.detach().clone()
+        return as_shard_grad(copied, self._shardwrap_owner)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``) as the plain tensor it is on this rank."""
+        with _DisableSubclass():
+            return self.detach().as_subclass(Tensor).__reduce_ex__(protocol)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with _DisableSubclass():
+            return f"ShardGrad({self.as_subclass(Tensor)!r})"
+
+
+def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: dict) -> Any:
+    """``func``'s norms of this rank's pieces, as partial norms. An empty piece (a shard can
+    be) adds nothing: its part is the identity of the combination, not an error."""
+    identity = float("inf") if order == float("-inf") else 0.0
+    foreach = func is torch._foreach_norm
+    grads = args[0] if foreach else [args[0]]
+    out = []
+    for g in grads:
+        if g.numel() == 0:
+            dtype = kwargs.get("dtype") or g.dtype
+            n = torch.full((), identity, dtype=dtype, device=g.device)
+        else:
+            with _DisableSubclass():
+                n = func([g] if foreach else g, *args[1:], **kwargs)
+                n = n[0] if foreach else n
+        owner = getattr(g, "_shardwrap_owner", None)
+        out.append(n if owner is None else _partial(n, order, owner))
+    return out if foreach else out[0]
+
+
+def _partial(local: Tensor, order: float, owner: _Owner | None) -> Tensor:
+    norm = local.as_subclass(PartialNorm)
+    norm._shardwrap_order = order
+    norm._shardwrap_owner = owner
+    norm._shardwrap_complete = None
+    return norm
+
+
+# Calls that move, stack or copy partial norms of one order: the result is partial too.
+_KEEP_PARTIAL = {Tensor.to, Tensor.clone, Tensor.detach, torch.stack, torch.cat, Tensor.view}
+
+# Calls that only read metadata: no values, so no collective.
+_METADATA_NAMES = {
+    "dim", "size", "numel", "__len__", "element_size", "is_floating_point", "is_complex",
+    "is_contiguous", "stride", "storage_offset", "data_ptr", "get_device", "dtype", "shape",
+    "device", "requires_grad", "ndim", "layout", "is_cuda", "is_cpu", "is_meta", "grad_fn",
+    "is_leaf", "names", "is_sparse", "is_quantized", "is_nested", "_is_view", "grad",
+}  # fmt: skip
+
+
+def _name(func: Callable[..., Any]) -> str:
+    if getattr(func, "__name__", "") == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "")
+    return getattr(func, "__name__", "")
+
+
+def _partials(values: Any) -> list[PartialNorm]:
+    if isinstance(values, PartialNorm):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [p for v in values for p in _partials(v)]
+    return []
+
+
+def _all_partial(args: tuple) -> bool:
+    """Whether every tensor among ``args`` (or in a list there) is a partial norm."""
+    tensors = [a for v in args for a in (v if isinstance(v, (list, tuple)) else [v])]
+    return all(isinstance(t, PartialNorm) for t in tensors if isinstance(t, Tensor))
+
+
+def _completed(values: Any) -> Any:
+    if isinstance(values, PartialNorm):
+        return values.complete()
+    if isinstance(values, (list, tuple)):
+        return type(values)(_completed(v) for v in values)
+    return values
+
+
+class PartialNorm(Tensor):
+    """This rank's part of the norm of a sharded gradient; its value is the whole norm."""
+
+    _shardwrap_order: float
+    _shardwrap_owner: _Owner | None
+    _shardwrap_complete: Tensor | None
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _name(func) in _METADATA_NAMES:
+            with _DisableSubclass():
+                return func(*args, **kwargs)
+        parts = _partials((args, kwargs))
+        orders = {p._shardwrap_order for p in parts}
+        owners = {id(p._shardwrap_owner) for p in parts}
+        if func in _KEEP_PARTIAL and len(orders) == 1 and len(owners) == 1 and _all_partial(args):
+            with _DisableSubclass():
+                out = func(*args, **kwargs)
+            return _partial(out, parts[0]._shardwrap_order, parts[0]._shardwrap_owner)
+        args, kwargs = _completed(args), _completed(kwargs)
+        with _DisableSubclass():
+            return func(*args, **kwargs)
+
+    def complete(self) -> Tensor:
+        """The whole norm: one all-reduce over the shard group, on every rank, once."""
+        if self._shardwrap_complete is None:
+            self._shardwrap_complete = _complete(self)
+        return self._shardwrap_complete
+
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        with _DisableSubclass():
+            copied = self.detach().clone()
+        return _partial(copied, self._shardwrap_order, self._shardwrap_owner)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as the whole norm (so, like reading it, on every rank)."""
+        return self.complete().__reduce_ex__(protocol)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with _DisableSubclass():
+            return (
+                f"PartialNorm(this rank's part: {self.as_subclass(Tensor)!r}, "
+                f"order {self._shardwrap_order}; read it on every rank for the whole norm)"
+            )
+
+
+def _complete(part: PartialNorm) -> Tensor:
+    order, owner = part._shardwrap_order, part._shardwrap_owner
+    with _DisableSubclass():
+        local = part.detach().to(owner.device if owner else None, torch.float32, copy=True)
+    if owner is None or owner.group is None:
+        return local.to(part.device, part.dtype)
+    owner.enter()
+    if order == float("inf"):
+        all_reduce(local, owner.group, dist.ReduceOp.MAX, owner.stats).wait()
+    elif order == float("-inf"):
+        all_reduce(local, owner.group, dist.ReduceOp.MIN, owner.stats).wait()
+    elif order == 0.0:
+        all_reduce(local, owner.group, dist.ReduceOp.SUM, owner.stats).wait()
+    else:
+        local = local.pow_(order)
+        all_reduce(local, owner.group, dist.ReduceOp.SUM, owner.stats).wait()
+        local = local.pow_(1.0 / order)
+    return local.to(part.device, part.dtype)

@@ -1,0 +1,103 @@
+"""Modules called on their own, outside their unit's forward.
+
+``generate()`` calls a model's encoder by itself, users call ``get_input_embeddings()`` or an
+inner ``model.model``: the module's parameters then belong to a unit whose forward is not
+running. Each module holding a unit's parameters (other than the unit's own module, whose hooks
+gather it) gets hooks that gather the unit first, agreed across ranks like any gather, and
+release it after, as the strategy says. Inside the unit's forward the unit is already gathered
+and the hooks do nothing; inside ``gathered()`` (``paused``) every parameter is already full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .unit import ShardState, Unit
+
+if TYPE_CHECKING:
+    from .root import Root
+
+__all__ = ["OwnCalls", "ready"]
+
+
+class OwnCalls:
+    """The own-call hooks of one model's modules, driven by its root."""
+
+    def __init__(self, root: Root) -> None:
+        self._root = root
+        self.paused = False  # gathered() exposes exact full parameters: leave them be
+        self._called_alone: dict[int, list[Unit]] = {}  # id(module) -> units its call gathered
+        self._hooks: dict[int, list[RemovableHandle]] = {}  # id(module) -> its call hooks
+        owners: dict[int, tuple[nn.Module, list[Unit]]] = {}
+        for unit in root.units:
+            for g in unit.groups:
+                for slots in g.slots:
+                    for module, _ in slots:
+                        if module is not unit.module:
+                            entry = owners.setdefault(id(module), (module, []))
+                            if unit not in entry[1]:
+                                entry[1].append(unit)
+        for module, units in owners.values():
+            self._hooks[id(module)] = [
+                module.register_forward_pre_hook(self._hook_pre_call(units)),
+                module.register_forward_hook(self._hook_post_call(units)),
+            ]
+
+    def unhook(self, module: nn.Module) -> None:
+        """Remove the own-call hooks of ``module`` and every module inside it."""
+        for inner in module.modules():
+            for handle in self._hooks.pop(id(inner), []):
+                handle.remove()
+
+    def _hook_pre_call(self, units: list[Unit]) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            root = self._root
+            grad = torch.is_grad_enabled()
+            if self.paused or all(ready(u, grad) for u in units):
+                return
+            root.settle()
+            if grad:
+                root.saved.start(module)
+            gathered = []
+            for unit in units:
+                if unit.state is not ShardState.GATHERED or unit.is_stale:
+                    gathered.append(unit)
+                if not ready(unit, grad):
+                    root.ensure_gathered(unit, backward=root.in_backward)
+                    unit.use_full(grad)
+            self._called_alone[id(module)] = gathered
+
+        return hook
+
+    def _hook_post_call(self, units: list[Unit]) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            root = self._root
+            gathered = self._called_alone.pop(id(module), None)
+            if gathered is None:
+                return
+            if module is root.saved.owner:
+                root.saved.stop()
+            release = root.strategy.release_after_forward(grad_enabled=torch.is_grad_enabled())
+            for unit in gathered:
+                if unit is not root.root and release and root.idle:
+                    unit.reshard()
+
+        return hook
+
+
+def ready(unit: Unit, grad: bool) -> bool:
+    """Whether ``unit``'s module attributes are its current full parameters, as ``grad`` needs
+    (views that track gradients serve a ``no_grad`` call as well)."""
+    return (
+        unit.state is ShardState.GATHERED
+        and not unit.is_stale
+        and all(
+            g.views is not None and (g.views_track_grad or not (grad and g.requires_grad))
+            for g in unit.groups
+        )
+    )

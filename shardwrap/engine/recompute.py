@@ -1,0 +1,69 @@
+"""Recomputing a unit's activations in backward, and compiling a unit's ``forward``.
+
+Both wrap a unit's ``forward`` inside the sharding hooks, so the hooks stay outside every
+checkpointed piece and every compiled graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils.checkpoint
+
+from .unit import Unit
+
+if TYPE_CHECKING:
+    from .root import Root
+
+__all__ = ["compile_unit", "guard_recompute", "recompute_activations"]
+
+
+def recompute_activations(root: Root, unit: Unit) -> None:
+    """Recompute ``unit``'s activations in backward rather than keep them (non-reentrant).
+
+    The checkpoint encloses the module's ``forward``, inside the sharding hooks. By the time
+    backward recomputes it, the unit's outputs have had their gradients, so pre-backward has
+    gathered the unit: the recomputation reuses that gather.
+    """
+    forward = unit.module.forward
+    recompute_or_run = guard_recompute(root, unit, forward)
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(
+            recompute_or_run, *args, use_reentrant=False, **kwargs
+        )
+
+    unit.module.forward = checkpointed
+
+
+def guard_recompute(root: Root, unit: Unit, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, a checkpointed piece of ``unit``'s forward, made safe to recompute.
+
+    Backward recomputes it after pre-backward gathered the unit, but with the module's
+    attributes back on the shards: the guard shows it the full parameters first, reusing
+    that gather.
+    """
+
+    def recompute_or_run(*args: Any, **kwargs: Any) -> Any:
+        if root.in_backward:
+            root.ensure_gathered(unit, backward=True)
+            unit.use_full(track_grad=True)
+        return function(*args, **kwargs)
+
+    return recompute_or_run
+
+
+def compile_unit(root: Root, unit: Unit, options: dict[str, Any]) -> None:
+    """Compile ``unit``'s ``forward`` with ``torch.compile(**options)``; hooks stay outside.
+
+    The modules inside lose their own-call hooks, which would break the graph at every
+    module: within a compiled unit only the unit as a whole may be called.
+    """
+    root.own_calls.unhook(unit.module)
+    unit.module.forward = torch.compile(unit.module.forward, **options)

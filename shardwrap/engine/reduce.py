@@ -1,0 +1,143 @@
+"""The reduction pipeline: flat gradients reduce-scattered in one order, landed into shard grads.
+
+Design note. Each trainable flat group's gradient is averaged over the shard group with one
+reduce-scatter straight from the flat layout; with hybrid sharding the resulting shard is
+then averaged over the replicate group. Reductions are issued in one canonical order, reverse
+unit index, which is also the usual order in which backward completes them, so on the common
+path nothing waits; the schedule (``engine/schedule.py``) tells this pipeline how far every rank is
+ready.
+
+At most ``MAX_REDUCTIONS_IN_FLIGHT`` are in flight: each holds a unit's full-size flat
+gradient, and one overlaps the next unit's backward (a reduction takes less time than a unit's
+backward) at the least memory. A flat gradient reduced before the end of backward goes back to
+the buffer pool, where the next unit's flat gradient finds it. A landed reduction's shard is
+added to the shard parameters' ``.grad`` at the end of backward, and only for groups some rank
+used: a group no rank used keeps a ``None`` gradient, as in plain PyTorch. Reductions run on
+the compute device; a landed shard goes to the group's home (``tiers/home.py``: the host tier copies
+it to host memory), and the copies are waited for before any ``.grad`` is set.
+
+When reductions run is the strategy's choice: during backward, as groups become ready, or
+deferred to the end of backward (``defer``; ZeRO stage 1). Inside ``no_sync`` nothing is
+reduced and the flat gradients keep accumulating.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.collectives import CommStats, Pending, all_reduce, reduce_scatter
+from ..comm.mesh import Mesh
+from ..tiers.home import Home
+from .flat_group import FlatGroup
+from .grad_norm import as_shard_grad, shard_grad_owner
+
+__all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions"]
+
+MAX_REDUCTIONS_IN_FLIGHT = 1
+
+
+class Reductions:
+    """One backward's gradient reductions, in the canonical order.
+
+    Args:
+        order: every trainable flat group, in the order reductions are issued.
+        mesh: the groups to reduce over.
+        stats: collective counters shared by the whole model.
+        defer: hold every reduction until the end of backward rather than issuing each
+            once its gradient is ready.
+        home: where the shards and their gradients live (the groups' home).
+    """
+
+    def __init__(
+        self, order: list[FlatGroup], mesh: Mesh, stats: CommStats, defer: bool, home: Home
+    ) -> None:
+        self.order = order
+        self.home = home
+        self.mesh = mesh
+        self.stats = stats
+        self.defer = defer
+        self.sync = True
+        self._position = {id(g): i for i, g in enumerate(order)}
+        self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
+        self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the previous backward."""
+        self.ready = [False] * len(self.order)
+        self.used = [False] * len(self.order)
+        self._issued = 0
+        self._closing = False
+        # (position, collective, its output: a shard gradient 1-D padded/N, its full-size input)
+        self._pending: list[tuple[int, Pending, Tensor, Tensor]] = []
+        self._landed: list[tuple[int, Tensor]] = []
+
+    def grad_ready(self, group: FlatGroup) -> None:
+        """Note that ``group``'s flat gradient for this backward is complete."""
+        i = self._position[id(group)]
+        self.ready[i] = self.used[i] = True
+
+    def close(self) -> list[bool]:
+        """End of backward: every gradient is as complete as it gets; deferred ones may go.
+
+        Returns:
+            Which groups this rank used in this backward.
+        """
+        self.ready = [True] * len(self.order)
+        self._closing = True
+        return list(self.used)
+
+    def ready_prefix(self) -> int:
+        """How many reductions, in order, this rank could issue now."""
+        if not self.sync:
+            return len(self.order)
+        if self.defer and not self._closing:
+            return self._issued
+        n = self._issued
+        while n < len(self.ready) and self.ready[n]:
+            n += 1
+        return n
+
+    def issue(self, upto: int) -> None:
+        """Issue the reductions before position ``upto`` not issued yet (every rank agrees)."""
+        if not self.sync:
+            return
+        for i in range(self._issued, upto):
+            while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
+                self._complete_oldest()
+            group = self.order[i]
+            grad = group.take_grad()
+            out = self.home.reduce_into(
+                group.shard.numel(), group.grad_dtype, group.free_home_grad()
+            )
+            work = reduce_scatter(out, grad, self.mesh.shard, self.stats)
+            self._pending.append((i, work, out, grad))
+        self._issued = max(self._issued, upto)
+
+    def drain(self) -> None:
+        """Land every reduction in flight, freeing the full-size gradients they hold."""
+        while self._pending:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        i, work, out, grad = self._pending.pop(0)
+        work.wait()
+        if not self._closing:  # a later unit's flat gradient reuses it
+            self.order[i].pool.give_scratch(grad)
+        if self.mesh.replicate is not None:
+            all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
+            out.div_(self.mesh.replicate_size)
+        group = self.order[i]
+        self._landed.append((i, self.home.land(out, group.free_home_grad(), group.dtype)))
+
+    def finish(self, used_anywhere: list[bool]) -> None:
+        """Wait for every reduction and add the landed shards to the shard parameters' grads."""
+        self.drain()
+        self.home.quiesce()
+        for i, out in self._landed:
+            if used_anywhere[i]:
+                self.order[i].accumulate(out, self._as_grad)
+        self.reset()

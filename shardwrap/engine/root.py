@@ -1,0 +1,453 @@
+"""The root's orchestration: hooks, execution order, prefetch and the end of backward.
+
+Design note. Each unit gets a forward pre-hook (gather, make the full parameters visible)
+and a forward hook (reshard, unless it is the root or ``reshard_after_forward`` is off,
+and hook the outputs so the unit is gathered again before autograd needs it). After a
+unit's flat gradient is complete (a post-accumulate-grad hook on the flat buffer) that
+group's storage is released and its reduce-scatter becomes ready. A callback queued on the
+autograd engine at the start of backward releases whatever is still gathered, reduces
+what no hook reduced (unused units send zeros) and waits for every reduction.
+
+The order in which units ran in the previous forward and backward drives prefetch: when a
+unit starts, the next one's all-gather is issued so that it overlaps this unit's compute; as
+a unit is gathered, the shards' home is told which unit follows it (the host tier starts
+copying that unit's shards to the device, ``tiers/home.py``).
+Collectives go through :class:`~shardwrap.engine.schedule.Schedule`, which keeps every rank's
+sequence identical.
+
+When a gathered buffer is released is the strategy's decision (``engine/strategy.py``); the hooks
+here ask it at each point. The root unit is not resharded after forward (backward needs it
+first), nor after a ``no_grad`` forward, so decoding loops do not re-gather it on every call;
+a gathered unit whose shard has changed since (an optimizer step, a load) is gathered afresh.
+Views of gathered buffers that autograd saves are kept by address (``engine/saved.py``).
+
+Beside the root: the parameter index (``engine/param_index.py``), the hooks of modules called on
+their own (``engine/own_calls.py``) and recomputation and compilation (``engine/recompute.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum, auto
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from ..comm.collectives import CommStats
+from ..comm.mesh import Mesh
+from ..options import MixedPrecision
+from ..tiers.home import Home
+from ..tiers.offload import before_step
+from .flat_group import FlatGroup
+from .optimizers import OptimizerHooks
+from .own_calls import OwnCalls
+from .param_index import Param, index_params
+from .pool import BufferPool
+from .reduce import Reductions
+from .saved import SavedViews
+from .schedule import Schedule
+from .strategy import Strategy
+from .unit import ShardState, Unit
+
+__all__ = ["Phase", "Root"]
+
+T = TypeVar("T")
+
+
+class Phase(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+class Root:
+    """Drives every unit of one sharded model.
+
+    Args:
+        units: all units in pre-order; ``units[0]`` wraps the root module.
+        mesh: the groups and device of the model.
+        stats: collective counters.
+        strategy: when gathered buffers are released and reductions run.
+        pool: the buffers units gather into.
+        precision: mixed-precision casts of inputs and outputs, or ``None``.
+        home: where the shards live (``tiers/home.py``); default: on the mesh's device.
+    """
+
+    def __init__(
+        self,
+        units: list[Unit],
+        mesh: Mesh,
+        stats: CommStats,
+        strategy: Strategy,
+        pool: BufferPool,
+        precision: MixedPrecision | None = None,
+        home: Home | None = None,
+    ) -> None:
+        self.units = units
+        self.home = home or Home(mesh.device)
+        self.input_dtype = precision.param_dtype if precision else None
+        self.output_dtype = precision.output_dtype if precision else None
+        self.pool = pool
+        self._unit_of = {id(g): u for u in units for g in u.groups}
+        self.saved = SavedViews(
+            pool, lambda group: self.ensure_gathered(self._unit_of[id(group)], backward=True)
+        )
+        self.mesh = mesh
+        self.stats = stats
+        self.strategy = strategy
+        self.params: list[Param]
+        self.param_of: dict[int, Param]  # keyed by id(shard parameter)
+        self.params, self.param_of = index_params(units)
+        order = [g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable]
+        self.reductions = Reductions(
+            order, mesh, stats, defer=strategy.defer_reductions, home=self.home
+        )
+        self.schedule = Schedule(units, mesh, stats, self.reductions)
+        # Weakly: shard grads hold their owner, and the model holds its grads (through C++,
+        # where the garbage collector cannot follow a cycle back).
+        schedule = weakref.ref(self.schedule)
+
+        def enter_norm() -> None:
+            live = schedule()
+            if live is not None:
+                live.enter("a gradient norm (clip_grad_norm_)")
+
+        self.reductions.grad_owner.enter = enter_norm
+        mesh.set_whereabouts(self.whereabouts)
+        weakref.finalize(self, self.home.close)
+        self.optimizers: OptimizerHooks | None = None  # the offload tiers' optimizer hooks
+        if self.home.hooks_optimizers:
+            shards = [p for u in units for g in u.trainable for p in g.shard_params]
+            self.optimizers = OptimizerHooks(shards, before_step)
+            weakref.finalize(self, self.optimizers.close)
+        self.phase = Phase.IDLE
+        self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
+        self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
+        self._backward_next: dict[int, Unit] = {}
+        self._recording: list[Unit] = []
+        self._backward_seen: set[int] = set()
+        self._released: set[int] = set()
+        self._inputs_pending: dict[int, int] = {}
+        for unit in units:
+            unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
+            unit.module.register_forward_hook(self._hook_post_forward(unit))
+            unit.register_grad_hooks(self._on_grad)
+            for g in unit.trainable:
+                g.call_when_views_done(self._on_views_done)
+        self.own_calls = OwnCalls(self)
+
+    @property
+    def root(self) -> Unit:
+        return self.units[0]
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is Phase.BACKWARD
+
+    @property
+    def idle(self) -> bool:
+        return self.phase is Phase.IDLE
+
+    def whereabouts(self) -> str:
+        """This rank's forward pass and phase, for the message of a collective that failed."""
+        return self.schedule.whereabouts(self.phase.name.lower())
+
+    # forward -------------------------------------------------------------------------
+
+    def _hook_pre_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            self._pre_forward(unit)
+            if self.input_dtype is not None:
+                args, kwargs = _cast_floating((args, kwargs), self.input_dtype)
+            if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:
+                self._hook_inputs(unit, (args, kwargs))
+            return args, kwargs
+
+        return hook
+
+    def _hook_post_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if unit is self.root and self.output_dtype is not None:
+                output = _cast_floating(output, self.output_dtype)
+            return self._post_forward(unit, output)
+
+        return hook
+
+    def _pre_forward(self, unit: Unit) -> None:
+        self.settle()
+        if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
+            self.ensure_gathered(unit, backward=True)
+            unit.use_full(torch.is_grad_enabled())
+            return
+        if unit is self.root:
+            self.check_state()
+            self.phase = Phase.FORWARD
+            self.schedule.passes += 1
+            self._recording = []
+            self.saved.stop()  # left over from a forward that raised
+            self.pool.holding = True
+        if torch.is_grad_enabled():
+            self.saved.start(unit)
+        self._recording.append(unit)
+        self.ensure_gathered(unit, backward=False)
+        unit.use_full(torch.is_grad_enabled())
+        self._prefetch(self._forward_next, unit, backward=False)
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        if self.phase is Phase.BACKWARD:
+            return output
+        if unit is self.saved.owner:
+            self.saved.stop()
+        grad = torch.is_grad_enabled()
+        release = self.strategy.release_after_forward(grad_enabled=grad)
+        # The unit that ran last in forward runs first in backward: keep it gathered.
+        last = self._forward_last if grad else None
+        if unit is not self.root and unit is not last and release:
+            unit.reshard()
+        if grad:
+            self._hook_outputs(unit, output)
+        if unit is self.root:
+            last = self._recording[-1] if grad else None
+            for u in self.units[1:]:
+                if u.state is not ShardState.SHARDED and u is not last and release:
+                    u.reshard()
+            self.schedule.end_forward()
+            if last is not None:  # backward starts with it: stage the unit it gathers next
+                self._stage_after(last, backward=True)
+            self._forward_last = self._recording[-1] if len(self._recording) > 1 else None
+            self._forward_next = _successors(self._recording, _unit_index)
+            self.phase = Phase.IDLE
+        return output
+
+    def _hook_outputs(self, unit: Unit, output: Any) -> None:
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
+
+    def _hook_inputs(self, unit: Unit, inputs: Any) -> None:
+        """Count this call's input gradients, so frozen groups are released once they exist.
+
+        A frozen group has no gradient to tell when backward is done with it; the unit's
+        backward is done once the gradients of all its inputs are computed.
+        """
+        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        self._inputs_pending[unit.index] = self._inputs_pending.get(unit.index, 0) + 1
+
+        def on_inputs_done(grads: Any, unit: Unit = unit) -> None:
+            self._inputs_pending[unit.index] -= 1
+            self._maybe_release(unit)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, on_inputs_done, mode="all")
+
+    # backward ------------------------------------------------------------------------
+
+    def _start_backward(self) -> None:
+        self.check_state()
+        self.phase = Phase.BACKWARD
+        self._recording = []
+        self._backward_seen = set()
+        self._released = set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self._start_backward()
+        if unit.index in self._backward_seen:
+            return
+        self._backward_seen.add(unit.index)
+        self._recording.append(unit)
+        if self.strategy.offers_reductions_in_backward:
+            self.schedule.offer_reductions()
+        self.ensure_gathered(unit, backward=True)
+        if unit.index in self._backward_next:
+            self._prefetch(self._backward_next, unit, backward=True)
+        else:  # nothing more to gather in this backward: keep no spare buffers
+            self.pool.holding = False
+            self.pool.trim()
+
+    def _on_views_done(self, group: FlatGroup) -> None:
+        """Backward read the group's parameters for the last time: release them early.
+
+        The flat gradient is still to be assembled from the per-parameter ones; freeing the
+        parameters, and the previous reduction's flat gradient, first keeps two unit-sized
+        buffers fewer alive at that moment.
+        """
+        if self.phase is Phase.BACKWARD:
+            self._release_after_backward(group)
+            # The reduction in flight is almost always done by now; landing it first means
+            # its flat gradient is freed before this group's is allocated.
+            self.reductions.drain()
+
+    def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self._start_backward()
+        self._release_after_backward(group)
+        self._released.add(id(group))
+        self._maybe_release(unit)
+        self.schedule.grad_ready(group)
+
+    def _release_after_backward(self, group: FlatGroup) -> None:
+        """Backward no longer reads ``group``: drop its views (and buffer, if the strategy says)."""
+        if self.strategy.release_after_backward:
+            group.release()
+        else:
+            group.drop_views()
+
+    def _maybe_release(self, unit: Unit) -> None:
+        """Reshard ``unit`` once backward no longer needs any of its groups."""
+        if self.phase is not Phase.BACKWARD or unit.state is ShardState.SHARDED:
+            return
+        if self._inputs_pending.get(unit.index, 0) > 0:
+            return
+        if all(id(g) in self._released for g in unit.trainable):
+            self._release_unit_after_backward(unit)
+
+    def _release_unit_after_backward(self, unit: Unit) -> None:
+        if self.strategy.release_after_backward:
+            unit.reshard()
+        else:
+            unit.drop_views()
+
+    def _end_backward(self) -> None:
+        for unit in self.units:
+            if unit.state is not ShardState.SHARDED:
+                self._release_unit_after_backward(unit)
+            if self.reductions.sync:
+                # The optimizer steps next, and not every write to a shard is counted in its
+                # version counter (``.data`` writes are not); a unit that stays gathered
+                # gathers again before it is next read.
+                for g in unit.trainable:
+                    g.mark_stale()
+        self.schedule.finish_backward()
+        self._backward_next = _successors(self._recording, _unit_index)
+        self._leave_backward()
+        if self.optimizers is not None:  # an optimizer steps next: hook any new one
+            self.check_state()
+            self.optimizers.find()
+
+    def _leave_backward(self) -> None:
+        """Forget what one backward counted, however it ended, and return to IDLE."""
+        self.pool.trim_scratch()
+        self._inputs_pending.clear()
+        for unit in self.units:
+            for g in unit.trainable:
+                g.end_backward()
+        self.phase = Phase.IDLE
+
+    def settle(self) -> None:
+        """Clean up after a backward that raised, once autograd is no longer running.
+
+        An exception in backward (a hook, a loss function) stops autograd before the end-of-
+        backward callback runs. The next forward, save or load then starts clean: reductions
+        in flight are waited for and dropped, flat gradients and buffers are released, and
+        the shard gradients keep what earlier, completed backwards gave them.
+        """
+        if self.phase is not Phase.BACKWARD or torch._C._current_graph_task_id() != -1:
+            return
+        self.reductions.drain()
+        self.reductions.reset()
+        for unit in self.units:
+            unit.reshard()
+            for g in unit.trainable:
+                g.drop_grad()
+        self.saved.stop()
+        self._leave_backward()
+
+    def check_state(self) -> None:
+        """Before a forward, a backward or a call that reads or writes every unit: the home
+        checks itself (``Home.check``: the host tier's copies in flight finish; the disk tier's
+        files are checked, raising ``StoreError`` naming a file that was deleted, replaced or
+        truncated, before anything touches its mapping)."""
+        self.home.check()
+
+    # gathering -----------------------------------------------------------------------
+
+    def ensure_gathered(self, unit: Unit, backward: bool) -> None:
+        if unit.state is ShardState.GATHERING and not unit.is_stale:
+            unit.finish_gather()
+        if unit.state is ShardState.GATHERED and not unit.is_stale:
+            return
+        self.schedule.gather(unit, backward)
+        self._stage_after(unit, backward)
+        unit.finish_gather()
+
+    def _prefetch(self, successors: dict[int, Unit], current: Unit, backward: bool) -> None:
+        nxt = successors.get(current.index)
+        if nxt is not None and (nxt.state is ShardState.SHARDED or nxt.is_stale):
+            self.schedule.gather(nxt, backward)
+            self._stage_after(nxt, backward)
+
+    def _stage_after(self, unit: Unit, backward: bool) -> None:
+        """``unit`` is being gathered: have the home start moving the unit expected after it
+        to the compute device (the host tier's copies, the disk tier's reads; nothing for a
+        home on the device).
+
+        With prefetch that is two units ahead of the one about to compute, so the copy has a
+        whole unit's compute to hide behind before its gather waits for it.
+        """
+        successors = self._backward_next if backward else self._forward_next
+        following = successors.get(unit.index)
+        if following is None:
+            following = self.units[(unit.index + (-1 if backward else 1)) % len(self.units)]
+        if following.state is ShardState.SHARDED or following.is_stale:
+            self.home.read_ahead([g.shard for g in following.groups])
+
+    # outside forward -----------------------------------------------------------------
+
+    @contextmanager
+    def gathered(self, writeback: bool) -> Iterator[None]:
+        """Gather every unit, expose full parameters, optionally write edits back."""
+        self.settle()
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
+        self.check_state()
+        self.schedule.enter("gathered")
+        for unit in self.units:
+            unit.reshard()
+            unit.start_gather(exact=True)
+            unit.finish_gather()
+            unit.use_full(track_grad=False)
+        self.own_calls.paused = True
+        try:
+            yield
+        finally:
+            self.own_calls.paused = False
+            for unit in self.units:
+                if writeback:
+                    for g in unit.groups:
+                        g.write_back()
+                unit.reshard()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction; gradients accumulate unsharded until sync resumes."""
+        previous, self.reductions.sync = self.reductions.sync, False
+        try:
+            yield
+        finally:
+            self.reductions.sync = previous
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor in it cast to ``dtype`` (differentiably)."""
+    return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _unit_index(unit: Unit) -> int:
+    return unit.index
+
+
+def _successors(order: list[T], index: Callable[[T], int]) -> dict[int, T]:
+    """For each unit, the unit that ran right after its first run, by the first's ``index``
+    (a unit's index; the memory planner replays the order of units by index alone)."""
+    nxt: dict[int, T] = {}
+    for a, b in zip(order, order[1:]):
+        nxt.setdefault(index(a), b)
+    return nxt

@@ -1,0 +1,76 @@
+"""Tensors autograd saves from gathered buffers, kept by address rather than by memory.
+
+Design note. Between a unit's forward and its backward its gathered buffer goes back to the
+pool and may serve other units. A view of it that autograd saved for backward must not pin
+it, nor read what another unit put there: while a root's call runs, saved-tensor hooks
+replace every saved view of a pooled buffer with where it lies in its flat group (offset,
+shape, stride), and rebuild it at backward over wherever the group is gathered then,
+gathering it first if it is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .flat_group import FlatGroup
+from .pool import BufferPool
+
+__all__ = ["SavedViews"]
+
+
+class _SavedView(NamedTuple):
+    """A tensor autograd saved that views a gathered buffer: where in the group it lies."""
+
+    group: FlatGroup
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class SavedViews:
+    """The saved-tensor hooks of one root, entered for the outermost call that owns them.
+
+    Args:
+        pool: the buffer pool, which knows which group a buffer currently serves.
+        regather: gathers a group again (for backward) when an unpacked view needs it.
+    """
+
+    def __init__(self, pool: BufferPool, regather: Callable[[FlatGroup], None]) -> None:
+        self.pool = pool
+        self.regather = regather
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.owner: object | None = None  # the unit or module whose call entered the hooks
+
+    def start(self, owner: object) -> None:
+        """Save views of gathered buffers by address until ``owner``'s call returns, unless an
+        enclosing call already does."""
+        if self.owner is None:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+            self.owner = owner
+
+    def stop(self) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+        self._hooks, self.owner = None, None
+
+    def _pack(self, t: Tensor) -> Any:
+        try:
+            group = self.pool.holder.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without plain storage
+            return t
+        if group is None:
+            return t
+        return _SavedView(group, t.storage_offset(), t.shape, t.stride())
+
+    def _unpack(self, saved: Any) -> Tensor:
+        if not isinstance(saved, _SavedView):
+            return saved
+        group = saved.group
+        if not group.is_allocated:
+            self.regather(group)
+        return group.full_data.as_strided(saved.shape, saved.stride, saved.offset)

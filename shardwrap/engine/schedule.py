@@ -1,0 +1,224 @@
+"""The order of collectives: agreed across ranks, so ranks that run different modules never hang.
+
+Design note. Collectives on one process group pair up by issue order, so every rank must
+issue the same sequence. Ranks that take different branches, skip a module or call one
+twice would not; ZeRO-3 implementations that issue collectives straight from module hooks
+hang or, worse, pair the all-gather of one unit with that of another.
+
+Here each rank, before it gathers a unit that is not already gathered, takes part in a
+handshake: one all-reduce (MIN) of a few integers. Each rank puts in
+
+1. the priority of what it wants next: a unit's index in forward, its reverse index in
+   backward, nothing but the reductions ready so far (when backward gathers nothing, as at
+   stage 2, this keeps reductions overlapping backward), or an end-of-phase marker (which
+   sorts last);
+2. how many reduce-scatters, in the canonical order, it has gradients ready for;
+3. in backward, for every trainable flat group, whether it used the group at all;
+4. how many forward passes of the whole model it has begun, and which call it is in
+   (training, or one every rank makes together outside it: a save, a load, a gradient norm,
+   which enter through :meth:`Schedule.enter`): every rank must be in the same pass and call.
+   A rank that caught an exception and went on to its next batch (the usual recovery
+   from running out of memory) would otherwise pair its next step's collectives with the
+   others' current ones. On a difference every rank learns what every other was doing (one
+   more small all-reduce) and raises, naming it; all then count from the furthest rank, so
+   that the next step, begun on every rank, agrees again.
+
+All ranks then gather the unit with the smallest priority (those that wanted something
+else serve the request and ask again), and issue the reduce-scatters that every rank has
+ready. The reductions themselves, their canonical order and how many are in flight belong to
+the reduction pipeline (``engine/reduce.py``). A rank that never used a unit sends zeros for it at
+the end of backward.
+
+With world size 1 there is nobody to agree with: gathers and reductions go straight out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import CommStats, all_reduce
+from ..comm.mesh import Mesh
+from .flat_group import FlatGroup
+from .reduce import Reductions
+from .unit import ShardState, Unit
+
+__all__ = ["CALLS", "Schedule"]
+
+# What a rank can be doing in a handshake: training (gathers, reductions), or a call every rank
+# makes together outside it. The index is what goes on the wire.
+CALLS = (
+    "training",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export",
+    "load_pretrained",
+    "full_state_dict",
+    "gathered",
+    "a gradient norm (clip_grad_norm_)",
+)
+
+
+class Schedule:
+    """Orders one model's gathers and gradient reductions identically on every rank.
+
+    Args:
+        units: every unit of the model; ``units[i].index == i``.
+        mesh: the model's groups; handshakes run on its control group, ideally a group of its
+            own over the same ranks, so that a handshake never queues behind bulk transfers.
+        stats: collective counters shared by the whole model.
+        reductions: the model's reduction pipeline.
+    """
+
+    def __init__(
+        self, units: list[Unit], mesh: Mesh, stats: CommStats, reductions: Reductions
+    ) -> None:
+        self.units = units
+        self.mesh = mesh
+        self.stats = stats
+        self.reductions = reductions
+        n = len(units)
+        self.reduce_only_priority = 2 * n
+        self.end_forward_priority = 2 * n + 1
+        self.end_backward_priority = 2 * n + 2
+        self.enter_priority = 2 * n + 3
+        self._used_anywhere: list[bool] = []
+        self.passes = 0  # forward passes of the whole model begun on this rank
+        self._entered = (-1, 0)  # (passes, index in CALLS) of the last call entered
+
+    @property
+    def world(self) -> int:
+        return self.mesh.world_size
+
+    # gathers -------------------------------------------------------------------------
+
+    def gather(self, unit: Unit, backward: bool) -> None:
+        """Start gathering ``unit`` once every rank has agreed to."""
+        if self.world > 1:
+            n = len(self.units)
+            self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
+        unit.start_gather()
+
+    def offer_reductions(self) -> None:
+        """Issue the reductions every rank has ready, gathering nothing (one handshake)."""
+        if self.world > 1:
+            self._negotiate(self.reduce_only_priority)
+
+    def end_forward(self) -> None:
+        """Serve peers' remaining gathers of this forward before moving on."""
+        if self.world > 1:
+            self._negotiate(self.end_forward_priority)
+
+    def enter(self, call: str) -> None:
+        """Before ``call``, made by every rank together outside training: one handshake that
+        every rank is making it, after the same number of forward passes.
+
+        Raises:
+            RuntimeError: on every rank, when some rank is elsewhere (naming what each does).
+        """
+        self._entered = (self.passes, CALLS.index(call))
+        if self.world > 1:
+            self._negotiate(self.enter_priority, CALLS.index(call))
+
+    def whereabouts(self, phase: str) -> str:
+        """This rank's step and ``phase`` ("forward", "backward", "idle"), for the message of
+        a collective that failed: the count of forward passes begun, and outside forward and
+        backward the last call every rank made together since the pass began."""
+        if phase == "forward":
+            return f"in forward pass {self.passes}"
+        if phase == "backward":
+            return f"in the backward of forward pass {self.passes}"
+        passes, call = self._entered
+        since = f"; last call made by every rank: {CALLS[call]}" if passes == self.passes else ""
+        if self.passes == 0:
+            return f"before the first forward pass{since}"
+        return f"after forward pass {self.passes}, outside forward and backward{since}"
+
+    def _negotiate(self, want: int, call: int = 0) -> None:
+        reductions = self.reductions
+        while True:
+            ready = reductions.ready_prefix()
+            used = [-int(u) for u in reductions.used]
+            header = [want, ready, self.passes, -self.passes, call, -call]
+            t = torch.tensor(header + used, dtype=torch.int64).to(self.mesh.control_device)
+            all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
+            agreed, ready, fewest, neg_most, low_call, neg_high_call, *neg_used = t.tolist()
+            if fewest != -neg_most or low_call != -neg_high_call:
+                self._desynchronized(want, call, -neg_most)
+            reductions.issue(ready)
+            if agreed == want:
+                self._used_anywhere = [u < 0 for u in neg_used]
+                return
+            if agreed >= self.end_forward_priority:
+                raise RuntimeError(
+                    "shardwrap: ranks disagree on the training phase: some ranks finished "
+                    "forward while others finished backward. Every rank must run the same "
+                    "number of forward and backward passes, and enter no_sync() alike."
+                )
+            self._serve(agreed)
+
+    def _desynchronized(self, want: int, call: int, most: int) -> None:
+        """Every rank is here at once: share what each was doing, then raise alike."""
+        mesh = self.mesh
+        rows = torch.zeros(mesh.world_size, 3, dtype=torch.int64)
+        rows[mesh.rank] = torch.tensor([self.passes, want, call])
+        rows = rows.to(mesh.control_device)
+        all_reduce(rows, mesh.control, dist.ReduceOp.SUM, self.stats, kind="handshake").wait()
+        self.passes = most
+        doing = "; ".join(
+            f"rank {r}: forward pass {p}, {self._describe(w, c)}"
+            for r, (p, w, c) in enumerate(rows.tolist())
+        )
+        raise RuntimeError(
+            f"shardwrap: ranks are at different steps or calls ({doing}). Every rank must run "
+            "every forward and backward pass and make the same calls (save_checkpoint, "
+            "clip_grad_norm_, ...) in the same order. A rank that left a step part-way (an "
+            "exception caught, the loop gone on to its next batch) does this: to skip a batch, "
+            "decide it on every rank alike (e.g. all_reduce an 'out of memory' flag, then every "
+            "rank skips). What was under way is abandoned on every rank; the next step, begun "
+            "on every rank, runs normally."
+        )
+
+    def _describe(self, want: int, call: int = 0) -> str:
+        if call:
+            return f"calling {CALLS[call]}"
+        n = len(self.units)
+        if want < n:
+            return f"gathering unit {want} ({type(self.units[want].module).__name__}) for forward"
+        if want < 2 * n:
+            unit = self.units[2 * n - 1 - want]
+            return f"gathering unit {unit.index} ({type(unit.module).__name__}) for backward"
+        return {
+            self.reduce_only_priority: "reducing gradients in backward",
+            self.end_forward_priority: "ending forward",
+            self.end_backward_priority: "ending backward",
+        }[want]
+
+    def _serve(self, priority: int) -> None:
+        if priority == self.reduce_only_priority:
+            return
+        n = len(self.units)
+        unit = self.units[priority if priority < n else 2 * n - 1 - priority]
+        was_sharded = unit.state is ShardState.SHARDED
+        unit.start_gather()
+        unit.finish_gather()
+        if was_sharded:
+            unit.reshard()
+
+    # reductions ----------------------------------------------------------------------
+
+    def grad_ready(self, group: FlatGroup) -> None:
+        """Note that ``group``'s flat gradient is complete; reduce what every rank has ready."""
+        self.reductions.grad_ready(group)
+        if self.world == 1:
+            self.reductions.issue(self.reductions.ready_prefix())
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what is left (zeros where unused) and wait for all of it."""
+        reductions = self.reductions
+        self._used_anywhere = reductions.close()
+        if self.world > 1:
+            self._negotiate(self.end_backward_priority)
+        else:
+            reductions.issue(reductions.ready_prefix())
+        reductions.finish(self._used_anywhere)

@@ -1,0 +1,584 @@
+"""``ShardedModule``: the public wrapper.
+
+``ShardedModule(model, ...)`` shards ``model`` in place and returns the same object with
+its class swapped for a subclass of both ``ShardedModule`` and the original class, so
+``isinstance(model, OriginalClass)``, attribute access, parameter names and state-dict
+keys are those of the original model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..comm.collectives import CommStats
+from ..comm.mesh import Mesh, resolve_mesh
+from ..options import MixedPrecision, Offload
+from ..tiers.home import Home, make_home
+from .agree_values import check_same_values, copy_from_rank0
+from .checks import (
+    ROOT_ATTR,
+    SHARD_ATTR,
+    UNIT_ATTR,
+    check_device,
+    check_not_wrapped,
+    check_same_model,
+    checkpoint_policy,
+    describe,
+    resolve_compile,
+    unit_plan,
+)
+from .extensions import check_move, checkpoint_unit, class_habits
+from .flat_group import FlatGroup
+from .init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
+from .pool import BufferPool
+from .recompute import compile_unit, recompute_activations
+from .root import Root
+from .strategy import Strategy
+from .unit import Unit
+from .wrap import (
+    AutoWrap,
+    Placement,
+    check_selects_something,
+    group_key,
+    place_parameters,
+    resolve_policy,
+)
+
+__all__ = ["ShardedModule"]
+
+
+class ShardedModule(nn.Module):
+    """Shard a model's training state across ranks (ZeRO stage 1, 2 or 3), keeping its identity.
+
+    Every submodule that ``auto_wrap`` selects becomes a *unit*; the root holds the
+    parameters no unit took. Each unit keeps a flat, padded 1/N shard of its parameters,
+    all-gathers them just before its forward and its backward, releases them afterwards,
+    and reduce-scatters its gradient so the optimizer steps on the local shard.
+
+    ``model.parameters()`` yields one 1-D ``nn.Parameter`` per original parameter, with its
+    original name: this rank's piece of it (possibly empty). Build the optimizer from them
+    *after* wrapping; any elementwise torch optimizer works unchanged.
+
+    Args:
+        module: the model to shard, in place. Its parameters must all be on one device.
+        auto_wrap: which submodules become units: a module class, a tuple of classes, a
+            callable ``(module) -> bool``, or an int (minimum parameter count). ``None``
+            makes the whole model one unit.
+        process_group: the ranks to shard over. Defaults to the default group when
+            ``torch.distributed`` is initialised, else world size 1 (``python train.py``;
+            refused where ``WORLD_SIZE`` or ``LOCAL_WORLD_SIZE`` says several processes).
+        device: where shards live. Defaults to ``cuda:$LOCAL_RANK`` with NCCL, else the
+            parameters' device.
+        stage: the ZeRO stage. 3 (default): parameters, gradients and optimizer state are
+            all sharded; each unit is gathered for its forward and again for its backward.
+            2: full parameters are kept between steps (gathered once per step, after the
+            optimizer changed the shards), gradients are reduce-scattered per unit in
+            backward. 1: as 2, but gradients stay full until the end of backward and are
+            reduced then. The optimizer steps on 1/N shards at every stage.
+        reshard_after_forward: stage 3 only. ``True`` (default): release each unit's gathered
+            parameters after its forward (least memory); ``False``: keep them until its
+            backward (one all-gather fewer per unit and step).
+        mixed_precision: compute in a lower precision (see :class:`MixedPrecision`); the
+            shards, and so the optimizer, stay in the parameters' own dtype. ``None``: no
+            casts at all.
+        checkpoint_activations: recompute units' activations in backward instead of keeping
+            them (non-reentrant activation checkpointing of the unit's ``forward``, inside the
+            sharding hooks; the recomputation reuses the backward all-gather). ``True``: every
+            unit but the root; or a policy of the same forms as ``auto_wrap``, choosing among
+            the units.
+        compile: ``torch.compile`` each unit's ``forward`` (units that enclose no other unit;
+            the root and enclosing units run eagerly, so the sharding hooks stay outside every
+            compiled graph). ``True`` for the defaults, or a dict of ``torch.compile`` options.
+        param_init_fn: for a model built under ``with torch.device("meta"):``, called as
+            ``param_init_fn(module)`` on each module instead of its ``reset_parameters()``.
+            Such a model is materialised one unit at a time, each unit in full on every rank
+            from a seed rank 0 draws, then sharded: memory stays near one unit.
+        offload: ``Offload(device="disk", path=...)`` keeps the shards, their gradients and
+            the optimizer state in files under ``path`` (stage 3, CPU compute device);
+            ``Offload(device="cpu")`` keeps them in pinned host memory while a GPU computes
+            (any stage). See :class:`Offload`.
+        sync_module_states: ``None`` (default): check that every parameter and buffer has
+            the same values on every rank (one pass over the weights, one small
+            collective). ``True``: copy them from rank 0 before sharding (weights loaded on
+            rank 0 only). ``False``: neither, for weights loaded after wrapping
+            (``load_pretrained``, ``load_full_state_dict``, ``load_checkpoint``). A
+            meta-device model is built alike on every rank and needs neither.
+
+    Raises:
+        RuntimeError: no process group while a launcher started several processes (each
+            would train its own copy), naming ``init_process_group``.
+        TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision`` or
+            ``compile`` of an unsupported type.
+        ValueError: an ``auto_wrap`` that selects no submodule (naming the classes the model
+            has), a ``stage`` other than 1, 2 or 3, ``reshard_after_forward`` given with
+            a stage other than 3, or ranks whose arguments, or the units they make, differ
+            (agreed with the model's parameters in one small collective before any flat
+            buffer is communicated; every rank raises, naming each and every rank's value).
+        ValueError: a model already wrapped, parameters on several devices, a
+            ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
+            initialiser wrote (every rank raises, naming each), or parameter names, shapes or
+            dtypes that differ across ranks (checked with one small collective; every rank
+            raises, naming the first difference), or parameter or buffer values that differ
+            across ranks with ``sync_module_states=None`` (every rank raises, naming them).
+    """
+
+    _shardwrap_root: Root
+    # accelerate's mark for a model it must hand back untouched: no DDP (the model reduces its
+    # own gradients), no move, no autocast wrapper.
+    _is_accelerate_prepared = True
+
+    def __new__(
+        cls,
+        module: nn.Module,
+        *,
+        auto_wrap: AutoWrap = None,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        stage: int = 3,
+        reshard_after_forward: bool | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        checkpoint_activations: bool | AutoWrap = False,
+        compile: bool | dict[str, Any] = False,
+        param_init_fn: ParamInitFn | None = None,
+        sync_module_states: bool | None = None,
+        offload: Offload | None = None,
+    ) -> ShardedModule:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
+        check_not_wrapped(module)
+        policy = resolve_policy(module, auto_wrap)
+        check_selects_something(module, policy, auto_wrap)
+        device = check_device(module, device)
+        check_param_init_fn(module, param_init_fn)
+        strategy = _strategy(stage, reshard_after_forward)
+        _check_offload(offload, stage, device)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
+                "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
+            )
+        checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
+        compile_options = resolve_compile(compile)
+        placement = place_parameters(module, policy)
+        mesh = resolve_mesh(process_group, device)
+        arguments = {
+            "stage": stage,
+            "reshard_after_forward": strategy.reshard_after_forward,
+            "auto_wrap": auto_wrap,
+            "mixed_precision": mixed_precision,
+            "checkpoint_activations": checkpoint_activations,
+            "compile": compile_options,
+            "param_init_fn": param_init_fn,
+            "sync_module_states": sync_module_states,
+            "offload": offload and f"Offload(device={offload.device!r})",  # paths may differ
+            "device": device.type,  # its index may differ: a GPU per rank
+            "process_group": f"{mesh.shard_size} shard x {mesh.replicate_size} replicate ranks",
+            "model built on the meta device": is_meta(module),
+        }
+        agreed = {name: describe(value) for name, value in arguments.items()}
+        agreed.update(unit_plan(module, placement, checkpoint))
+        check_same_model(module, mesh.control, mesh.control_device, agreed)
+        if sync_module_states and not is_meta(module):
+            copy_from_rank0(module, mesh)
+        elif sync_module_states is None and not is_meta(module):
+            check_same_values(module, mesh.control, mesh.control_device)
+        home = make_home(offload, device, mesh.rank)
+        _wrap(module, placement, mesh, strategy, mixed_precision, param_init_fn, home)
+        root: Root = getattr(module, ROOT_ATTR)
+        unit_modules = {id(u.module) for u in root.units}
+        for unit in root.units[1:]:
+            inner = (m for m in unit.module.modules() if m is not unit.module)
+            if compile_options is not None and not any(id(m) in unit_modules for m in inner):
+                compile_unit(root, unit, compile_options)
+            if checkpoint(unit.module) and not checkpoint_unit(root, unit):
+                recompute_activations(root, unit)
+        return module  # type: ignore[return-value]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Wrapping happens in ``__new__``; the wrapped module is already initialised."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
+        """``.to()``, ``.cuda()``, ``.half()`` and friends: allowed where they change nothing.
+
+        Raises:
+            ValueError: a move to another device or a cast: applied to the shard parameters it
+                would detach them from the flat shards, and the optimizer would step copies.
+            TypeError: an integration refuses the move (the Hugging Face one: a
+                ``transformers.Trainer`` that would save on rank 0 alone is moving the model,
+                as it does while being built, naming ``shardwrap.hf.Trainer``).
+        """
+        check_move(self)
+        for unit in self._shardwrap_root.units:
+            for g in unit.groups:
+                probe = torch.empty(0, dtype=g.dtype, device=g.home.device)
+                out = fn(probe)
+                if out.dtype != probe.dtype or not _same_device(out.device, probe.device):
+                    raise ValueError(
+                        f"ShardedModule: moving or casting a sharded model (to {out.device}, "
+                        f"{out.dtype}; it computes on {probe.device}, its shards are "
+                        f"{probe.dtype}) would detach its parameters from the flat shards. "
+                        "Choose the device when wrapping (move the model first, or pass "
+                        "device=...), and the compute dtype with "
+                        "mixed_precision=MixedPrecision(...)."
+                    )
+        return self
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Calls and bytes of every collective this model issued since the last reset."""
+        return self._shardwrap_root.stats
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, unsharded, without communication.
+
+        Backward passes inside the block keep full, unreduced flat gradients (memory like
+        DDP); the first backward after the block reduces everything accumulated. Every rank
+        must enter the block alike.
+        """
+        with self._shardwrap_root.no_sync():
+            yield
+
+    @contextmanager
+    def gathered(self, writeback: bool = False) -> Iterator[None]:
+        """Make the full parameters readable (and, with ``writeback``, writable) outside forward.
+
+        Inside the block ``module.weight`` and friends are full tensors. With
+        ``writeback=True`` in-place edits are copied into the shards on exit; otherwise they
+        are discarded. Gathers every unit at once: memory of the whole model. Call on every
+        rank.
+        """
+        with self._shardwrap_root.gathered(writeback):
+            yield
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip gradients by their global norm over all ranks, as ``clip_grad_norm_`` does.
+
+        The same as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, which on a
+        sharded model also takes the global norm (each shard's ``.grad`` knows it is a
+        shard). Call on every rank.
+
+        Returns:
+            The total norm of the gradients (before clipping), identical on every rank.
+        """
+        return torch.nn.utils.clip_grad_norm_(
+            list(self.parameters()), max_norm, norm_type, error_if_nonfinite
+        )
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
+        """The original model's state dict: same keys, full shapes, CPU tensors.
+
+        Gathers one flat group at a time, so device memory stays near one unit. Every rank
+        must call it; with ``rank0_only`` the other ranks get an empty dict.
+        """
+        root = self._shardwrap_root
+        root.settle()
+        root.check_state()
+        root.schedule.enter("full_state_dict")
+        keep = not rank0_only or root.mesh.rank == 0
+        full: dict[int, Tensor] = {}
+        for unit in root.units:
+            for g in unit.groups:
+                with unit.readable(g) as views:
+                    if keep:
+                        for p, view in zip(g.shard_params, views):
+                            full[id(p)] = view.to("cpu", copy=True)
+        if not keep:
+            return {}
+        return {
+            k: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
+            for k, v in nn.Module.state_dict(self, keep_vars=True).items()
+        }
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load the unwrapped model's full state dict, or this rank's own shards.
+
+        1. Every sharded parameter in full shape (``torch.load`` of a plain model's
+           ``state_dict()``, or ``full_state_dict()``): loaded as :meth:`load_full_state_dict`
+           does, each rank taking its pieces; ``strict`` must be true.
+        2. Every sharded parameter in this rank's 1-D shard shape (``state_dict()`` of a
+           wrapped model at the same world size, on the same rank): loaded as
+           ``nn.Module.load_state_dict`` does.
+
+        Raises:
+            ValueError: parameters of neither shape, or of both kinds mixed, or another
+                rank's ``state_dict()`` (it records whose shards it holds), naming them and
+                the calls that load checkpoints.
+        """
+        own = nn.Module.state_dict(self, keep_vars=True)
+        index = self._shardwrap_root.param_of
+        full, shard, neither = [], [], []
+        for key, value in state_dict.items():
+            param = index.get(id(own.get(key)))
+            if param is None or not isinstance(value, Tensor):
+                continue
+            shape = tuple(value.shape)
+            is_full, is_shard = shape == param.shape, shape == tuple(param.shard.shape)
+            if is_full and is_shard:  # a 1-D parameter whole on this rank: either reading
+                continue
+            if is_full:
+                full.append(key)
+            elif is_shard:
+                shard.append(key)
+            else:
+                neither.append(f"{key}: {shape}")
+        if neither or (full and shard):
+            raise ValueError(
+                "load_state_dict: a sharded model takes either the unwrapped model's full state "
+                "dict or its own shards; got "
+                + (f"shapes of neither for {neither[:4]}" if neither else "both kinds mixed")
+                + ". Use model.load_full_state_dict(sd) for a full state dict, or "
+                "shardwrap.save_checkpoint / load_checkpoint to resume at any world size."
+            )
+        if shard:
+            self._check_own_shards(state_dict)
+        if full:
+            if not strict:
+                raise ValueError(
+                    "load_state_dict(strict=False) of a full state dict is not supported; "
+                    "pass every key (strict=True) or use load_full_state_dict."
+                )
+            self.load_full_state_dict(state_dict)
+            return nn.modules.module._IncompatibleKeys([], [])
+        return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+    def _check_own_shards(self, state_dict: Mapping[str, Any]) -> None:
+        metadata = getattr(state_dict, "_metadata", None) or {}
+        saved = (metadata.get("") or {}).get(SHARDS_OF)
+        mesh = self._shardwrap_root.mesh
+        here = (mesh.shard_rank, mesh.shard_size)
+        if saved is not None and tuple(saved) != here:
+            raise ValueError(
+                f"load_state_dict: the state dict holds the shards of rank {saved[0]} of "
+                f"{saved[1]}, and this is rank {here[0]} of {here[1]}: each rank loads only its "
+                "own state_dict(). Use shardwrap.save_checkpoint / load_checkpoint (any world "
+                "size), or save model.full_state_dict() and load it with load_state_dict."
+            )
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Load a plain (unsharded) state dict into the shards and buffers.
+
+        Raises:
+            KeyError: naming every missing and unexpected key.
+            ValueError: naming every parameter or buffer whose shape differs.
+        """
+        root = self._shardwrap_root
+        root.check_state()
+        own = nn.Module.state_dict(self, keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if missing or unexpected:
+            raise KeyError(
+                f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}. "
+                "Pass the state dict of the same model class and configuration "
+                "(model.full_state_dict() or the unwrapped model's state_dict())."
+            )
+        index = root.param_of
+        wrong = []
+        for k, v in own.items():
+            shape = index[id(v)].shape if id(v) in index else v.shape
+            if tuple(state_dict[k].shape) != tuple(shape):
+                wrong.append(f"{k}: expected {tuple(shape)}, got {tuple(state_dict[k].shape)}")
+        if wrong:
+            raise ValueError("load_full_state_dict: shape mismatch for " + "; ".join(wrong))
+        done: set[int] = set()
+        with torch.no_grad():
+            for k, v in own.items():
+                if id(v) in done:
+                    continue
+                done.add(id(v))
+                value = state_dict[k].to(v.device)
+                if id(v) in index:
+                    param = index[id(v)]
+                    pc = param.group.pieces[param.index]
+                    v.copy_(value.reshape(-1)[pc.start : pc.stop])
+                else:
+                    v.copy_(value)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices name the same memory (``cpu`` and ``cpu:0`` do)."""
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    current = torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0
+    index_a = current if a.index is None else a.index
+    index_b = current if b.index is None else b.index
+    return index_a == index_b
+
+
+# construction ------------------------------------------------------------------------
+
+# In ``state_dict()._metadata[""]``: whose shards the state dict holds, (shard rank, shard size).
+SHARDS_OF = "shardwrap_shards_of"
+
+_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        bases = (ShardedModule, *class_habits(cls), cls)
+        _CLASSES[cls] = type(cls.__name__, bases, {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def _wrap(
+    module: nn.Module,
+    placement: Placement,
+    mesh: Mesh,
+    strategy: Strategy,
+    precision: MixedPrecision | None,
+    param_init_fn: ParamInitFn | None = None,
+    home: Home | None = None,
+) -> None:
+    device = mesh.device
+    materialize = None
+    if is_meta(module):
+        seed = agree_seed(mesh.control, mesh.control_device)
+        materialize = Materializer(module, placement.units, device, seed, param_init_fn)
+    stats = CommStats()
+    pool = BufferPool()
+    units: list[Unit] = []
+    for index, (unit_module, params) in enumerate(zip(placement.units, placement.params)):
+        if materialize is not None:
+            meta_params, params = params, materialize(index, params)
+            for name, p, _ in meta_params:
+                _retire(p, name)
+        by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
+        for entry in params:
+            by_key.setdefault(group_key(entry[1]), []).append(entry)
+        flat_groups = []
+        for entries in by_key.values():
+            names = [n for n, _, _ in entries]
+            originals = [p for _, p, _ in entries]
+            dtype = originals[0].dtype
+            fg = FlatGroup(
+                names,
+                originals,
+                [s for _, _, s in entries],
+                mesh,
+                pool,
+                precision.compute_dtype(dtype) if precision else None,
+                precision.gradient_dtype(dtype) if precision else None,
+                resident=strategy.keeps_params,
+                home=home,
+            )
+            for (name, p, slots), shard_param in zip(entries, fg.shard_params):
+                setattr(shard_param, SHARD_ATTR, True)
+                for owner, attr in slots:
+                    owner._parameters[attr] = shard_param
+                _retire(p, name)
+            flat_groups.append(fg)
+        units.append(Unit(unit_module, index, flat_groups, stats))
+    buffer_dtype = precision.buffer_dtype if precision else None
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is None:
+                continue
+            dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
+            if b.device != device or b.dtype != dtype:
+                m._buffers[k] = b.to(device, dtype)
+    root = Root(units, mesh, stats, strategy, pool, precision, home)
+
+    def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
+        local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
+
+    module.register_state_dict_post_hook(note_shards)
+    module.__class__ = _sharded_class(type(module))
+    object.__setattr__(module, ROOT_ATTR, root)
+    for unit in units[1:]:
+        object.__setattr__(unit.module, UNIT_ATTR, unit)
+
+
+def _check_offload(offload: Offload | None, stage: int, device: torch.device) -> None:
+    if offload is None:
+        return
+    if not isinstance(offload, Offload):
+        raise TypeError(
+            f"offload takes a shardwrap.Offload, got {offload!r}; e.g. "
+            'offload=Offload(device="disk", path="/nvme/run1").'
+        )
+    if offload.device == "disk" and stage != 3:
+        raise ValueError(
+            f'Offload(device="disk") needs stage=3: stage {stage} keeps the full parameters '
+            "in memory between steps, the opposite of keeping the state on disk."
+        )
+    if offload.device == "disk" and device.type != "cpu":
+        raise ValueError(
+            f'Offload(device="disk") runs on a CPU compute device, got {device}: its files are '
+            "mapped into host memory and gathered from there. With a GPU use "
+            'Offload(device="cpu") (shards, gradients and optimizer state in pinned host memory).'
+        )
+
+
+def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:
+    if reshard_after_forward is not None and stage in (1, 2):
+        raise ValueError(
+            f"reshard_after_forward is a stage-3 option; stage {stage} keeps the full "
+            "parameters between steps. Drop reshard_after_forward, or pass stage=3."
+        )
+    return Strategy(stage=stage, reshard_after_forward=reshard_after_forward is not False)
+
+
+# retired parameters ------------------------------------------------------------------
+
+
+def _retire(p: nn.Parameter, name: str) -> None:
+    """Free an original parameter, so that an optimizer still holding it fails loudly.
+
+    The parameter's class becomes one whose ``.grad`` is always present and raises on any
+    use: every optimizer reads the gradients of the parameters it steps, so an optimizer
+    built before wrapping raises at its first ``step()``, naming the parameter, rather than
+    silently never training the model. Nothing is registered outside the parameter.
+    """
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    trap = torch.Tensor._make_subclass(_StaleGrad, torch.empty(0, dtype=p.dtype, device=p.device))
+    trap._shardwrap_name = name
+    object.__setattr__(p, "_shardwrap_stale_grad", trap)
+    p.__class__ = _retired_class(type(p))
+
+
+class _StaleGrad(Tensor):
+    """The gradient of a retired parameter: any use raises, naming the parameter."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        trap = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _StaleGrad))
+        raise RuntimeError(
+            f"shardwrap: this optimizer holds parameter '{trap._shardwrap_name}' from before "
+            "the model was wrapped; those parameters no longer train the model. Build the "
+            "optimizer after wrapping: opt = torch.optim.AdamW(model.parameters())."
+        )
+
+
+def _stale_grad(self: nn.Parameter) -> Tensor:
+    return self._shardwrap_stale_grad
+
+
+def _ignore_grad(self: nn.Parameter, value: Tensor | None) -> None:
+    """``zero_grad()`` sets ``None``: the trap stays."""
+
+
+_RETIRED_CLASSES: dict[type, type] = {}
+
+
+def _retired_class(cls: type) -> type:
+    if cls not in _RETIRED_CLASSES:
+        _RETIRED_CLASSES[cls] = type(
+            f"Retired{cls.__name__}", (cls,), {"grad": property(_stale_grad, _ignore_grad)}
+        )
+    return _RETIRED_CLASSES[cls]
+
+
+# checks ------------------------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""The strategy: when a unit's gathered parameters and its gradients live and die.
+
+Design note. Every decision about a unit's buffers is asked of this one object; the root
+and the schedule carry them out and decide nothing themselves, and the memory planner's
+replay (``planning/replay.py``) asks it the same questions:
+
+- after a unit's forward: release its gathered parameters, or keep them for backward;
+- after a unit's backward: release them, or keep them for the next step;
+- when gradient reductions run: as each group's gradient is complete, or all at the end of
+  backward.
+
+The three ZeRO stages (Rajbhandari et al., https://arxiv.org/abs/1910.02054) differ only in
+these answers; the optimizer always steps on the 1/N shard, so its state is sharded at every
+stage:
+
+=====  ================================  ======================  ===========================
+stage  gathered parameters               gradients               reductions
+=====  ================================  ======================  ===========================
+1      kept between steps                full until the end of   all at the end of backward
+                                         backward
+2      kept between steps                1/N once reduced        per group, during backward
+3      released after forward and after  1/N once reduced        per group, during backward
+       backward
+=====  ================================  ======================  ===========================
+
+Kept parameters are refreshed lazily: after an optimizer step (or a load) changes a shard,
+the unit is gathered again before it is next read. The root unit and the unit that ran last
+in forward are kept after forward whatever the strategy: backward starts with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Strategy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """Buffer lifetimes of one sharded model.
+
+    Attributes:
+        stage: the ZeRO stage, 1, 2 or 3 (see the table above).
+        reshard_after_forward: at stage 3, release each unit's gathered parameters after its
+            forward (least memory) rather than keeping them until its backward.
+    """
+
+    stage: int = 3
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if type(self.stage) is not int or self.stage not in (1, 2, 3):
+            raise ValueError(
+                f"stage must be 1, 2 or 3, got {self.stage!r}: 1 shards the optimizer state, "
+                "2 also the gradients, 3 also the parameters. E.g. ShardedModule(model, stage=2)."
+            )
+
+    def release_after_forward(self, *, grad_enabled: bool) -> bool:
+        """Whether a unit's gathered parameters go once its forward returns.
+
+        Args:
+            grad_enabled: whether the forward records a graph; without one no backward will
+                need the parameters.
+        """
+        return self.stage == 3 and (self.reshard_after_forward or not grad_enabled)
+
+    @property
+    def keeps_params(self) -> bool:
+        """Whether full parameters persist between steps (stages 1 and 2): a group that computes
+        in its shards' dtype then keeps its full buffer for good, the shard a slice of it."""
+        return self.stage in (1, 2)
+
+    @property
+    def release_after_backward(self) -> bool:
+        """Whether a unit's gathered parameters go once backward no longer reads them."""
+        return self.stage == 3
+
+    @property
+    def gathers_in_backward(self) -> bool:
+        """Whether backward gathers units (so its handshakes can carry the reductions)."""
+        return self.stage == 3 and self.reshard_after_forward
+
+    @property
+    def offers_reductions_in_backward(self) -> bool:
+        """Whether each unit's backward begins with a handshake of its own that issues the
+        reductions every rank has ready: none are deferred, and no gather in backward carries
+        them (stage 2, and stage 3 kept after forward), so they still overlap backward."""
+        return not self.gathers_in_backward and not self.defer_reductions
+
+    @property
+    def defer_reductions(self) -> bool:
+        """Whether gradient reductions wait for the end of backward (full gradients until then)."""
+        return self.stage == 1

@@ -1,0 +1,381 @@
+"""The memory planner: what each rank holds when training at each stage and offload tier.
+
+Design note. The bytes that scale with the model come from the flat layout and the wrapping
+policy that ``ShardedModule`` itself uses (``planning/trace.py`` splits a meta-device twin of
+the model into units and flat groups); activations are measured by running the meta model
+with its parameters shown as views of per-group buffers, as the engine shows them, so that
+autograd hands each group's gradients over at the moment it hands the engine's over; the
+optimizer's state and temporaries by one step over meta shards. The meta run's trace is then
+replayed with the engine's own decisions on top (``planning/replay.py``): gathers, prefetch
+and the buffer pool's spares, flat gradients and the reductions in flight, where each tier
+keeps shards, gradients and state, and the host tier's staged copies.
+
+What the plan counts is what ``shardwrap.track_allocations`` measures: the tensors a rank
+creates from wrapping on, at their peak over the first step and the steady ones after it, on
+the rank with the most real elements (rank 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..engine.strategy import Strategy
+from ..engine.wrap import AutoWrap
+from ..options import MixedPrecision
+from .replay import Tier, replay
+from .trace import causal_loss, meta_twin, optimizer_bytes, trace
+
+__all__ = ["MemoryEstimate", "MemoryPlan", "estimate_memory"]
+
+OFFLOADS = (None, "cpu", "disk")
+OPTIMIZERS = ("adamw", "sgd", "none")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one rank holds at its peak, for one stage and offload tier, in bytes.
+
+    The five parts are taken at the moment of the peak and add up to ``peak``: the compute
+    device's memory (on a CPU machine, the process's memory).
+    """
+
+    stage: int
+    offload: str | None
+    params: int
+    """Shards held in this memory, and at stages 1 and 2 the full parameters kept (the shard
+    a slice of them where they compute in its dtype)."""
+    grads: int
+    """Flat gradients (being made, or reducing), reduced 1/N shards and the buffers peers'
+    pieces land in, and the host tier's kept gradient buffers."""
+    optimizer: int
+    """Optimizer state, plus its step's temporaries when the peak is in the step."""
+    working_set: int
+    """Gathered flat buffers of units in flight, the pool's spares (buffers and flat
+    gradients kept for reuse), and the host tier's shard copies staged for gathers."""
+    activations: int
+    """Activations and temporaries of forward and backward, the per-parameter gradients
+    autograd holds until their group's flat gradient is made, and the previous step's outputs
+    until forward returns; measured on the meta device."""
+    phase: str
+    """Where the peak falls: ``"forward"``, ``"backward"`` or ``"optimizer step"``."""
+    host: int = 0
+    """Peak bytes in host memory beside a GPU (the cpu tier with ``device="cuda"``): shards,
+    their gradient buffers, the optimizer's state and step."""
+    disk: int = 0
+    """Bytes in the disk tier's files (shards, gradient buffers, optimizer state)."""
+
+    @property
+    def peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.working_set + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Estimates for one model, batch and world size, one row per stage and offload tier."""
+
+    model: str
+    params: int
+    """Parameters of the model (each tied parameter once)."""
+    units: int
+    world_size: int
+    batch: int
+    seq: int
+    precision: str
+    device: str
+    rows: tuple[MemoryEstimate, ...] = field(default=())
+    inputs: str = ""
+    """Each sample, as fed: ``"seq 128"`` (token ids), ``"3x224x224 images"``."""
+
+    def row(self, stage: int, offload: str | None = None) -> MemoryEstimate:
+        """The estimate for ``stage`` and ``offload``."""
+        for r in self.rows:
+            if r.stage == stage and r.offload == offload:
+                return r
+        raise KeyError(f"no estimate for stage {stage}, offload {offload!r} in this plan")
+
+    def __str__(self) -> str:
+        sample = self.inputs or f"seq {self.seq}"
+        head = (
+            f"{self.model}: {self.params / 1e6:,.1f}M parameters in {self.units} units, "
+            f"world size {self.world_size}, batch {self.batch} x {sample}, "
+            f"{self.precision}, {self.device}; per rank:"
+        )
+        cols = ["stage", "offload", "params", "grads", "optimizer", "working set"]
+        cols += ["activations", "peak", "at"]
+        extra = any(r.host for r in self.rows), any(r.disk for r in self.rows)
+        cols += ["host"] * extra[0] + ["disk"] * extra[1]
+        lines = [cols]
+        for r in self.rows:
+            sizes = [r.params, r.grads, r.optimizer, r.working_set, r.activations, r.peak]
+            line = [str(r.stage), r.offload or "-", *map(_size, sizes), r.phase]
+            line += [_size(r.host)] * extra[0] + [_size(r.disk)] * extra[1]
+            lines.append(line)
+        widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
+        table = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+        return "\n".join([head, *table])
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def estimate_memory(
+    model_or_config: nn.Module | str | Any,
+    *,
+    world_size: int,
+    stage: int | tuple[int, ...] = (1, 2, 3),
+    offload: str | None | tuple[str | None, ...] = None,
+    mixed_precision: MixedPrecision | None = None,
+    batch: int = 1,
+    seq: int = 128,
+    auto_wrap: AutoWrap = None,
+    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw",
+    device: str = "cpu",
+    kwargs: dict[str, Any] | None = None,
+) -> MemoryPlan:
+    """Estimate what each rank holds while training, without allocating the model.
+
+    Args:
+        model_or_config: an ``nn.Module`` (best built under ``torch.device("meta")``), a
+            ``transformers`` config, a ``transformers`` model type (``"gpt2"``, ``"t5"``,
+            ``"llama"``: its default config, nothing downloaded), ``"module:factory"`` or a
+            callable returning a module (called on the meta device with ``kwargs``).
+        world_size: ranks sharing the model.
+        stage: a ZeRO stage or several.
+        offload: ``None``, ``"cpu"`` or ``"disk"``, or several: one row per stage and tier
+            (the disk tier at stage 3 only, as ``ShardedModule`` allows). The cpu tier with
+            ``device="cpu"`` changes nothing, as in ``ShardedModule``. Offloaded optimizers
+            step with torch's fused kernel where their groups leave the choice to torch.
+        mixed_precision: as given to ``ShardedModule``.
+        batch, seq: per-rank inputs. A ``transformers`` model gets ``input_ids`` and ``labels``
+            (and ``decoder_input_ids`` if it is an encoder-decoder) of shape ``(batch, seq)``,
+            or if it takes images, ``batch`` images of its config's size (``seq`` unused) and
+            for a classifier their labels; any other model is called on one int64
+            ``(batch, seq)`` tensor and returns a loss or logits, scored by next-token
+            cross-entropy in fp32. The outputs stay alive until the next forward returns, as
+            in a loop that keeps ``out = model(...)``.
+        auto_wrap: as given to ``ShardedModule``; default: a ``transformers`` model's
+            ``_no_split_modules``, else the most frequent class held in an ``nn.ModuleList``.
+        optimizer: ``"adamw"`` (default), ``"sgd"`` (with momentum), ``"none"``, or a factory
+            ``fn(params) -> Optimizer``; it is run for one step on meta shard parameters.
+        device: ``"cpu"`` or ``"cuda"``: where the model computes. It decides the default
+            optimizer's implementation (foreach on CUDA) and what the cpu tier moves.
+        kwargs: keyword arguments of a factory, or overrides of a config's fields.
+
+    Returns:
+        One :class:`MemoryEstimate` per stage and offload tier; ``print`` it for a table.
+
+    Raises:
+        ValueError: a stage, world size, tier, batch or optimizer out of range, the disk
+            tier below stage 3, a ``transformers`` model whose inputs are neither token ids
+            nor images, or one that computes no loss from them, naming the fix.
+    """
+    stages = (stage,) if isinstance(stage, int) else tuple(stage)
+    tiers = offload if isinstance(offload, tuple) else (offload,)
+    _check(world_size, stages, tiers, batch, seq, optimizer, device)
+    name, model, is_hf = _meta_model(model_or_config, kwargs or {})
+    ids = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
+    feed, inputs = _hf_inputs(model, batch, seq) if is_hf else ({}, f"seq {seq}")
+
+    def loss_of(m: nn.Module) -> tuple[Tensor, Any]:
+        if is_hf:
+            out = m(**feed)
+            if out.get("loss") is None:
+                raise ValueError(
+                    f"estimate_memory: {type(m).__name__} computes no loss from "
+                    f"{', '.join(feed)}; plan a model with a head that does (e.g. "
+                    "...ForCausalLM, ...ForImageClassification), or a factory whose "
+                    "forward(ids) returns the loss ('module:factory')."
+                )
+            return out.loss, out  # a training loop keeps the outputs until the next forward
+        out = m(ids)
+        return causal_loss(out, ids), out
+
+    wrap = auto_wrap if auto_wrap is not None else _default_wrap(model)
+    tr = trace(model, wrap, world_size, mixed_precision, loss_of, fused_dropout=device == "cuda")
+    make_optimizer = _optimizer(optimizer)
+    rows = []
+    for tier in tiers:
+        where = _tier(tier, device)
+        # The offload tiers step with torch's fused kernel where the user left the choice.
+        state, most = optimizer_bytes(
+            tr.groups, make_optimizer, device, fuse=where.staged or where.disk
+        )
+        for s in stages:
+            if tier != "disk" or s == 3:
+                parts = replay(tr, Strategy(stage=s), where, state, most, device)
+                rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts)))
+    rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
+    precision = "fp32"
+    if mixed_precision is not None and mixed_precision.param_dtype is not None:
+        precision = f"{str(mixed_precision.param_dtype).removeprefix('torch.')} mixed precision"
+    return MemoryPlan(
+        model=name,
+        params=sum(p.numel() for p in model.parameters()),
+        units=len(tr.units),
+        world_size=world_size,
+        batch=batch,
+        seq=seq,
+        inputs=inputs,
+        precision=precision,
+        device=device,
+        rows=tuple(rows),
+    )
+
+
+def _check(
+    world_size: int,
+    stages: tuple[int, ...],
+    tiers: tuple[str | None, ...],
+    batch: int,
+    seq: int,
+    optimizer: Any,
+    device: str,
+) -> None:
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}; e.g. 8.")
+    for s in stages:
+        if type(s) is not int or s not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3 (or a tuple of them), got {s!r}.")
+    for tier in tiers:
+        if tier not in OFFLOADS:
+            raise ValueError(f'offload must be None, "cpu" or "disk", got {tier!r}.')
+        if tier == "disk" and 3 not in stages:
+            raise ValueError(
+                'offload="disk" needs stage=3: stages 1 and 2 keep the full parameters in '
+                'memory. Pass stage=3, or offload=None or "cpu".'
+            )
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be at least 1, got batch={batch}, seq={seq}.")
+    if not callable(optimizer) and optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"optimizer must be one of {sorted(OPTIMIZERS)} or a factory fn(params), "
+            f"got {optimizer!r}."
+        )
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f'device must be "cpu" or "cuda", got {device!r}.')
+
+
+def _optimizer(
+    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None:
+    if callable(optimizer):
+        return optimizer
+    if optimizer == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=1e-4)
+    if optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return None
+
+
+def _tier(offload: str | None, device: str) -> Tier:
+    """What the engine makes of ``offload`` on ``device`` (``tiers.home.make_home``): the cpu tier
+    stages shards to a GPU, and changes nothing on a CPU."""
+    staged = offload == "cpu" and device == "cuda"
+    return Tier(staged=staged, apart=staged and device == "cuda", disk=offload == "disk")
+
+
+def _meta_model(spec: Any, kwargs: dict[str, Any]) -> tuple[str, nn.Module, bool]:
+    """``(name, model on the meta device, whether it is a transformers model)``."""
+    if isinstance(spec, nn.Module):
+        return type(spec).__name__, meta_twin(spec), _is_hf(spec)
+    if isinstance(spec, str) and ":" in spec:
+        module, _, attr = spec.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        with torch.device("meta"):
+            model = factory(**kwargs)
+        return spec, model, _is_hf(model)
+    if isinstance(spec, str) or type(spec).__name__.endswith("Config"):
+        from transformers import (
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoModelForImageClassification,
+            AutoModelForSeq2SeqLM,
+        )
+
+        config = AutoConfig.for_model(spec, **kwargs) if isinstance(spec, str) else spec
+        autos = [AutoModelForCausalLM, AutoModelForImageClassification]
+        if config.is_encoder_decoder:
+            autos.insert(0, AutoModelForSeq2SeqLM)
+        auto = next((a for a in autos if type(config) in a._model_mapping), None)
+        if auto is None:
+            raise ValueError(
+                f"estimate_memory: a {type(config).__name__} names no causal, sequence-to-"
+                "sequence or image-classification model; build the model you train under "
+                'torch.device("meta") and pass it.'
+            )
+        with torch.device("meta"):
+            model = auto.from_config(config)
+        return spec if isinstance(spec, str) else type(spec).__name__, model, True
+    if callable(spec):
+        with torch.device("meta"):
+            model = spec(**kwargs)
+        return getattr(spec, "__name__", type(model).__name__), model, _is_hf(model)
+    raise TypeError(
+        f"estimate_memory takes a module, a transformers config or model type (e.g. 'gpt2'), "
+        f"'module:factory' or a callable, got {type(spec).__name__}."
+    )
+
+
+def _hf_inputs(model: nn.Module, batch: int, seq: int) -> tuple[dict[str, Tensor], str]:
+    """What a ``transformers`` model is fed (on the meta device), and how the plan says it.
+
+    1. Token models (``main_input_name`` ``input_ids``): ``input_ids`` and ``labels`` of
+       ``(batch, seq)``, and ``decoder_input_ids`` for an encoder-decoder.
+    2. Vision models (``pixel_values``): images of ``(batch, channels, height, width)`` from
+       the config, and for an image classifier one class label per image.
+    3. Anything else (audio features, ...): refused, naming the input and the fix.
+    """
+    kind = getattr(model, "main_input_name", "input_ids")
+    config = model.config
+    if kind == "input_ids":
+        ids = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
+        feed = {"input_ids": ids, "labels": ids}
+        if config.is_encoder_decoder:
+            feed["decoder_input_ids"] = ids
+        return feed, f"seq {seq}"
+    if kind == "pixel_values":
+        size = config.image_size
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        shape = (batch, config.num_channels, height, width)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        feed = {"pixel_values": torch.zeros(shape, dtype=dtype, device="meta")}
+        if "ForImageClassification" in type(model).__name__:
+            feed["labels"] = torch.zeros(batch, dtype=torch.int64, device="meta")
+        return feed, f"{shape[1]}x{height}x{width} images"
+    raise ValueError(
+        f"estimate_memory: {type(model).__name__} takes {kind!r}; the planner feeds token ids "
+        "(input_ids) or images (pixel_values). Plan a factory instead ('module:factory'): a "
+        "module whose forward(ids) builds this model's inputs and returns its loss."
+    )
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def _default_wrap(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+    counts = Counter(
+        type(child)
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        for child in m
+        if any(True for _ in child.parameters())
+    )
+    if not counts:
+        raise ValueError(
+            f"estimate_memory: {type(model).__name__} has no nn.ModuleList of blocks to wrap "
+            "by default; pass auto_wrap= as you would to ShardedModule."
+        )
+    return (counts.most_common(1)[0][0],)

@@ -1,0 +1,390 @@
+"""The planner's replay: the engine's buffers over one traced training step, event by event.
+
+Design note. The meta run (``planning/trace.py``) gives activations at each unit boundary
+and each parameter's gradient. Here the engine's own decisions are replayed on top, in the
+order its hooks take them (``engine/root.py``, ``engine/schedule.py``, ``engine/reduce.py``,
+``engine/pool.py``, ``tiers/home.py``), for rank 0 (which holds the most elements). Every
+lifetime is asked of the engine's ``Strategy`` and every pooled buffer of its pool's policy
+(``Spares``, its buffers here the keys whose bytes are counted), so that the plan follows a
+change to either:
+
+- gathers take full buffers from the pool; it hands out a spare flat gradient first, then a
+  spare gathered buffer of the same size and dtype, and allocates only when it has neither;
+  released buffers become spares (two per size) until the last unit of backward is gathered;
+  stages 1 and 2 keep their full buffers (the shard a slice of them where they compute in its
+  dtype) and gather into them again after each step;
+- a group's flat gradient is made once its parameters' gradients all exist, after its
+  gathered buffer is released (stage 3) and the reduction in flight has landed; reductions
+  are issued in the canonical order where every rank agrees (handshakes: each gather, and
+  each unit's backward at stage 2; at once on one rank; at the end of backward at stage 1),
+  one in flight; a reduced flat gradient becomes a spare until backward ends;
+- reduced shards land where the tier keeps them: as the ``.grad`` (in memory), copied into
+  a kept buffer (host tier), or in the disk tier's files;
+- the host tier stages a copy of each shard before its gather, read ahead when the unit
+  before it is gathered.
+
+Three steps are replayed and the peak is the largest of them: the first (no order of units
+known yet: no prefetch, every unit released after its forward; the optimizer's state made at
+its end), then two in steady state, so that what one step leaves to the next (copies read
+ahead, the outputs a training loop keeps until its next forward returns) is in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.pool import Spares
+from ..engine.root import _successors
+from ..engine.strategy import Strategy
+from .trace import Trace
+
+__all__ = ["Parts", "Tier", "replay"]
+
+Key = tuple[int, torch.dtype]  # a pooled buffer: numel, dtype
+
+
+def _nbytes(key: Key) -> int:
+    return key[0] * key[1].itemsize
+
+
+@dataclass(frozen=True)
+class Tier:
+    """Where the shards, their gradients and the optimizer state live."""
+
+    staged: bool = False  # the host tier: shards apart, staged to the compute device
+    apart: bool = False  # the host tier's memory is not the compute device's (a GPU)
+    disk: bool = False  # the disk tier: in files
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The peak's breakdown (bytes), where it fell, and the host memory's own peak."""
+
+    params: int
+    grads: int
+    optimizer: int
+    working_set: int
+    activations: int
+    phase: str
+    host: int
+    disk: int
+
+
+def _made(key: Key) -> Key:
+    """A pooled buffer in the replay: its key, all its bytes need."""
+    return key
+
+
+class _Replay:
+    """One rank's buffers through the engine's training step."""
+
+    def __init__(
+        self, tr: Trace, strategy: Strategy, tier: Tier, state: int, step_most: int, device: str
+    ) -> None:
+        self.tr, self.strategy, self.tier = tr, strategy, tier
+        groups = tr.groups
+        self.world = groups[0].layout.world_size if groups else 1
+        self.units = len(tr.units)
+        self.unit_groups = [
+            [i for i, g in enumerate(groups) if g.unit == u] for u in range(self.units)
+        ]
+        keeps = strategy.keeps_params
+        # Stages 1 and 2 keep full buffers: the shard is a slice of one in its own dtype (not
+        # staged), else the full buffer is a pooled one, kept for good.
+        self.resident = [keeps and g.compute_dtype == g.dtype and not tier.staged for g in groups]
+        self.kept = {i for i, g in enumerate(groups) if keeps and not self.resident[i]}
+        shards = sum(g.shard for i, g in enumerate(groups) if not self.resident[i])
+        trainable = [g for g in groups if g.requires_grad]
+        home_grads = sum(g.shard for g in trainable) if tier.staged else 0
+        in_memory = not (tier.disk or tier.apart)
+        self.fixed_params = sum(g.full for i, g in enumerate(groups) if self.resident[i])
+        self.fixed_params += shards if in_memory else 0
+        self.fixed_grads = home_grads if in_memory else 0
+        self.state = state if in_memory else 0
+        self.step_most = step_most if in_memory else 0
+        self.host_fixed = shards + home_grads if tier.apart else 0
+        self.host_state = state if tier.apart else 0
+        self.host_step = step_most - state if tier.apart else 0
+        self.receive_peers = self.world - 1 if device == "cpu" and self.world > 2 else 0
+        self.order = [
+            i
+            for u in reversed(range(self.units))
+            for i in self.unit_groups[u]
+            if groups[i].requires_grad
+        ]
+        forward = [i for kind, i, _, _ in tr.events if kind == "fwd_pre"]
+        backward = list(dict.fromkeys(i for kind, i, _, _ in tr.events if kind == "bwd_pre"))
+        # what the first step records for the next: the order of units, the last in forward
+        self.learned = _successors(forward, int), _successors(backward, int)
+        self.last = forward[-1] if len(forward) > 1 else None
+        self.fwd_next: dict[int, int] = {}
+        self.bwd_next: dict[int, int] = {}
+        self.keep_last: int | None = None  # stays gathered after forward
+        self.has_state = False  # the optimizer made its state (at the first step)
+        # the engine's state between steps
+        self.pool: Spares[Key, Key] = Spares(_made)
+        self.buffers: dict[int, Key] = {}  # gathered buffers from the pool, by group
+        self.gathered: set[int] = set()
+        self.fresh: set[int] = set()  # units gathered since the shards last changed
+        self.inputs: dict[int, int] = {}  # unit -> staged copies its gather in flight reads
+        self.staged: dict[int, tuple[int, bool]] = {}  # group -> (bytes, fresh) read ahead
+        self.grads = 0  # the shard parameters' .grad
+        # one backward's gradients
+        self.flat: dict[int, Key] = {}  # flat gradients made, not yet reducing
+        self.pending: list[tuple[int, Key, int]] = []  # (group, its flat gradient, shard bytes)
+        self.landed = 0  # reduced shards kept until the end of backward
+        self.ready: dict[int, bool] = {}
+        self.issued, self.closing = 0, False
+        self.released: set[int] = set()  # groups whose flat gradient is made
+        self.best: tuple[int, ...] = (-1,)
+        self.phase = self.best_phase = "forward"
+        self.host_peak = 0
+
+    def key(self, g: int) -> Key:
+        return self.tr.groups[g].layout.padded_numel, self.tr.groups[g].compute_dtype
+
+    def grad_key(self, g: int) -> Key:
+        return self.tr.groups[g].layout.padded_numel, self.tr.groups[g].grad_dtype
+
+    # accounting ----------------------------------------------------------------------
+
+    def check(self, activations: int) -> None:
+        groups = self.tr.groups
+        in_flight = sum(_nbytes(k) + out for _, k, out in self.pending)
+        in_flight += self.receive_peers * sum(groups[g].shard_grad for g, _, _ in self.pending)
+        parts = (
+            self.fixed_params + sum(_nbytes(k) for g, k in self.buffers.items() if g in self.kept),
+            self.fixed_grads
+            + sum(_nbytes(k) for k in self.flat.values())
+            + in_flight
+            + self.landed
+            + self.grads,
+            self.step_most if self.phase == "optimizer step" else self.state * self.has_state,
+            sum(_nbytes(k) for g, k in self.buffers.items() if g not in self.kept)
+            + sum(_nbytes(k) for k in self.pool.spares())
+            + sum(self.inputs.values())
+            + sum(n for n, _ in self.staged.values()),
+            activations,
+        )
+        if sum(parts) > sum(self.best):
+            self.best, self.best_phase = parts, self.phase
+        state = self.host_state + self.host_step if self.phase == "optimizer step" else 0
+        self.host_peak = max(
+            self.host_peak, self.host_fixed + max(state, self.host_state * self.has_state)
+        )
+
+    # gathers --------------------------------------------------------------------------
+
+    def stale(self, u: int) -> bool:
+        return u not in self.gathered or u not in self.fresh
+
+    def gather(self, u: int, live: int) -> None:
+        """Agree, then start gathering ``u`` (its staged copies read until it finishes)."""
+        self.handshake(live)
+        for g in self.unit_groups[u]:
+            if not self.resident[g] and g not in self.buffers:
+                self.pool.pop(self.key(g))
+                self.buffers[g] = self.key(g)
+            if self.tier.staged:
+                spec = self.tr.groups[g]
+                copy, fresh = self.staged.pop(g, (0, False))
+                held = self.inputs.get(u, 0)
+                # a stale copy is staged afresh while still held
+                self.inputs[u] = held + copy + (0 if fresh else spec.shard)
+                self.check(live)
+                # Peers read the copy until the gather finishes, unless it is cast into its
+                # slot of the buffer first.
+                reads = self.world > 1 and spec.compute_dtype == spec.dtype
+                self.inputs[u] = held + spec.shard * reads
+        self.gathered.add(u)
+        self.fresh.add(u)
+        self.check(live)
+
+    def finish(self, u: int) -> None:
+        self.inputs.pop(u, None)
+
+    def stage_after(self, u: int, backward: bool, live: int) -> None:
+        """The host tier reads ahead the unit expected after ``u``."""
+        if not self.tier.staged:
+            return
+        step = -1 if backward else 1
+        following = (self.bwd_next if backward else self.fwd_next).get(u)
+        if following is None:
+            following = (u + step) % self.units
+        if not self.stale(following):
+            return
+        for g in self.unit_groups[following]:
+            old, fresh = self.staged.get(g, (0, False))
+            if not fresh:
+                self.staged[g] = (old + self.tr.groups[g].shard, True)
+                self.check(live)
+                self.staged[g] = (self.tr.groups[g].shard, True)
+
+    def ensure_gathered(self, u: int, backward: bool, live: int) -> None:
+        self.finish(u)
+        if not self.stale(u):
+            return
+        self.gather(u, live)
+        self.stage_after(u, backward, live)
+        self.finish(u)
+
+    def prefetch(self, successors: dict[int, int], u: int, backward: bool, live: int) -> None:
+        nxt = successors.get(u)
+        if nxt is not None and self.stale(nxt):
+            self.gather(nxt, live)
+            self.stage_after(nxt, backward, live)
+
+    def release(self, g: int) -> None:
+        if g in self.buffers and g not in self.kept:
+            key = self.buffers.pop(g)
+            self.pool.put(key, key)
+
+    def reshard(self, u: int, backward: bool) -> None:
+        """Release ``u``'s gathered buffers after its forward or backward, if the strategy says."""
+        strategy = self.strategy
+        if backward:
+            release = strategy.release_after_backward
+        else:
+            release = strategy.release_after_forward(grad_enabled=True)
+        if release and u in self.gathered:
+            self.finish(u)
+            for g in self.unit_groups[u]:
+                self.release(g)
+            self.gathered.discard(u)
+
+    # reductions -----------------------------------------------------------------------
+
+    def handshake(self, live: int) -> None:
+        if self.world > 1:
+            self.issue(live)
+
+    def issue(self, live: int) -> None:
+        """Issue the reductions ready in order, one in flight at a time."""
+        upto = self.issued
+        if not self.strategy.defer_reductions or self.closing:
+            while upto < len(self.order) and self.ready[self.order[upto]]:
+                upto += 1
+        for i in range(self.issued, upto):
+            self.drain()
+            g = self.order[i]
+            flat = self.flat.pop(g, self.grad_key(g))  # zeros where this rank made none
+            out = 0 if self.tier.disk else self.tr.groups[g].shard_grad
+            self.pending.append((g, flat, out))
+            self.check(live)
+        self.issued = max(self.issued, upto)
+
+    def drain(self) -> None:
+        """Land every reduction in flight: its flat gradient becomes a spare."""
+        for _, flat, out in self.pending:
+            if not self.closing:
+                self.pool.put_scratch(flat, flat)
+            self.landed += 0 if self.tier.staged else out  # the host tier copies it home
+        self.pending = []
+
+    def views_done(self, g: int, live: int) -> None:
+        """Backward has made every gradient of ``g``'s parameters (alive in ``live``): the
+        buffer goes, the reduction in flight lands, the flat gradient is made from them."""
+        if self.strategy.release_after_backward:
+            self.release(g)
+        self.drain()
+        self.pool.pop(self.grad_key(g))
+        self.flat[g] = self.grad_key(g)
+        self.check(live)
+        live -= self.tr.grad_bytes[g]  # autograd drops them once the flat gradient is made
+        self.released.add(g)
+        u = self.tr.groups[g].unit
+        if all(i in self.released for i in self.unit_groups[u] if self.tr.groups[i].requires_grad):
+            self.reshard(u, backward=True)
+        self.ready[g] = True
+        if self.world == 1:
+            self.issue(live)
+
+    # the step -------------------------------------------------------------------------
+
+    def step(self, first: bool) -> None:
+        """One training step: forward, backward, the optimizer step. The first knows no order
+        of units yet (no prefetch; every unit is released after its forward)."""
+        tr, kept = self.tr, self.tr.kept
+        self.fwd_next, self.bwd_next = ({}, {}) if first else self.learned
+        self.keep_last = None if first else self.last
+        self.phase = "forward"
+        self.fresh.clear()  # the optimizer step changed every shard
+        self.staged = {g: (n, False) for g, (n, _) in self.staged.items()}
+        self.flat, self.pending, self.landed = {}, [], 0
+        self.ready = dict.fromkeys(self.order, False)
+        self.issued, self.closing = 0, False
+        self.released = set()
+        seen_bwd: set[int] = set()
+        outputs = 0 if first else kept  # the previous step's, until this forward returns
+        for kind, i, live, most in tr.events:
+            self.check(most + outputs)
+            live += outputs
+            if kind == "fwd_pre" and self.phase == "forward":
+                if i == 0:
+                    self.pool.holding = True
+                self.ensure_gathered(i, False, live)
+                self.prefetch(self.fwd_next, i, False, live)
+            elif kind == "fwd_post" and self.phase == "forward":
+                if i != 0 and i != self.keep_last:
+                    self.reshard(i, backward=False)
+                if i == 0:
+                    for u in list(self.gathered):
+                        if u not in (0, self.last):
+                            self.reshard(u, backward=False)
+                    self.handshake(live)
+                    if self.last is not None:
+                        self.stage_after(self.last, True, live)
+                    outputs = 0
+            elif kind == "bwd_pre" and i not in seen_bwd:
+                seen_bwd.add(i)
+                self.phase = "backward"
+                if self.strategy.offers_reductions_in_backward:
+                    self.handshake(live)
+                self.ensure_gathered(i, True, live)
+                if i in self.bwd_next:
+                    self.prefetch(self.bwd_next, i, True, live)
+                else:
+                    self.pool.holding = False
+                    self.pool.trim()
+            elif kind == "grads":
+                self.views_done(i, live)
+        self.check(tr.end)
+        self.phase = "backward"
+        self.pool.holding = False
+        for u in list(self.gathered):
+            self.reshard(u, backward=True)
+        self.closing = True
+        self.ready = dict.fromkeys(self.order, True)
+        self.issue(kept)
+        self.drain()
+        trainable = [g for g in tr.groups if g.requires_grad]
+        if not (self.tier.staged or self.tier.disk):
+            # Landed shards become the .grad, cast to the shards' dtype where they differ.
+            self.grads = sum(g.shard for g in trainable if g.grad_dtype != g.dtype)
+            self.check(kept)
+            self.grads = sum(g.shard for g in trainable)
+            self.landed = 0
+        self.pool.trim_scratch()
+        self.check(kept)
+        self.phase = "optimizer step"
+        self.check(kept)
+        self.has_state = True
+        self.grads = 0  # zero_grad()
+
+
+def replay(
+    tr: Trace, strategy: Strategy, tier: Tier, state: int, step_most: int, device: str
+) -> Parts:
+    """Rank 0's peak over a first step and two steady ones, for ``strategy`` and ``tier``."""
+    run = _Replay(tr, strategy, tier, state, step_most, device)
+    for first in (True, False, False):
+        run.step(first)
+    params, grads, optimizer, working, activations = run.best
+    disk = 0
+    if tier.disk:
+        disk = sum(g.shard + g.shard_grad for g in tr.groups) + state
+    return Parts(
+        params, grads, optimizer, working, activations, run.best_phase, run.host_peak, disk
+    )

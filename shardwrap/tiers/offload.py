@@ -1,0 +1,144 @@
+"""Offload: where a rank's training state lives when it does not fit in memory.
+
+Design note. The options (:class:`~shardwrap.Offload`, in ``options.py``) choose a home for
+the shards, their gradients and the optimizer state: pinned host memory (``"cpu"``) or files on
+disk (``"disk"``); the homes themselves, and how each reaches the compute device, are in
+``tiers/home.py``. Here is what the optimizer meets of them.
+
+Optimizer state is placed without knowing the optimizer: every torch optimizer creates its
+per-parameter state with ``torch.zeros_like(param)`` (Adam, AdamW, RMSprop), ``full_like``
+(Adagrad) or a clone of the gradient (SGD momentum). The disk tier's shard parameters
+(:class:`StoredParam`) and their gradients (``engine.grad_norm.ShardGrad``) are typed so that those
+calls allocate in their home's files instead.
+
+Optimizer steps: torch picks its fast multi-tensor path only for plain ``Parameter`` types
+on an accelerator, so for the disk tier's shard parameters, and for the host tier's (plain,
+but on the CPU), it would fall back to a per-tensor loop several times slower. A step
+pre-hook on each optimizer over such shard parameters (``engine/optimizers.py``) turns on the fused
+kernel for their groups that left ``fused`` and ``foreach`` unset (:func:`prefer_fused`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "HOME_ATTR",
+    "StoreError",
+    "StoredParam",
+    "before_step",
+    "count_fused_write",
+    "prefer_fused",
+    "stored_param",
+]
+
+
+class StoreError(RuntimeError):
+    """A file of the disk tier was deleted, replaced or truncated while its model lives.
+
+    Raised on the rank that sees it, before the file is read; the model's state can no longer
+    be trusted. Other ranks wait in their next collective and raise
+    :class:`~shardwrap.CollectiveFailed` once the process group's timeout passes.
+    """
+
+
+def count_fused_write(func: Callable[..., Any], args: tuple) -> None:
+    """After one of torch's fused optimizer kernels (``torch._fused_adamw_``, ...): count its
+    write to the parameters (argument 0) in their version counters.
+
+    NOTE: those kernels write without counting it, and a version counter is how a unit that
+    stays gathered, or a copy staged for the host tier, learns that its shard changed. The
+    shard parameters' and shard gradients' torch-function handlers, whichever torch calls,
+    count it here.
+    """
+    if getattr(func, "__name__", "").startswith("_fused_") and args:
+        if isinstance(args[0], (list, tuple)):
+            torch.autograd.graph.increment_version([p for p in args[0] if isinstance(p, Tensor)])
+
+
+# On a shard parameter of the host and disk tiers: its home (``tiers/home.py``), which state made
+# "like" the parameter and the step pre-hook ask.
+HOME_ATTR = "_shardwrap_home"
+
+
+class StoredParam(torch.nn.Parameter):
+    """A shard parameter of the disk tier: state the optimizer makes "like" it is stored too."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], StoredParam):
+            out = getattr(args[0], HOME_ATTR).made_like(func, args, kwargs)
+            if out is not None:
+                return out
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        count_fused_write(func, args)
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``) as the plain parameter it is on this rank."""
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = torch.nn.Parameter(self.detach().clone(), self.requires_grad)
+        return plain.__reduce_ex__(protocol)
+
+
+def stored_param(data: Tensor, requires_grad: bool, home: Any) -> StoredParam:
+    """A shard parameter over ``data``, a view of a file of ``home`` (``tiers.home.DiskHome``)."""
+    param = StoredParam(data, requires_grad)
+    setattr(param, HOME_ATTR, home)
+    return param
+
+
+# torch's optimizers that have a fused kernel for CPU tensors, and their subclasses.
+_FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """Turn on the fused kernel for ``group`` where the user left the choice to torch.
+
+    1. The optimizer is one of torch's with a fused CPU kernel (Adam, AdamW, SGD, Adagrad, or
+       a subclass), the group left ``fused`` and ``foreach`` unset (``None``), is not
+       ``differentiable``, and all its parameters are floating point on the CPU: ``fused``
+       becomes ``True``. State made before (a step already taken, a checkpoint loaded) keeps
+       working: each ``step`` count becomes the fp32 tensor the fused kernels count in.
+    2. Anything else, an explicit ``fused=False`` or ``foreach=...`` included: unchanged.
+    """
+    if (
+        not isinstance(optimizer, _FUSED_OPTIMIZERS)
+        or group.get("fused", False) is not None
+        or group.get("foreach", False) is not None
+        or group.get("differentiable", False)
+        or not all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"])
+    ):
+        return
+    for p in group["params"]:
+        state = optimizer.state.get(p)
+        if state and "step" in state:
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+    group["fused"] = True
+
+
+def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before a step of an optimizer over offloaded shards (its own pre-hook, registered by
+    ``engine/optimizers.py``): for groups holding shard parameters of an offload tier, prefer the
+    fused kernel; have each of their homes check itself (``Home.check``: the disk tier's
+    files are checked, the host tier's copies in flight finish before the step writes the
+    shards they read)."""
+    homes: dict[int, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        held = [getattr(p, HOME_ATTR) for p in group["params"] if hasattr(p, HOME_ATTR)]
+        if held:
+            homes.update((id(home), home) for home in held)
+            groups.append(group)
+    for home in homes.values():
+        home.check()
+    for group in groups:
+        prefer_fused(optimizer, group)

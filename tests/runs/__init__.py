@@ -1,0 +1,1 @@
+"""Runs: the Logbook, rollback past loss spikes, and reading a run back."""
