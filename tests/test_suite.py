@@ -1,7 +1,8 @@
 """The suite's own layout, read from the source: what the tests share lives in ``tests/support``,
 never in another test module; every run in processes of its own (marked ``process`` or
 ``faults``) sits in ``tests/e2e`` and nothing else does; the benchmarks import nothing from the
-tests but the tracked-allocation measure, until the package offers it.
+tests but the tracked-allocation measure, until the package offers it. And the package's: no
+module is longer than 600 lines, and its imports form no cycle and go only down its floors.
 Run: ``pytest tests/test_suite.py``.
 """
 
@@ -22,6 +23,23 @@ BENCHMARKS_IMPORT = {
     "_worker.py": {"tests.support.memory"},
     "estimate.py": {"tests.support.memory"},
 }
+
+PACKAGE = ROOT / "shardwrap"
+MAX_LINES = 600
+# The package's floors, lowest first: a module imports from its own folder and from lower floors
+# only; checkpoint and planning share a floor and import neither of each other. Above them all:
+# shardwrap/__init__.py and the public modules (hf, logbook, estimate).
+FLOORS = {
+    "options": 0,
+    "comm": 1,
+    "tiers": 2,
+    "engine": 3,
+    "checkpoint": 4,
+    "planning": 4,
+    "runs": 5,
+    "integrations": 6,
+}
+TOP = len(FLOORS)
 
 
 def _imports(path: Path) -> set[str]:
@@ -79,3 +97,94 @@ def test_benchmarks_import_nothing_from_the_tests_but_the_tracked_allocation_mea
         tests = {m for m in _imports(path) if m.split(".")[0] == "tests"}
         allowed = BENCHMARKS_IMPORT.get(path.name, set())
         assert {m for m in tests if not any(m.startswith(a) for a in allowed)} == set(), path
+
+
+def _module_name(path: Path) -> str:
+    """``shardwrap/engine/root.py`` -> ``shardwrap.engine.root``; a package is its folder's name."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_imports(path: Path, modules: set[str]) -> list[tuple[int, str]]:
+    """The modules of ``modules`` that ``path`` imports (line, module), at module level and inside
+    functions alike, leaving out ``if TYPE_CHECKING:`` blocks (annotations only, never run)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+
+    def resolve(line: int, base: str, names: list[str]) -> None:
+        # ``from base import x`` imports the module base.x where there is one, else base
+        subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in modules]
+        found.extend((line, m) for m in subs or ([base] if base in modules else []))
+
+    def visit(node: ast.AST) -> None:
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
+            body = node.orelse
+        else:
+            body = list(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            resolve(node.lineno, base, [a.name for a in node.names])
+        for child in body:
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def _floor(module: str) -> tuple[int, str]:
+    """A module's floor, and its folder (``""`` for the modules atop the package)."""
+    folder = module.split(".")[1] if module.count(".") else ""
+    if folder in FLOORS:
+        return FLOORS[folder], folder
+    return TOP, ""
+
+
+def test_no_module_of_the_package_is_longer_than_600_lines() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}; split the module by concept"
+
+
+def test_the_package_imports_only_down_its_floors_and_in_no_cycle() -> None:
+    paths = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(FLOORS) - {"options"}, "give each folder of shardwrap/ its floor"
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    wrong = []
+    for module, path in paths.items():
+        floor, folder = _floor(module)
+        for line, target in _package_imports(path, set(paths)):
+            graph[module].add(target)
+            to_floor, to_folder = _floor(target)
+            if to_floor > floor or (to_floor == floor and to_folder != folder):
+                wrong.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {target} ({to_folder or 'the top'}, "
+                    f"floor {to_floor}) from {folder or 'the top'} (floor {floor})"
+                )
+    assert not wrong, "imports up the floors; move the shared name down:\n" + "\n".join(wrong)
+    assert sum(map(len, graph.values())) > 100  # the imports were found, and read
+
+    done: set[str] = set()
+
+    def walk(module: str, path: list[str]) -> None:
+        for target in sorted(graph[module]):
+            if target in path:
+                cycle = [*path[path.index(target) :], target]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if target not in done:
+                walk(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(graph):
+        walk(module, [module])
