@@ -316,7 +316,7 @@ class _Loader:
         pieces :meth:`_plan_reads` left to be checked here, in ``out`` itself."""
         first = p.group.pieces[p.index].start
         for file, start, lo, hi in self.reads[p.name]:
-            region = out[lo - first : hi - first]
+            region = out.view(-1)[lo - first : hi - first]
             stored = self._open(file).get_slice(key)
             region.copy_(stored[lo - start : hi - start])
             if key not in self._checked_when_read.get(file, ()):

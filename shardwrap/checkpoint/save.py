@@ -243,7 +243,7 @@ def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> _Opti
             group_names.append(name)
             sharded, scalars = {}, {}
             for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, Tensor) and value.ndim == 1 and value.numel() == p.numel():
+                if isinstance(value, Tensor) and value.shape == p.shape:
                     sharded[key] = value
                 elif (isinstance(value, Tensor) and value.ndim == 0) or isinstance(
                     value, (int, float, bool)
@@ -331,10 +331,10 @@ def save_checkpoint(
             if p.shard.numel() == 0:
                 continue
             entries.append((f"model/{p.name}", (p.shard.numel(),), p.shard.dtype))
-            tensors.append(p.shard)
+            tensors.append(p.shard.reshape(-1))
             for key, value in (opt_plan.sharded.get(p.name, {}) if opt_plan else {}).items():
                 entries.append((f"optim/{key}/{p.name}", (value.numel(),), value.dtype))
-                tensors.append(value)
+                tensors.append(value.reshape(-1))
         needed = len(extra_bytes)
         if mesh.writes:
             needed += safetensors_nbytes(entries, {"format": "pt"})

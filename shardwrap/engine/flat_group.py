@@ -85,6 +85,8 @@ class FlatGroup:
         self.layout = FlatLayout(tuple(p.numel() for p in params), mesh.shard_size)
         rank = mesh.shard_rank
         self.pieces: tuple[LocalPiece, ...] = self.layout.local_pieces(rank)
+        # Each shard param keeps its parameter's number of dimensions (see ``piece_shape``).
+        self.piece_shapes = [piece_shape(s, pc.numel) for s, pc in zip(self.shapes, self.pieces)]
 
         lo, hi = self.layout.shard_range(rank)
         # 1-D, padded numel, compute_dtype: the full buffer kept for good (resident groups only).
@@ -104,9 +106,10 @@ class FlatGroup:
                     )
         self.shard_params = [
             home.shard_param(
-                self.shard[pc.shard_offset : pc.shard_offset + pc.numel], self.requires_grad
+                self.shard[pc.shard_offset : pc.shard_offset + pc.numel].view(shape),
+                self.requires_grad,
             )
-            for pc in self.pieces
+            for pc, shape in zip(self.pieces, self.piece_shapes)
         ]
         # 1-D, padded/N: where a step's reduced gradient lands in a home that keeps a buffer
         # for it (the disk tier's, in grad_dtype; the host tier's, in dtype).
@@ -307,7 +310,8 @@ class FlatGroup:
             flat.add_(new)
         elif all(p.grad is None for p in params):
             views = [
-                as_grad(new[pc.shard_offset : pc.shard_offset + pc.numel]) for pc in self.pieces
+                as_grad(new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
+                for pc, shape in zip(self.pieces, self.piece_shapes)
             ]
             for p, v in zip(params, views):
                 p.grad = v
@@ -315,12 +319,25 @@ class FlatGroup:
             self._grad_views = [weakref.ref(v) for v in views]
         else:
             for p, pc in zip(params, self.pieces):
-                piece = new[pc.shard_offset : pc.shard_offset + pc.numel]
+                piece = new[pc.shard_offset : pc.shard_offset + pc.numel].view(p.shape)
                 if p.grad is None:
                     p.grad = as_grad(piece.clone())
                 else:
                     p.grad.add_(piece)
             self._grad_flat, self._grad_views = _dead_ref, []
+
+
+def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
+    """The shape of a shard param holding ``numel`` elements of a parameter of ``shape``.
+
+    The piece keeps the parameter's number of dimensions, its elements along the last one
+    (``(1, numel)`` for a matrix's piece), so that code which picks parameters by ``p.ndim``
+    (matrices for Muon, vectors kept out of weight decay) picks the same ones as on the
+    unwrapped model. A scalar's piece is the scalar, or ``(0,)`` where this rank holds none.
+    """
+    if not shape:
+        return () if numel == 1 else (0,)
+    return (1,) * (len(shape) - 1) + (numel,)
 
 
 def _dead_ref() -> None:

@@ -61,9 +61,10 @@ class ShardedModule(nn.Module):
     all-gathers them just before its forward and its backward, releases them afterwards,
     and reduce-scatters its gradient so the optimizer steps on the local shard.
 
-    ``model.parameters()`` yields one 1-D ``nn.Parameter`` per original parameter, with its
-    original name: this rank's piece of it (possibly empty). Build the optimizer from them
-    *after* wrapping; any elementwise torch optimizer works unchanged.
+    ``model.parameters()`` yields one ``nn.Parameter`` per original parameter, with its
+    original name: this rank's piece of it (possibly empty), in as many dimensions as the
+    parameter, its elements along the last one (a matrix's piece is ``(1, k)``). Build the
+    optimizer from them *after* wrapping; any elementwise torch optimizer works unchanged.
 
     Args:
         module: the model to shard, in place. Its parameters must all be on one device.
@@ -306,7 +307,7 @@ class ShardedModule(nn.Module):
         1. Every sharded parameter in full shape (``torch.load`` of a plain model's
            ``state_dict()``, or ``full_state_dict()``): loaded as :meth:`load_full_state_dict`
            does, each rank taking its pieces; ``strict`` must be true.
-        2. Every sharded parameter in this rank's 1-D shard shape (``state_dict()`` of a
+        2. Every sharded parameter in this rank's piece shape (``state_dict()`` of a
            wrapped model at the same world size, on the same rank): loaded as
            ``nn.Module.load_state_dict`` does.
 
@@ -324,7 +325,7 @@ class ShardedModule(nn.Module):
                 continue
             shape = tuple(value.shape)
             is_full, is_shard = shape == param.shape, shape == tuple(param.shard.shape)
-            if is_full and is_shard:  # a 1-D parameter whole on this rank: either reading
+            if is_full and is_shard:  # a vector whole on this rank: either reading
                 continue
             if is_full:
                 full.append(key)

@@ -172,8 +172,11 @@ def test_wrapped_model_keeps_class_attributes_and_names(world_size: int) -> None
         assert [n for n, _ in m.named_parameters()] == list(numels)
         assert list(m.state_dict()) == list(model.state_dict())
         assert [n for n, _ in m.named_modules()] == [n for n, _ in model.named_modules()]
+        dims = {n: p.dim() for n, p in model.named_parameters()}
         for name, p in m.named_parameters():
-            assert isinstance(p, nn.Parameter) and p.dim() == 1, name
+            # this rank's piece, along the last dimension, in as many dimensions as the parameter
+            assert isinstance(p, nn.Parameter) and p.dim() == dims[name], name
+            assert p.shape[:-1] == (1,) * (p.dim() - 1), name
             assert _rank_sum(p.numel(), pg) == numels[name], name
         loss = m.loss_on(_local(idx, pg), _local(targets, pg))
         assert _rank_mean(loss, pg) == pytest.approx(ref_loss, abs=1e-5)
@@ -422,7 +425,7 @@ def test_gathered_exposes_full_parameters_and_writes_back_on_request(world_size:
 
     def assert_sharded(m: nn.Module) -> None:
         for name, p in m.named_parameters():
-            assert _full_param(m, name) is p and p.dim() == 1, name
+            assert _full_param(m, name) is p and p.shape[:-1] == (1,) * (p.dim() - 1), name
 
     def fn(rank: int, pg: ProcessGroup) -> None:
         m = _wrap(model, pg)

@@ -101,7 +101,7 @@ def test_another_ranks_state_dict_is_refused_even_with_equal_shapes() -> None:
         mine = torch.load(io.BytesIO(saved[rank]), weights_only=True)
         theirs = torch.load(io.BytesIO(saved[1 - rank]), weights_only=True)
         m.load_state_dict(mine)
-        assert all(v.shape == mine[k].shape == (8,) for k, v in theirs.items())
+        assert all(v.shape == mine[k].shape == (1, 8) for k, v in theirs.items())
         with pytest.raises(ValueError, match=f"rank {1 - rank} of 2.*save_checkpoint"):
             m.load_state_dict(theirs)
 
