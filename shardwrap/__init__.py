@@ -12,6 +12,7 @@ from .comm.collectives import CollectiveFailed, CommStats
 from .comm.mesh import Mesh
 from .engine.grad_scaler import ShardedGradScaler
 from .engine.sharded_module import ShardedModule
+from .engine.whole_params import declare_optimizer
 from .integrations import hf as _hf  # noqa: F401  (registers its habits with the engine)
 from .options import MixedPrecision, Offload
 from .planning.allocations import AllocationTracker, track_allocations
@@ -32,6 +33,7 @@ __all__ = [
     "SpikeError",
     "Spikes",
     "StoreError",
+    "declare_optimizer",
     "estimate_memory",
     "export",
     "latest_checkpoint",

@@ -75,7 +75,8 @@ class CollectiveFailed(RuntimeError):
     """A collective did not complete: a peer stopped, stalled past the timeout, or is elsewhere.
 
     Attributes:
-        collective: which one: "all-gather", "reduce-scatter", "handshake", "all-reduce".
+        collective: which one: "all-gather", "reduce-scatter", "handshake", "all-reduce",
+            "all-to-all".
         rank: this rank (in the default group where the group is registered there).
         doing: this rank's step and phase, e.g. "in the backward of forward pass 3", or
             ``None`` where no sharded model uses the group.
@@ -319,6 +320,45 @@ def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup
             _wait(work, peer, [], group, "reduce-scatter")
 
     return Pending(None, finish, what="reduce-scatter", group=group)
+
+
+def all_to_all(
+    outs: list[Tensor], ins: list[Tensor], group: Group, stats: CommStats | None = None
+) -> Pending:
+    """Send ``ins[q]`` to rank ``q`` and receive rank ``q``'s into ``outs[q]`` (1-D each).
+
+    Sizes may differ from peer to peer; both sides know them, and empty ones are not sent.
+    This rank's own slot is not exchanged.
+    """
+    if group is None:
+        return Pending(None)
+    rank, world = group.rank(), group.size()
+    if stats is not None:
+        sent = sum(t.numel() * t.element_size() for q, t in enumerate(ins) if q != rank)
+        stats.add("all_to_all", sent)
+    try:
+        if ins[rank].device.type != "cpu":
+            mine = torch.empty(0, dtype=outs[rank].dtype, device=outs[rank].device)
+            work = group.alltoall(
+                [mine if q == rank else t for q, t in enumerate(outs)],
+                [mine if q == rank else t for q, t in enumerate(ins)],
+                dist.AllToAllOptions(),
+            )
+            return Pending(work, what="all-to-all", group=group)
+        tag = _next_tag(group)
+        peers = _peers(rank, world)
+        sends = [(q, group.send([ins[q]], q, tag)) for q in peers if ins[q].numel()]
+        recvs = [(q, group.recv([outs[q]], q, tag)) for q in peers if outs[q].numel()]
+    except RuntimeError as e:
+        raise failed("all-to-all", e, group) from e
+
+    def finish() -> None:
+        for i, (peer, work) in enumerate(recvs):
+            _wait(work, peer, recvs[i + 1 :], group, "all-to-all")
+        for peer, work in sends:
+            _wait(work, peer, [], group, "all-to-all")
+
+    return Pending(None, finish, what="all-to-all", group=group)
 
 
 def _peers(rank: int, world: int) -> list[int]:

@@ -8,6 +8,7 @@ keys are those of the original model.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +42,7 @@ from .recompute import compile_unit, recompute_activations
 from .root import Root
 from .strategy import Strategy
 from .unit import Unit
+from .whole_params import PIECE_ATTR, install
 from .wrap import (
     AutoWrap,
     Placement,
@@ -475,8 +477,9 @@ def _wrap(
                 resident=strategy.keeps_params,
                 home=home,
             )
-            for (name, p, slots), shard_param in zip(entries, fg.shard_params):
+            for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
                 setattr(shard_param, SHARD_ATTR, True)
+                setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i))
                 for owner, attr in slots:
                     owner._parameters[attr] = shard_param
                 _retire(p, name)
@@ -490,6 +493,7 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
+    install()  # the step hooks that give shape-aware optimizers whole parameters
     root = Root(units, mesh, stats, strategy, pool, precision, home)
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:

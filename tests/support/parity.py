@@ -225,12 +225,22 @@ def greedy(model: nn.Module) -> Tensor:
 
 
 def train_recipe(
-    model: nn.Module, world_size: int, dtype: torch.dtype, batches: list = GPT_BATCHES
+    model: nn.Module,
+    world_size: int,
+    dtype: torch.dtype,
+    batches: list = GPT_BATCHES,
+    make_optimizer: MakeOptimizer = sgd,
+    loss_fn: LossFn = gpt_loss,
 ) -> tuple[list, dict]:
-    """Plain mixed precision: fp32 masters, a ``dtype`` copy per rank slice, fp32 mean grads."""
+    """Plain mixed precision: fp32 masters, a ``dtype`` copy per rank slice, fp32 mean grads.
+
+    With ``dtype=torch.float32`` this is the unwrapped model trained on each global batch by
+    gradient accumulation over the ranks' slices: the ranks' own summation order, for
+    optimizers whose step amplifies rounding (Muon's bf16 Newton-Schulz iteration).
+    """
     master = copy.deepcopy(model)
     work = copy.deepcopy(model).to(dtype)
-    optimizer = sgd(p for p in master.parameters() if p.requires_grad)
+    optimizer = make_optimizer(p for p in master.parameters() if p.requires_grad)
     losses = []
     for inputs, targets in batches:
         grads: list[Tensor] = [torch.zeros_like(p) for p in master.parameters()]
@@ -239,7 +249,7 @@ def train_recipe(
             with torch.no_grad():
                 for w, m in zip(work.parameters(), master.parameters()):
                     w.copy_(m)
-            loss = work(x, y)
+            loss = loss_fn(work, x, y)
             loss.backward()
             step_loss += loss.float().item() / world_size
             for g, w in zip(grads, work.parameters()):

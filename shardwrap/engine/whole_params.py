@@ -1,0 +1,418 @@
+"""Optimizers that read a parameter's shape step whole parameters, each on one owner rank.
+
+Design note. An elementwise optimizer (SGD, Adam, AdamW, ...) steps each rank's piece of a
+parameter exactly as it would step the whole one, so shardwrap hands it the pieces and nothing
+else happens. An optimizer that reads a parameter's shape (Muon orthogonalises each matrix's
+update; Adafactor factors the second moment into row and column means and scales by the
+parameter's norm) needs the whole parameter. For those, every parameter the optimizer steps is
+given an *owner* rank among the ranks that shard it, balanced by elements (largest first, to the
+rank holding least so far). Around each step:
+
+1. before it (a step pre-hook): each rank sends the owners its pieces of their parameters'
+   values and gradients, in one all-to-all; the owner's shard parameter then *is* the whole
+   parameter (``p.data`` and ``p.grad`` in the parameter's shape) and every other rank's has no
+   ``.grad``, so torch's optimizer steps it on the owner alone and skips it elsewhere;
+2. after it (a step post-hook): the owners send each rank its pieces of the new values, in one
+   all-to-all, and every shard parameter is its piece again.
+
+The optimizer's state is made on the owner, in the parameter's shape: 1/N of it per rank, as
+balanced as the parameters' sizes allow. A parameter a rank holds whole is stepped in place.
+Per step and rank this moves ``3 (N-1)/N`` of the elements the rank owns (values and gradients
+in, values out), against the ``2 (N-1)/N`` of all elements that the step's gathers and
+reductions move.
+
+Which optimizers are which: torch's own are known (``ELEMENTWISE``, ``WHOLE``, ``REFUSED``); a
+subclass that keeps its base's ``step`` is what its base is; any other class is *undeclared*:
+it steps the pieces, with a warning at its first step naming :func:`declare_optimizer`, since
+shardwrap cannot tell whether it reads shapes. The hooks are torch's process-wide step hooks:
+they see every optimizer, and look an optimizer's kind up once.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ..comm.collectives import all_to_all
+from ..tiers.offload import HOME_ATTR, before_step
+
+__all__ = ["PIECE_ATTR", "declare_optimizer", "install", "stepped_whole"]
+
+PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (weakref to its FlatGroup, index)
+
+ELEMENTWISE: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "RMSprop",
+        "NAdam",
+        "RAdam",
+        "Adamax",
+        "Adadelta",
+        "ASGD",
+        "Rprop",
+        "SparseAdam",
+    )
+    if hasattr(torch.optim, name)
+)
+WHOLE: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)
+)
+REFUSED: dict[type[Optimizer], str] = {
+    torch.optim.LBFGS: (
+        "it takes each step from dot products and a line search over the gradient of every "
+        "parameter at once, which no rank holds; its pieces would give each rank a different "
+        "step. Train with an elementwise optimizer (AdamW) or a shape-aware one (Muon, "
+        "Adafactor), or run LBFGS on the unwrapped model"
+    )
+}
+
+_declared: dict[type, bool] = {}  # class -> reads shapes
+_warned: set[type] = set()
+
+
+def declare_optimizer(cls: type[Optimizer], *, reads_shapes: bool) -> None:
+    """Say how an optimizer class of your own treats a parameter, so shardwrap steps it right.
+
+    Args:
+        cls: the optimizer class (its subclasses that keep its ``step`` are declared too).
+        reads_shapes: ``True`` if its update of a parameter depends on the parameter's shape or
+            on other elements of it (per-row or per-matrix normalisation, factored moments, a
+            norm): each parameter is then stepped whole on one rank. ``False`` if it treats
+            every element on its own (like AdamW): it steps this rank's pieces.
+
+    Raises:
+        TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise TypeError(
+            f"declare_optimizer takes an optimizer class, got {cls!r}: e.g. "
+            "shardwrap.declare_optimizer(MyOptimizer, reads_shapes=True)"
+        )
+    _declared[cls] = bool(reads_shapes)
+
+
+def _kind(cls: type) -> str:
+    """``"pieces"``, ``"whole"``, ``"refused"`` or ``"undeclared"``."""
+    for base in cls.__mro__:
+        if base is Optimizer or base is object:
+            break
+        if base in _declared or base in REFUSED or base in ELEMENTWISE or base in WHOLE:
+            if base is not cls and getattr(cls, "step", None) is not getattr(base, "step", None):
+                return "undeclared"  # a subclass with a step of its own
+            if base in _declared:
+                return "whole" if _declared[base] else "pieces"
+            if base in REFUSED:
+                return "refused"
+            return "whole" if base in WHOLE else "pieces"
+    return "undeclared"
+
+
+# the process-wide hooks ----------------------------------------------------------------
+
+_UNSEEN = object()
+_steps: weakref.WeakKeyDictionary[Optimizer, Any] = weakref.WeakKeyDictionary()
+_installed = False
+
+
+def install() -> None:
+    """Register the step hooks (once per process; a sharded model calls this when built)."""
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
+        _installed = True
+
+
+def _pieces(optimizer: Optimizer) -> Iterator[nn.Parameter]:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if hasattr(p, PIECE_ATTR):
+                yield p
+
+
+def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    whole = stepped_whole(optimizer)
+    if whole is not None:
+        whole.before(args, kwargs)
+
+
+def stepped_whole(optimizer: Optimizer) -> _WholeStep | None:
+    """How ``optimizer`` steps its shard parameters whole, or ``None`` where it steps pieces.
+
+    Raises:
+        ValueError: a refused optimizer (LBFGS) over shard parameters.
+    """
+    whole = _steps.get(optimizer, _UNSEEN)
+    if whole is _UNSEEN:
+        whole = _steps[optimizer] = _classify(optimizer)
+    return whole
+
+
+def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    whole = _steps.get(optimizer)
+    if whole is not None:
+        whole.after()
+
+
+def _classify(optimizer: Optimizer) -> _WholeStep | None:
+    """The whole-parameter step for ``optimizer``, or ``None`` where it steps pieces as is.
+
+    Raises:
+        ValueError: a refused optimizer over shard parameters, before it changes anything.
+    """
+    if next(_pieces(optimizer), None) is None:
+        return None
+    cls = type(optimizer)
+    kind = _kind(cls)
+    if kind == "refused":
+        base = next(b for b in cls.__mro__ if b in REFUSED)
+        raise ValueError(
+            f"{cls.__name__} cannot train a sharded model: {REFUSED[base]}. Nothing was changed."
+        )
+    if kind == "undeclared" and cls not in _warned:
+        _warned.add(cls)
+        warnings.warn(
+            f"shardwrap cannot tell whether {cls.__name__} reads parameter shapes: it steps each "
+            "rank's piece of a parameter (a matrix's piece has shape (1, k)), which equals the "
+            "unwrapped model's step only for an elementwise optimizer. Declare it once before "
+            f"training: shardwrap.declare_optimizer({cls.__name__}, reads_shapes=True) to step "
+            "each parameter whole on one rank (per-row or per-matrix updates, factored moments, "
+            "norms), or reads_shapes=False for an elementwise one (silences this warning).",
+            stacklevel=4,
+        )
+    return _WholeStep(optimizer) if kind == "whole" else None
+
+
+# the whole-parameter step --------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """One shard parameter the optimizer steps, and where its pieces are."""
+
+    param: nn.Parameter
+    shape: torch.Size
+    pieces: list[tuple[int, int]]  # per shard rank: [start, stop) of the flattened parameter
+    owner: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class _Plan:
+    """Who owns what over one shard group, for one dtype."""
+
+    group: Any  # the process group (None: one rank)
+    rank: int
+    world: int
+    dtype: torch.dtype
+    device: torch.device
+    entries: list[_Entry]
+    sends: list[list[_Entry]] = field(default_factory=list)  # per peer: its params I hold
+    recvs: list[list[_Entry]] = field(default_factory=list)  # per peer: my params it holds
+
+
+class _WholeStep:
+    """Steps ``optimizer``'s shard parameters whole, each on its owner rank."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._params_key: tuple[int, ...] = ()
+        self._entries: dict[int, _Entry] = {}
+        self._key: tuple[int, ...] = ()
+        self._plans: list[_Plan] = []
+        # what ``after`` puts back: (param, its piece or None where untouched, its .grad)
+        self._restore: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
+        self._copied: list[tuple[Tensor, Tensor]] = []  # (owner's piece, its part of the whole)
+
+    def before(self, args: Any, kwargs: Any) -> None:
+        optimizer = self._optimizer()
+        assert optimizer is not None
+        if args[1:] or kwargs:  # args[0] is the optimizer itself
+            raise ValueError(
+                f"{type(optimizer).__name__}.step(closure) on a sharded model: the closure's "
+                "backward would run after shardwrap gathered the gradients to their owners. "
+                "Call the closure yourself, then step(): loss = closure(); opt.step()"
+            )
+        self._undo()  # a step that raised left its parameters whole
+        if any(hasattr(p, HOME_ATTR) for p in _pieces(optimizer)):
+            before_step(optimizer, args, kwargs)  # the disk tier's files are checked first
+        stepped = [e for e in self.entries().values() if e.param.grad is not None]
+        key = tuple(id(e) for e in stepped)
+        if key != self._key:
+            self._plans, self._key = _plan(stepped), key
+        with torch.no_grad():
+            for plan in self._plans:
+                self._gather(plan)
+
+    def entries(self) -> dict[int, _Entry]:
+        """Every shard parameter of the optimizer, by ``id``, with its pieces and owner (made
+        again when the optimizer's parameters change)."""
+        optimizer = self._optimizer()
+        assert optimizer is not None
+        params = list(_pieces(optimizer))
+        key = tuple(id(p) for p in params)
+        if key != self._params_key:
+            self._entries, self._params_key = _owners(params), key
+        return self._entries
+
+    def owner(self, param: nn.Parameter) -> int:
+        """The shard rank that steps ``param`` whole."""
+        return self.entries()[id(param)].owner
+
+    def after(self) -> None:
+        with torch.no_grad():
+            for plan in self._plans:
+                self._scatter(plan)
+            for piece, values in self._copied:
+                piece.view(-1).copy_(values)
+        self._undo()
+
+    def _undo(self) -> None:
+        for p, data, grad in self._restore:
+            p.grad = None
+            if data is not None:
+                p.data = data
+            p.grad = grad
+        self._restore, self._copied = [], []
+
+    def _gather(self, plan: _Plan) -> None:
+        """Give each owned parameter its whole values and gradient; hide the others' gradients."""
+        r, dtype, device = plan.rank, plan.dtype, plan.device
+        ins = []
+        for es in plan.sends:
+            n, at = _held(es, r), 0
+            buf = torch.empty(2 * n, dtype=dtype, device=device)
+            for e in es:
+                k = _span(e, r)
+                buf[at : at + k].copy_(e.param.detach().view(-1))
+                buf[n + at : n + at + k].copy_(e.param.grad.view(-1))
+                at += k
+            ins.append(buf)
+        outs = [
+            torch.empty(2 * _held(es, q), dtype=dtype, device=device)
+            for q, es in enumerate(plan.recvs)
+        ]
+        all_to_all(outs, ins, plan.group).wait()
+        copies: dict[int, tuple[Tensor, Tensor]] = {}  # owned, not held whole: (values, grads)
+        for e in plan.entries:
+            p, piece, grad = e.param, e.param.data, e.param.grad
+            if e.owner != r:
+                self._restore.append((p, None, grad))
+                p.grad = None
+                continue
+            if _span(e, r) == e.numel:  # held whole here: stepped in place
+                values, grads = piece.view(-1), grad.view(-1)
+            else:
+                values = torch.empty(e.numel, dtype=dtype, device=device)
+                grads = torch.empty(e.numel, dtype=dtype, device=device)
+                a, b = e.pieces[r]
+                values[a:b].copy_(piece.view(-1))
+                grads[a:b].copy_(grad.view(-1))
+                copies[id(e)] = values, grads
+                self._copied.append((piece, values[a:b]))
+            self._restore.append((p, piece, grad))
+            p.grad = None
+            p.data = values.view(e.shape)
+            p.grad = grads.view(e.shape)
+        for q, es in enumerate(plan.recvs):
+            n, at = _held(es, q), 0
+            for e in es:
+                a, b = e.pieces[q]
+                values, grads = copies[id(e)]
+                values[a:b].copy_(outs[q][at : at + b - a])
+                grads[a:b].copy_(outs[q][n + at : n + at + b - a])
+                at += b - a
+
+    def _scatter(self, plan: _Plan) -> None:
+        """Send each rank its pieces of the owned parameters' new values, and take ours."""
+        r, dtype, device = plan.rank, plan.dtype, plan.device
+        ins = []
+        for q, es in enumerate(plan.recvs):
+            buf, at = torch.empty(_held(es, q), dtype=dtype, device=device), 0
+            for e in es:
+                a, b = e.pieces[q]
+                buf[at : at + b - a].copy_(e.param.detach().view(-1)[a:b])
+                at += b - a
+            ins.append(buf)
+        outs = [torch.empty(_held(es, r), dtype=dtype, device=device) for es in plan.sends]
+        all_to_all(outs, ins, plan.group).wait()
+        for q, es in enumerate(plan.sends):
+            at = 0
+            for e in es:
+                k = _span(e, r)
+                e.param.detach().view(-1).copy_(outs[q][at : at + k])
+                at += k
+
+
+def _span(e: _Entry, q: int) -> int:
+    a, b = e.pieces[q]
+    return b - a
+
+
+def _held(entries: list[_Entry], q: int) -> int:
+    return sum(_span(e, q) for e in entries)
+
+
+def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
+    """Each parameter's pieces and owner, by ``id``: over each shard group, largest first, to
+    the rank owning the fewest elements so far (then the one holding most of it, then the
+    lowest). Every rank computes the same from the same parameters."""
+    entries: dict[int, _Entry] = {}
+    by_group: dict[int, tuple[int, list[_Entry]]] = {}
+    ranges: dict[int, list[tuple]] = {}
+    for p in params:
+        ref, index = getattr(p, PIECE_ATTR)
+        fg = ref()
+        world = fg.mesh.shard_size
+        if id(fg) not in ranges:
+            ranges[id(fg)] = [fg.layout.local_pieces(q) for q in range(world)]
+        pieces = [(pcs[index].start, pcs[index].stop) for pcs in ranges[id(fg)]]
+        e = entries[id(p)] = _Entry(p, fg.shapes[index], pieces)
+        by_group.setdefault(id(fg.mesh.shard), (world, []))[1].append(e)
+    for world, group in by_group.values():
+        load = [0] * world
+        for e in sorted(group, key=lambda e: -e.numel):
+            e.owner = min(range(world), key=lambda q: (load[q], -_span(e, q), q))
+            load[e.owner] += e.numel
+    return entries
+
+
+def _plan(entries: list[_Entry]) -> list[_Plan]:
+    """What each rank sends and receives for ``entries``, one plan per shard group and dtype."""
+    plans: dict[tuple[int, torch.dtype], _Plan] = {}
+    for e in entries:
+        p = e.param
+        mesh = getattr(p, PIECE_ATTR)[0]().mesh
+        key = (id(mesh.shard), p.dtype)
+        if key not in plans:
+            plans[key] = _Plan(mesh.shard, mesh.shard_rank, mesh.shard_size, p.dtype, p.device, [])
+        plans[key].entries.append(e)
+    for plan in plans.values():
+        r = plan.rank
+        plan.sends = [
+            [e for e in plan.entries if e.owner == q and _span(e, r)] if q != r else []
+            for q in range(plan.world)
+        ]
+        plan.recvs = [
+            [e for e in plan.entries if e.owner == r and _span(e, q)] if q != r else []
+            for q in range(plan.world)
+        ]
+    return list(plans.values())

@@ -1,0 +1,255 @@
+"""Optimizers that read a parameter's shape (Muon, Adafactor) train a wrapped model exactly.
+
+Each is trained on the unwrapped model over the whole global batch, and on a ``ShardedModule``
+copy on every rank over its slice; after several steps every parameter must match (within 1e-5;
+Muon within 1e-4, its Newton-Schulz iteration amplifies rounding). Muon steps the matrices and
+AdamW the rest, as torch's documentation advises. Stages follow ``pytest --stage N`` (the suite
+runs at 1, 2 and 3); world sizes 1, 2 and 4, hybrid sharding 2 x 2, tied parameters, bf16 and the
+disk tier are covered here. Also: each optimizer's state is sharded by owner (about 1/N per
+rank), LBFGS is refused before it changes anything, and an undeclared optimizer of a user's own
+warns at its first step until declared.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+import shardwrap
+from shardwrap import MixedPrecision, Offload, ShardedModule
+from tests.support.parity import (
+    GLOBAL_BATCH,
+    STEPS,
+    train_recipe,
+    train_sharded,
+)
+from tests.support.ranks import run_ranks
+
+WIDTH = 32
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block: every parameter has a gradient of its own (no parameter
+    whose gradient is zero but for rounding, which Adam-like steps would blow up to noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 3 * WIDTH)
+        self.down = nn.Linear(3 * WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class MLP(nn.Module):
+    """Two blocks between an input and an output projection; ``tied``: they share one weight."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(WIDTH, WIDTH)
+        if tied:
+            self.out.weight = self.inp.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.inp(x.to(self.inp.weight.dtype))  # the dtype it computes in
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def build(tied: bool = False) -> MLP:
+    torch.manual_seed(0)
+    return MLP(tied)
+
+
+def loss_fn(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+    return nn.functional.mse_loss(model(inputs).float(), targets)
+
+
+_data = torch.Generator().manual_seed(1)
+BATCHES = [
+    (
+        torch.randn(GLOBAL_BATCH, WIDTH, generator=_data),
+        torch.randn(GLOBAL_BATCH, WIDTH, generator=_data),
+    )
+    for _ in range(STEPS)
+]
+
+
+class Both:
+    """Two optimizers stepped as one: the matrices' and the rest's."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad()
+
+
+def muon(params: Iterable[nn.Parameter]) -> Any:
+    params = list(params)
+    return Both(
+        torch.optim.Muon([p for p in params if p.ndim == 2]),
+        torch.optim.AdamW([p for p in params if p.ndim != 2], lr=3e-3),
+    )
+
+
+def adafactor(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(params, lr=1e-2)
+
+
+OPTIMIZERS = {"muon": (muon, 1e-4), "adafactor": (adafactor, 1e-5)}
+
+
+def _assert_same(ref: dict[str, Tensor], got: dict[str, Tensor], atol: float, rank: int) -> None:
+    assert got.keys() == ref.keys()
+    torch.testing.assert_close(
+        got, ref, atol=atol, rtol=0, msg=lambda m: f"rank {rank}, parameters after the steps: {m}"
+    )
+
+
+def _parity(
+    name: str, world_size: int, tied: bool = False, dtype: torch.dtype = torch.float32, **wrap: Any
+) -> None:
+    """Parameters after the steps against the unwrapped model trained on each global batch
+    (its gradient accumulated over the ranks' slices, in ``dtype`` with fp32 masters)."""
+    make, atol = OPTIMIZERS[name]
+    model = build(tied)
+    _, ref = train_recipe(model, world_size, dtype, BATCHES, make, loss_fn)
+    moved = max((ref[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    assert moved > 1e-3, "the reference did not train; parity would prove nothing"
+    runs = train_sharded(model, world_size, make, BATCHES, loss_fn, auto_wrap=Block, **wrap)
+    for rank, run in enumerate(runs):
+        _assert_same(ref, run.state, atol, rank)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_shape_aware_optimizers_train_like_the_plain_model(name: str, world_size: int) -> None:
+    _parity(name, world_size)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_tied_parameters_and_hybrid_sharding(name: str) -> None:
+    _parity(name, 2, tied=True)
+    _parity(name, 4, hybrid=True)
+
+
+def test_unwrapped_filters_pick_the_same_parameters() -> None:
+    model = build()
+    matrices = [n for n, p in model.named_parameters() if p.ndim == 2]
+
+    def fn(rank: int, pg: ProcessGroup) -> list[str]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        return [n for n, p in m.named_parameters() if p.ndim == 2]
+
+    assert run_ranks(2, fn) == [matrices, matrices]
+
+
+def test_state_is_sharded_by_owner() -> None:
+    """Each rank holds the state of the parameters it owns: about 1/N of all, none twice."""
+    model = build()
+    world = 4
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    total = sum(numels.values())
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, int]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.Adafactor(m.parameters(), lr=1e-2)
+        inputs, targets = BATCHES[0]
+        loss_fn(m, inputs.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+        opt.step()
+        names = {id(p): n for n, p in m.named_parameters()}
+        held = {names[id(p)]: numels[names[id(p)]] for p in opt.state}
+        for p in m.parameters():  # every parameter is its piece again
+            assert p.ndim == 0 or p.shape[:-1] == (1,) * (p.ndim - 1)
+        return held
+
+    held = run_ranks(world, fn)
+    owned = [sum(h.values()) for h in held]
+    names = [n for h in held for n in h]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each once
+    assert sum(owned) == total
+    assert max(owned) <= 1.25 * total / world, owned
+
+
+def test_bf16_mixed_precision() -> None:
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _parity("adafactor", 2, dtype=torch.bfloat16, mixed_precision=bf16)
+    _parity("muon", 2, dtype=torch.bfloat16, mixed_precision=bf16)
+
+
+@pytest.mark.stage3
+def test_disk_tier(tmp_path: Path) -> None:
+    _parity("muon", 2, offload=Offload(device="disk", path=tmp_path))
+
+
+def test_lbfgs_is_refused_before_it_changes_anything() -> None:
+    model = build()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        opt = torch.optim.LBFGS(m.parameters())
+        inputs, targets = BATCHES[0]
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            loss = loss_fn(m, inputs.chunk(2)[rank], targets.chunk(2)[rank])
+            loss.backward()
+            return loss
+
+        with pytest.raises(ValueError, match="LBFGS cannot train a sharded model.*line search"):
+            opt.step(closure)
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, before[k]), k
+
+    run_ranks(2, fn)
+
+
+class RowNormalized(torch.optim.Optimizer):
+    """A user's optimizer that scales each row of a matrix's update to unit norm."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad if p.ndim > 1 else p.grad.unsqueeze(0)
+                update = g / g.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+                p.sub_(group["lr"] * update.view_as(p))
+
+
+def test_an_undeclared_optimizer_warns_and_a_declared_one_trains_exactly() -> None:
+    model = build()
+    _, ref = train_recipe(model, 2, torch.float32, BATCHES, RowNormalized, loss_fn)
+    with pytest.warns(UserWarning, match=r"declare_optimizer\(RowNormalized, reads_shapes=True\)"):
+        train_sharded(model, 2, RowNormalized, BATCHES[:1], loss_fn, auto_wrap=Block)
+    shardwrap.declare_optimizer(RowNormalized, reads_shapes=True)
+    try:
+        runs = train_sharded(model, 2, RowNormalized, BATCHES, loss_fn, auto_wrap=Block)
+    finally:
+        shardwrap.declare_optimizer(RowNormalized, reads_shapes=False)
+    for rank, run in enumerate(runs):
+        _assert_same(ref, run.state, 1e-5, rank)
+    with pytest.raises(TypeError, match="optimizer class"):
+        shardwrap.declare_optimizer(RowNormalized(model.parameters()), reads_shapes=True)  # type: ignore[arg-type]
