@@ -42,7 +42,7 @@ from .recompute import compile_unit, recompute_activations
 from .root import Root
 from .strategy import Strategy
 from .unit import Unit
-from .whole_params import PIECE_ATTR, install
+from .whole_params import PIECE_ATTR, install, release
 from .wrap import (
     AutoWrap,
     Placement,
@@ -493,8 +493,9 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    install()  # the step hooks that give shape-aware optimizers whole parameters
     root = Root(units, mesh, stats, strategy, pool, precision, home)
+    install()  # the step hooks that give shape-aware optimizers whole parameters
+    weakref.finalize(root, release)
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)

@@ -24,12 +24,15 @@ reductions move.
 Which optimizers are which: torch's own are known (``ELEMENTWISE``, ``WHOLE``, ``REFUSED``); a
 subclass that keeps its base's ``step`` is what its base is; any other class is *undeclared*:
 it steps the pieces, with a warning at its first step naming :func:`declare_optimizer`, since
-shardwrap cannot tell whether it reads shapes. The hooks are torch's process-wide step hooks:
-they see every optimizer, and look an optimizer's kind up once.
+shardwrap cannot tell whether it reads shapes. The hooks are torch's process-wide step hooks,
+registered while any sharded model lives: they must see an optimizer's first step whenever it
+was built, to never let a shape-aware one step pieces. An optimizer over other parameters
+costs one dictionary lookup per step; its kind is looked up once.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -43,11 +46,12 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.hooks import RemovableHandle
 
 from ..comm.collectives import all_to_all
 from ..tiers.offload import HOME_ATTR, before_step
 
-__all__ = ["PIECE_ATTR", "declare_optimizer", "install", "stepped_whole"]
+__all__ = ["PIECE_ATTR", "declare_optimizer", "install", "release", "stepped_whole"]
 
 PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (weakref to its FlatGroup, index)
 
@@ -65,7 +69,6 @@ ELEMENTWISE: tuple[type[Optimizer], ...] = tuple(
         "Adadelta",
         "ASGD",
         "Rprop",
-        "SparseAdam",
     )
     if hasattr(torch.optim, name)
 )
@@ -73,12 +76,16 @@ WHOLE: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)
 )
 REFUSED: dict[type[Optimizer], str] = {
+    torch.optim.SparseAdam: (
+        "it steps sparse gradients only, and a sharded model's gradients are dense shards. "
+        "Use Adam or AdamW (dense), or keep the sparse embedding out of the sharded model"
+    ),
     torch.optim.LBFGS: (
         "it takes each step from dot products and a line search over the gradient of every "
         "parameter at once, which no rank holds; its pieces would give each rank a different "
         "step. Train with an elementwise optimizer (AdamW) or a shape-aware one (Muon, "
         "Adafactor), or run LBFGS on the unwrapped model"
-    )
+    ),
 }
 
 _declared: dict[type, bool] = {}  # class -> reads shapes
@@ -126,16 +133,32 @@ def _kind(cls: type) -> str:
 
 _UNSEEN = object()
 _steps: weakref.WeakKeyDictionary[Optimizer, Any] = weakref.WeakKeyDictionary()
-_installed = False
+_lock = threading.Lock()
+_models = 0  # sharded models alive, which the hooks serve
+_handles: list[RemovableHandle] = []
 
 
 def install() -> None:
-    """Register the step hooks (once per process; a sharded model calls this when built)."""
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
-        _installed = True
+    """Register the step hooks while a sharded model lives (a model calls this when built and
+    :func:`release` when freed; the hooks go with the last one)."""
+    global _models
+    with _lock:
+        if _models == 0:
+            _handles.append(register_optimizer_step_pre_hook(_before_step))
+            _handles.append(register_optimizer_step_post_hook(_after_step))
+        _models += 1
+
+
+def release() -> None:
+    """A sharded model was freed; with the last one, the step hooks are removed."""
+    global _models
+    with _lock:
+        _models -= 1
+        if _models == 0:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()
+            _steps.clear()
 
 
 def _pieces(optimizer: Optimizer) -> Iterator[nn.Parameter]:

@@ -1,4 +1,5 @@
-"""Optimizers that read a parameter's shape (Muon, Adafactor) train a wrapped model exactly.
+"""Every torch optimizer trains a wrapped model exactly, those that read a parameter's shape
+(Muon, Adafactor) included.
 
 Each is trained on the unwrapped model over the whole global batch, and on a ``ShardedModule``
 copy on every rank over its slice; after several steps every parameter must match (within 1e-5;
@@ -144,6 +145,32 @@ def test_shape_aware_optimizers_train_like_the_plain_model(name: str, world_size
     _parity(name, world_size)
 
 
+ELEMENTWISE = {
+    "SGD": dict(lr=0.05, momentum=0.9),
+    "Adam": dict(lr=3e-3),
+    "AdamW": dict(lr=3e-3),
+    "Adagrad": dict(lr=0.05),
+    "RMSprop": dict(lr=3e-3),
+    "NAdam": dict(lr=3e-3),
+    "RAdam": dict(lr=3e-3),
+    "Adamax": dict(lr=3e-3),
+    "Adadelta": dict(lr=1.0),
+    "ASGD": dict(lr=0.05),
+    "Rprop": dict(lr=3e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_elementwise_optimizers_step_pieces_exactly(name: str) -> None:
+    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return getattr(torch.optim, name)(params, **ELEMENTWISE[name])
+
+    model = build()
+    _, ref = train_recipe(model, 2, torch.float32, BATCHES, make, loss_fn)
+    for rank, run in enumerate(train_sharded(model, 2, make, BATCHES, loss_fn, auto_wrap=Block)):
+        _assert_same(ref, run.state, 1e-5, rank)
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_tied_parameters_and_hybrid_sharding(name: str) -> None:
     _parity(name, 2, tied=True)
@@ -199,7 +226,7 @@ def test_disk_tier(tmp_path: Path) -> None:
     _parity("muon", 2, offload=Offload(device="disk", path=tmp_path))
 
 
-def test_lbfgs_is_refused_before_it_changes_anything() -> None:
+def test_lbfgs_and_sparse_adam_are_refused_before_they_change_anything() -> None:
     model = build()
 
     def fn(rank: int, pg: ProcessGroup) -> None:
@@ -216,6 +243,9 @@ def test_lbfgs_is_refused_before_it_changes_anything() -> None:
 
         with pytest.raises(ValueError, match="LBFGS cannot train a sharded model.*line search"):
             opt.step(closure)
+        sparse = torch.optim.SparseAdam(m.parameters())
+        with pytest.raises(ValueError, match="SparseAdam cannot train a sharded model.*dense"):
+            sparse.step()
         for k, v in m.state_dict().items():
             assert torch.equal(v, before[k]), k
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+import shardwrap
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
 from shardwrap.engine.strategy import Strategy
 from tests.support.memory import StorageTracker
@@ -102,6 +103,9 @@ class _SGDThroughData(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.data.add_(p.grad, alpha=-group["lr"])
+
+
+shardwrap.declare_optimizer(_SGDThroughData, reads_shapes=False)  # a user's own: elementwise
 
 
 @pytest.mark.parametrize("stage", STAGES)

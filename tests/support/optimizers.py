@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+import shardwrap
+
 
 class SGDKeepingGrads(torch.optim.SGD):
     """SGD with momentum that keeps each ``.grad`` it steps on past ``zero_grad()`` and, at its
@@ -26,3 +28,6 @@ class SGDKeepingGrads(torch.optim.SGD):
             if p.grad is not None
         ]
         super().step()
+
+
+shardwrap.declare_optimizer(SGDKeepingGrads, reads_shapes=False)  # its own step, elementwise

@@ -55,6 +55,7 @@ from shardwrap import (
     load_checkpoint,
     save_checkpoint,
 )
+from shardwrap.engine import whole_params
 from shardwrap.tiers.home import DiskHome
 from shardwrap.tiers.offload import StoreError
 from tests.support.launch import ROOT
@@ -304,7 +305,7 @@ def test_a_fused_step_resumes_state_an_unfused_run_saved(tmp_path: Path) -> None
     torch.testing.assert_close(disk.full_state_dict(), plain.full_state_dict(), atol=1e-4, rtol=0)
 
 
-def test_the_step_hook_is_registered_per_optimizer_not_for_the_process(tmp_path: Path) -> None:
+def test_the_offload_step_hook_is_registered_per_optimizer(tmp_path: Path) -> None:
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     torch.manual_seed(0)
@@ -327,7 +328,8 @@ def test_the_step_hook_is_registered_per_optimizer_not_for_the_process(tmp_path:
         other(torch.ones(2, 4)).sum().backward()
         other_opt.step()
         losses.append(loss.item())
-    assert not _global_optimizer_pre_hooks
+    # process-wide: only the shape-aware optimizers' hook, while a sharded model lives
+    assert list(_global_optimizer_pre_hooks.values()) == [whole_params._before_step]
     assert all(len(o._optimizer_step_pre_hooks) == 1 for o in (first, second))
     assert all(g["fused"] for o in (first, second) for g in o.param_groups)
     assert not other_opt._optimizer_step_pre_hooks and other_opt.param_groups[0]["fused"] is None
@@ -335,6 +337,7 @@ def test_the_step_hook_is_registered_per_optimizer_not_for_the_process(tmp_path:
     del m, model, loss
     gc.collect()
     assert not first._optimizer_step_pre_hooks  # gone with the model
+    assert not _global_optimizer_pre_hooks
 
 
 def test_an_optimizer_built_after_backward_or_handed_to_a_load_is_hooked(tmp_path: Path) -> None:
