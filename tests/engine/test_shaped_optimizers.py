@@ -1,8 +1,9 @@
 """Every torch optimizer trains a wrapped model exactly, those that read a parameter's shape
 (Muon, Adafactor) included.
 
-Each is trained on the unwrapped model over the whole global batch, and on a ``ShardedModule``
-copy on every rank over its slice; after several steps every parameter must match (within 1e-5;
+Each is trained on the unwrapped model over each whole global batch (its gradient accumulated
+over the ranks' slices; Adafactor also in one pass), and on a ``ShardedModule`` copy on every
+rank over its slice; after several steps every parameter must match (within 1e-5;
 Muon within 1e-4, its Newton-Schulz iteration amplifies rounding). Muon steps the matrices and
 AdamW the rest, as torch's documentation advises. Stages follow ``pytest --stage N`` (the suite
 runs at 1, 2 and 3); world sizes 1, 2 and 4, hybrid sharding 2 x 2, tied parameters, bf16 and the
@@ -29,6 +30,7 @@ from tests.support.parity import (
     GLOBAL_BATCH,
     STEPS,
     train_recipe,
+    train_reference,
     train_sharded,
 )
 from tests.support.ranks import run_ranks
@@ -137,6 +139,10 @@ def _parity(
     runs = train_sharded(model, world_size, make, BATCHES, loss_fn, auto_wrap=Block, **wrap)
     for rank, run in enumerate(runs):
         _assert_same(ref, run.state, atol, rank)
+    if name != "muon" and dtype == torch.float32:  # also the whole batch in one pass
+        one_pass = train_reference(model, make, BATCHES, loss_fn).state
+        for rank, run in enumerate(runs):
+            _assert_same(one_pass, run.state, atol, rank)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
