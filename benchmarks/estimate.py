@@ -105,8 +105,7 @@ def worker(family: str, size: str, stage: int, offload: str | None, batch: int, 
             opt.step()
             opt.zero_grad()
         seconds = (time.perf_counter() - start) / (len(steps) - 1)
-        store = m._shardwrap_root.store
-        files = store.nbytes / MB if store is not None else 0.0
+        files = getattr(m._shardwrap_root.home, "nbytes", 0) / MB  # the disk tier's files
         peak = torch.tensor([rss_mib("VmHWM") - before - files, seconds], dtype=torch.float64)
         dist.all_reduce(peak, dist.ReduceOp.MAX)
         if rank == 0:
