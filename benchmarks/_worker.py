@@ -63,9 +63,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from compare import ALIASES, METHODS, PRECISIONS  # noqa: E402  (this folder, as the script's)
 
+from benchmarks._memory import StorageTracker  # noqa: E402
 from examples.train_gpt import GPT, Block  # noqa: E402
 from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
-from tests.support.memory import StorageTracker  # noqa: E402
 
 MODELS = ("gpt", "t5")
 
@@ -89,7 +89,7 @@ class Config:
     """``fp32``, or ``bf16``: bf16 compute on fp32 master weights, gradients reduced in fp32."""
     track: bool = False
     """Also count every storage created from building the model through the warm-up steps
-    (``tests/support/memory.py``) and report the peak of live bytes after wrapping: the CPU's
+    (``benchmarks/_memory.py``) and report the peak of live bytes after wrapping: the CPU's
     counterpart of ``max_memory_allocated``. Its Python hook slows those steps, so only timed
     steps, untracked, are timed; it needs two warm-up steps (the second is a steady step)."""
 

@@ -3,7 +3,7 @@
     python benchmarks/estimate.py                       # about 10 minutes on 2 CPU cores
     python benchmarks/estimate.py --families qwen2 bert --size test
 
-Each family of ``tests/support/memory.py`` (GPT-2, Llama, Qwen2, BERT, T5, ViT; ``--size bench``:
+Each family of ``benchmarks/_memory.py`` (GPT-2, Llama, Qwen2, BERT, T5, ViT; ``--size bench``:
 tens of millions of parameters, random weights) is planned and trained in six cells: stages
 1, 2 and 3, the host tier at stages 1 and 3 (staged on the CPU through the switch its tests
 use) and the disk tier. Every run wraps with the model's ``_no_split_modules`` blocks, trains
@@ -13,7 +13,7 @@ next forward returns. Three numbers per cell, each the larger of the two ranks:
 - plan: ``shardwrap.estimate_memory(model, world_size=2, stage=..., offload=..., batch=...,
   seq=...)`` on the meta device;
 - tracked: ranks as threads of this process, ``shardwrap.track_allocations()`` from wrapping
-  on (``tests.support.memory.training_peak``): what the plan counts;
+  on (``benchmarks._memory.training_peak``): what the plan counts;
 - resident set: the same training under ``torchrun --nproc_per_node=2`` (this script with
   ``--worker``), the peak resident set after wrapping (its high-water mark reset then:
   building the unsharded model is not training) above the resident set before the model was
@@ -42,8 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import shardwrap  # noqa: E402
-from shardwrap import estimate_memory  # noqa: E402
-from tests.support.memory import (  # noqa: E402
+from benchmarks._memory import (  # noqa: E402
     FAMILIES,
     family_model,
     hf_batches,
@@ -51,6 +50,7 @@ from tests.support.memory import (  # noqa: E402
     staged_on_cpu,
     training_peak,
 )
+from shardwrap import estimate_memory  # noqa: E402
 
 MB = 2**20
 CELLS = [(1, None), (2, None), (3, None), (1, "cpu"), (3, "cpu"), (3, "disk")]
@@ -105,8 +105,7 @@ def worker(family: str, size: str, stage: int, offload: str | None, batch: int, 
             opt.step()
             opt.zero_grad()
         seconds = (time.perf_counter() - start) / (len(steps) - 1)
-        store = m._shardwrap_root.store
-        files = store.nbytes / MB if store is not None else 0.0
+        files = getattr(m._shardwrap_root.home, "nbytes", 0) / MB  # the disk tier's files
         peak = torch.tensor([rss_mib("VmHWM") - before - files, seconds], dtype=torch.float64)
         dist.all_reduce(peak, dist.ReduceOp.MAX)
         if rank == 0:
@@ -194,7 +193,7 @@ commit {commit}, {time.strftime("%Y-%m-%d")}, {minutes:.0f} minutes.
 
 - Hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; Python
   {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}.
-- Models (`tests/support/memory.py`, size `{args.size}`, random weights, their configs' defaults
+- Models (`benchmarks/_memory.py`, size `{args.size}`, random weights, their configs' defaults
   otherwise: dropout on where the config has it), wrapped by their `_no_split_modules`:
 
 | family | class | parameters | units | each sample |
@@ -204,7 +203,7 @@ commit {commit}, {time.strftime("%Y-%m-%d")}, {minutes:.0f} minutes.
 - Environment: {malloc}.
 - Training: fp32 AdamW (fused by shardwrap at the offload tiers), batch {args.batch} per rank,
   {STEPS} steps, 2 ranks with gloo; the host tier (`Offload(device="cpu")`) runs its staged
-  path on the CPU (`shardwrap.tiers.home.STAGE_ON_CPU`, as its tests do), the disk tier's files
+  path on the CPU (`benchmarks._memory.staged_on_cpu`, as its tests do), the disk tier's files
   in a temporary folder.
 - plan: `shardwrap.estimate_memory(model, world_size=2, stage=..., offload=...,
   batch={args.batch}, seq={args.seq}, auto_wrap=...)`, the peak of rank 0 over the first step
