@@ -314,6 +314,24 @@ def test_clip_grad_norm_matches_torch_and_clipped_steps_keep_parity(
         _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_of_a_float64_model_is_reduced_in_float64(norm_type: float) -> None:
+    model = _gpt().double()
+    idx, targets = make_batch(0, GLOBAL_BATCH)
+    ref = copy.deepcopy(model)
+    ref(idx, targets).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type)
+
+    def fn(rank: int, pg: ProcessGroup) -> Tensor:
+        m = _wrap(model, pg)
+        m(_local(idx, pg), _local(targets, pg)).backward()
+        return torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01, norm_type)
+
+    for got in run_ranks(2, fn):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
+
+
 # full state dict ---------------------------------------------------------------------
 
 
