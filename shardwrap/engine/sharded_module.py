@@ -42,6 +42,7 @@ from .recompute import compile_unit, recompute_activations
 from .retired import retire
 from .root import Root
 from .strategy import Strategy
+from .summary import log_summary, summarize
 from .unit import Unit
 from .whole_params import PIECE_ATTR, install, release
 from .wrap import (
@@ -202,6 +203,7 @@ class ShardedModule(nn.Module):
                 compile_unit(root, unit, compile_options)
             if checkpoint(unit.module) and not checkpoint_unit(root, unit):
                 recompute_activations(root, unit)
+        log_summary(module, root)
         return module  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -276,6 +278,11 @@ class ShardedModule(nn.Module):
         return torch.nn.utils.clip_grad_norm_(
             list(self.parameters()), max_norm, norm_type, error_if_nonfinite
         )
+
+    def summary(self) -> str:
+        """What the wrap produced: ranks, stage, units, dtypes, offload tier and memory per
+        rank (also logged at wrap time: logger ``"shardwrap"``, INFO, global rank 0)."""
+        return summarize(self, self._shardwrap_root)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
         """The original model's state dict: same keys, full shapes, CPU tensors.

@@ -13,6 +13,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_api.py -q``
 from __future__ import annotations
 
 import copy
+import logging
 import gc
 import weakref
 from collections.abc import Callable, Iterable
@@ -330,6 +331,25 @@ def test_clip_grad_norm_of_a_float64_model_is_reduced_in_float64(norm_type: floa
     for got in run_ranks(2, fn):
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
+
+
+def test_wrapping_logs_a_summary_on_rank_0_and_summary_shows_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = _gpt()
+    caplog.set_level(logging.INFO, logger="shardwrap")
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        return _wrap(model, pg).summary()
+
+    summaries = run_ranks(2, fn)
+    logged = [r.getMessage() for r in caplog.records if r.name == "shardwrap"]
+    assert logged == [summaries[0]]  # once, from rank 0
+    shard_mib = sum(p.numel() for p in model.parameters()) * 4 / 2 / 2**20
+    for text in summaries:
+        assert text.startswith("shardwrap: GPT over 2 ranks on cpu, ZeRO stage 3")
+        assert "3 units and the root" in text and "offload: none" in text
+        assert f"shards {shard_mib:.1f} MiB" in text, text
 
 
 # full state dict ---------------------------------------------------------------------
