@@ -13,8 +13,8 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_api.py -q``
 from __future__ import annotations
 
 import copy
-import logging
 import gc
+import logging
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
