@@ -274,7 +274,9 @@ class PartialNorm(Tensor):
 def _complete(part: PartialNorm) -> Tensor:
     order, owner = part._shardwrap_order, part._shardwrap_owner
     with _DisableSubclass():
-        local = part.detach().to(owner.device if owner else None, torch.float32, copy=True)
+        # at least float32 (low-precision partial sums lose the small parts), float64 kept
+        dtype = torch.promote_types(part.dtype, torch.float32)
+        local = part.detach().to(owner.device if owner else None, dtype, copy=True)
     if owner is None or owner.group is None:
         return local.to(part.device, part.dtype)
     owner.enter()

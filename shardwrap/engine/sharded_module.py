@@ -39,8 +39,10 @@ from .flat_group import FlatGroup
 from .init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from .pool import BufferPool
 from .recompute import compile_unit, recompute_activations
+from .retired import retire
 from .root import Root
 from .strategy import Strategy
+from .summary import log_summary, summarize
 from .unit import Unit
 from .whole_params import PIECE_ATTR, install, release
 from .wrap import (
@@ -201,6 +203,7 @@ class ShardedModule(nn.Module):
                 compile_unit(root, unit, compile_options)
             if checkpoint(unit.module) and not checkpoint_unit(root, unit):
                 recompute_activations(root, unit)
+        log_summary(module, root)
         return module  # type: ignore[return-value]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -275,6 +278,11 @@ class ShardedModule(nn.Module):
         return torch.nn.utils.clip_grad_norm_(
             list(self.parameters()), max_norm, norm_type, error_if_nonfinite
         )
+
+    def summary(self) -> str:
+        """What the wrap produced: ranks, stage, units, dtypes, offload tier and memory per
+        rank (also logged at wrap time: logger ``"shardwrap"``, INFO, global rank 0)."""
+        return summarize(self, self._shardwrap_root)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
         """The original model's state dict: same keys, full shapes, CPU tensors.
@@ -457,7 +465,7 @@ def _wrap(
         if materialize is not None:
             meta_params, params = params, materialize(index, params)
             for name, p, _ in meta_params:
-                _retire(p, name)
+                retire(p, name)
         by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
         for entry in params:
             by_key.setdefault(group_key(entry[1]), []).append(entry)
@@ -482,7 +490,7 @@ def _wrap(
                 setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i))
                 for owner, attr in slots:
                     owner._parameters[attr] = shard_param
-                _retire(p, name)
+                retire(p, name)
             flat_groups.append(fg)
         units.append(Unit(unit_module, index, flat_groups, stats))
     buffer_dtype = precision.buffer_dtype if precision else None
@@ -535,56 +543,6 @@ def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:
             "parameters between steps. Drop reshard_after_forward, or pass stage=3."
         )
     return Strategy(stage=stage, reshard_after_forward=reshard_after_forward is not False)
-
-
-# retired parameters ------------------------------------------------------------------
-
-
-def _retire(p: nn.Parameter, name: str) -> None:
-    """Free an original parameter, so that an optimizer still holding it fails loudly.
-
-    The parameter's class becomes one whose ``.grad`` is always present and raises on any
-    use: every optimizer reads the gradients of the parameters it steps, so an optimizer
-    built before wrapping raises at its first ``step()``, naming the parameter, rather than
-    silently never training the model. Nothing is registered outside the parameter.
-    """
-    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    trap = torch.Tensor._make_subclass(_StaleGrad, torch.empty(0, dtype=p.dtype, device=p.device))
-    trap._shardwrap_name = name
-    object.__setattr__(p, "_shardwrap_stale_grad", trap)
-    p.__class__ = _retired_class(type(p))
-
-
-class _StaleGrad(Tensor):
-    """The gradient of a retired parameter: any use raises, naming the parameter."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        trap = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _StaleGrad))
-        raise RuntimeError(
-            f"shardwrap: this optimizer holds parameter '{trap._shardwrap_name}' from before "
-            "the model was wrapped; those parameters no longer train the model. Build the "
-            "optimizer after wrapping: opt = torch.optim.AdamW(model.parameters())."
-        )
-
-
-def _stale_grad(self: nn.Parameter) -> Tensor:
-    return self._shardwrap_stale_grad
-
-
-def _ignore_grad(self: nn.Parameter, value: Tensor | None) -> None:
-    """``zero_grad()`` sets ``None``: the trap stays."""
-
-
-_RETIRED_CLASSES: dict[type, type] = {}
-
-
-def _retired_class(cls: type) -> type:
-    if cls not in _RETIRED_CLASSES:
-        _RETIRED_CLASSES[cls] = type(
-            f"Retired{cls.__name__}", (cls,), {"grad": property(_stale_grad, _ignore_grad)}
-        )
-    return _RETIRED_CLASSES[cls]
 
 
 # checks ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -312,6 +313,43 @@ def test_clip_grad_norm_matches_torch_and_clipped_steps_keep_parity(
         for got, expected in zip(norms, ref_norms):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
         _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_of_a_float64_model_is_reduced_in_float64(norm_type: float) -> None:
+    model = _gpt().double()
+    idx, targets = make_batch(0, GLOBAL_BATCH)
+    ref = copy.deepcopy(model)
+    ref(idx, targets).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type)
+
+    def fn(rank: int, pg: ProcessGroup) -> Tensor:
+        m = _wrap(model, pg)
+        m(_local(idx, pg), _local(targets, pg)).backward()
+        return torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01, norm_type)
+
+    for got in run_ranks(2, fn):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
+
+
+def test_wrapping_logs_a_summary_on_rank_0_and_summary_shows_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = _gpt()
+    caplog.set_level(logging.INFO, logger="shardwrap")
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        return _wrap(model, pg).summary()
+
+    summaries = run_ranks(2, fn)
+    logged = [r.getMessage() for r in caplog.records if r.name == "shardwrap"]
+    assert logged == [summaries[0]]  # once, from rank 0
+    shard_mib = sum(p.numel() for p in model.parameters()) * 4 / 2 / 2**20
+    for text in summaries:
+        assert text.startswith("shardwrap: GPT over 2 ranks on cpu, ZeRO stage 3")
+        assert "3 units and the root" in text and "offload: none" in text
+        assert f"shards {shard_mib:.1f} MiB" in text, text
 
 
 # full state dict ---------------------------------------------------------------------
