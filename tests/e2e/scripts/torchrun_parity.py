@@ -7,7 +7,10 @@ Launched by tests/e2e/test_torchrun.py:
 WRAP: extra ``ShardedModule`` keyword arguments as JSON, e.g. '{"compile": true}'. The key
 ``"hybrid": [R, S]`` shards over a ``DeviceMesh`` of R replicas of S ranks, dimensions
 ``("replicate", "shard")``; the script first checks that a mesh with its dimensions swapped is
-refused, and records the error.
+refused, and records the error. The key ``"optimizer"``: ``"muon"`` (Muon for the matrices,
+AdamW for the rest) or ``"adafactor"`` instead of SGD; the reference then accumulates its
+gradient over the ranks' slices (their summation order: Muon's bf16 Newton-Schulz iteration
+amplifies rounding).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,9 +47,9 @@ def main(out_path: str, wrap: dict) -> None:
         wrap["process_group"] = init_device_mesh(
             "cpu", shape, mesh_dim_names=("replicate", "shard")
         )
+    optimizer = wrap.pop("optimizer", "sgd")
     model = ShardedModule(base, auto_wrap=Block, **wrap)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, reference)
     losses, ref_losses = [], []
     for step in range(STEPS):
         idx, targets = make_batch(step, 2 * world)
@@ -56,8 +60,11 @@ def main(out_path: str, wrap: dict) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-        ref_loss = reference(idx, targets)
-        ref_loss.backward()
+        if optimizer == "sgd":
+            ref_loss = reference(idx, targets)
+            ref_loss.backward()
+        else:
+            ref_loss = _accumulate(reference, idx.chunk(world), targets.chunk(world))
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
@@ -76,6 +83,49 @@ def main(out_path: str, wrap: dict) -> None:
         with open(out_path, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+
+
+class _Both:
+    """Two optimizers stepped as one."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad()
+
+
+def _optimizer(name: str, model: torch.nn.Module) -> Any:
+    params = list(model.parameters())
+    if name == "muon":
+        return _Both(
+            torch.optim.Muon([p for p in params if p.ndim == 2]),
+            torch.optim.AdamW([p for p in params if p.ndim != 2], lr=3e-3),
+        )
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _accumulate(model: torch.nn.Module, inputs: tuple, targets: tuple) -> torch.Tensor:
+    """The whole batch's mean loss, its gradient summed over the slices, then averaged."""
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    total = torch.zeros(())
+    for x, y in zip(inputs, targets):
+        loss = model(x, y)
+        loss.backward()
+        total += loss.detach()
+        for g, p in zip(grads, model.parameters()):
+            g.add_(p.grad)
+            p.grad = None
+    for g, p in zip(grads, model.parameters()):
+        p.grad = g / len(inputs)
+    return total / len(inputs)
 
 
 if __name__ == "__main__":
