@@ -111,6 +111,18 @@ class ShardedTrainerMixin:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``evaluate``, its units gathered once for the whole evaluation where
+        memory allows (``ShardedModule.keep_gathered()``)."""
+        with self._sharded().keep_gathered():
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``predict``, its units gathered once where memory allows."""
+        with self._sharded().keep_gathered():
+            return super().predict(*args, **kwargs)  # type: ignore[misc]
+
+
 class Trainer(ShardedTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` for a :class:`shardwrap.ShardedModule` (see the module)."""
 

@@ -125,6 +125,8 @@ class Root:
             self.optimizers = OptimizerHooks(shards, before_step)
             weakref.finalize(self, self.optimizers.close)
         self.phase = Phase.IDLE
+        self.keeping = 0  # keep_gathered() blocks entered
+        self.keep_decided: bool | None = None  # ShardedModule.keep_gathered's, while inside
         self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
         self._backward_next: dict[int, Unit] = {}
@@ -203,7 +205,10 @@ class Root:
         if unit is self.saved.owner:
             self.saved.stop()
         grad = torch.is_grad_enabled()
-        release = self.strategy.release_after_forward(grad_enabled=grad)
+        # inside keep_gathered(), a forward without a graph leaves its units gathered
+        release = self.strategy.release_after_forward(grad_enabled=grad) and not (
+            self.keeping and not grad
+        )
         # The unit that ran last in forward runs first in backward: keep it gathered.
         last = self._forward_last if grad else None
         if unit is not self.root and unit is not last and release:
@@ -415,15 +420,34 @@ class Root:
             unit.finish_gather()
             unit.use_full(track_grad=False)
         self.own_calls.paused = True
+        self.keeping += 1  # a forward inside (generate()) leaves the units gathered
         try:
             yield
         finally:
+            self.keeping -= 1
             self.own_calls.paused = False
             for unit in self.units:
                 if writeback:
                     for g in unit.groups:
                         g.write_back()
                 unit.reshard()
+
+    @contextmanager
+    def keep_gathered(self) -> Iterator[None]:
+        """Forwards without a graph leave their units gathered until the block ends (one gather
+        per unit for a whole ``generate()`` or evaluation); then, where the strategy releases
+        parameters after forward, every unit is released."""
+        self.keeping += 1
+        try:
+            yield
+        finally:
+            self.keeping -= 1
+            if not self.keeping and self.phase is Phase.IDLE:
+                for unit in self.units:
+                    if unit.state is not ShardState.SHARDED and self.strategy.release_after_forward(
+                        grad_enabled=False
+                    ):
+                        unit.reshard()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -36,6 +36,7 @@ from .checks import (
 )
 from .extensions import check_move, checkpoint_unit, class_habits
 from .flat_group import FlatGroup
+from .inference import fits_gathered
 from .init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
 from .pool import BufferPool
 from .recompute import compile_unit, recompute_activations
@@ -262,6 +263,36 @@ class ShardedModule(nn.Module):
         """
         with self._shardwrap_root.gathered(writeback):
             yield
+
+    @contextmanager
+    def keep_gathered(self, enabled: bool | None = None) -> Iterator[None]:
+        """Keep units gathered across forwards without a graph: generation, evaluation.
+
+        Each unit is then gathered once for the whole block instead of once per forward (per
+        decoded token in ``generate()``), at the memory of the whole model in its compute
+        dtype; the units are released when the block ends. ``generate()`` and
+        ``shardwrap.hf.Trainer``'s ``evaluate()``/``predict()`` enter it themselves.
+
+        Args:
+            enabled: ``None`` (default): keep them only if the units not gathered yet fit in
+                half the memory free now on every rank (one small all-reduce decides, alike on
+                every rank); ``True``: keep them; ``False``: gather per forward as in training.
+                Must be the same on every rank.
+        """
+        root = self._shardwrap_root
+        if root.keeping or root.keep_decided is not None:  # inside another such block
+            yield
+            return
+        keep = fits_gathered(root) if enabled is None else enabled
+        root.keep_decided = keep
+        try:
+            if keep:
+                with root.keep_gathered():
+                    yield
+            else:
+                yield
+        finally:
+            root.keep_decided = None
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

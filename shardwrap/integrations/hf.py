@@ -258,7 +258,8 @@ class HuggingFaceHabits:
             )
 
     def generate(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
-        """``generate`` with every rank decoding until all are done (``synced_gpus=True``).
+        """``generate`` with every rank decoding until all are done (``synced_gpus=True``),
+        its units gathered once for the whole call where memory allows (``keep_gathered()``).
 
         Raises:
             ValueError: ``synced_gpus=False`` on more than one rank: a rank that stopped
@@ -272,7 +273,8 @@ class HuggingFaceHabits:
                     "Leave synced_gpus unset (it defaults to True on a sharded model)."
                 )
             synced_gpus = True
-        return super().generate(*args, synced_gpus=synced_gpus, **kwargs)  # type: ignore[misc]
+        with self.keep_gathered():  # type: ignore[attr-defined]
+            return super().generate(*args, synced_gpus=synced_gpus, **kwargs)  # type: ignore[misc]
 
     def _has_unfinished_sequences(
         self, this_peer_finished: bool, synced_gpus: bool, device: torch.device

@@ -7,8 +7,11 @@ small all-reduce over the model's own ranks per step). Proves, on GPT-2 and T5 f
 configs at 2 ranks, each rank with its own prompt whose greedy continuation ends at a different
 step:
 
-- every rank's output equals the unwrapped model's ``generate`` on that prompt, both as is and
-  inside ``gathered()``, with lengths that differ between the ranks (so the case is exercised);
+- every rank's output equals the unwrapped model's ``generate`` on that prompt, as is (its
+  units gathered once for the whole call: at most one all-gather per flat group), inside
+  ``gathered()`` (no gather at all) and with ``keep_gathered(False)`` (gathered per decoding
+  step, as training does), with lengths that differ between the ranks (so the case is
+  exercised);
 - ``synced_gpus=False`` is refused on every rank before any collective, naming the fix.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_generate.py -q``
@@ -17,6 +20,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_g
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,16 +75,29 @@ def test_ranks_finishing_at_different_steps_all_match_the_plain_model(family: An
     want = [_generate(model, p, eos_token_id=eos) for p in prompts]
     assert want[0].shape[1] < want[1].shape[1]
 
-    def fn(rank: int, pg: ProcessGroup) -> tuple[Tensor, Tensor]:
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[Tensor], list[int], int]:
         m = ShardedModule(copy.deepcopy(model), auto_wrap=layer, process_group=pg)
-        out = _generate(m, prompts[rank], eos_token_id=eos)
-        with m.gathered():
-            inside = _generate(m, prompts[rank], eos_token_id=eos)
-        return out, inside
+        groups = sum(len(u.groups) for u in m._shardwrap_root.units)
+        outs, gathers = [], []
+        for keep in (None, "gathered", False):
+            m.comm_stats.reset()
+            if keep == "gathered":
+                with m.gathered():
+                    m.comm_stats.reset()
+                    outs.append(_generate(m, prompts[rank], eos_token_id=eos))
+                    gathers.append(m.comm_stats.calls.get("all_gather", 0))
+                continue
+            with m.keep_gathered(keep):
+                outs.append(_generate(m, prompts[rank], eos_token_id=eos))
+            gathers.append(m.comm_stats.calls.get("all_gather", 0))
+        return outs, gathers, groups
 
-    for rank, (out, inside) in enumerate(run_ranks(WORLD, fn, timeout=30.0)):
-        assert torch.equal(out, want[rank])
-        assert torch.equal(inside, want[rank])
+    for rank, (outs, gathers, groups) in enumerate(run_ranks(WORLD, fn, timeout=30.0)):
+        for out in outs:  # kept gathered, inside gathered(), gathered per forward
+            assert torch.equal(out, want[rank])
+        kept, inside, per_forward = gathers
+        assert kept <= groups and inside == 0, gathers  # at most one gather per group a call
+        assert per_forward > 2 * groups, gathers  # what generate() did before
 
 
 def test_unsynced_generate_is_refused() -> None:
@@ -94,3 +111,25 @@ def test_unsynced_generate_is_refused() -> None:
         return sum(m.comm_stats.calls.values()) - before
 
     assert run_ranks(WORLD, fn) == [0, 0]
+
+
+def test_trainer_evaluate_gathers_each_unit_once_and_matches_the_plain_model(
+    tmp_path: Path,
+) -> None:
+    import shardwrap.hf
+
+    model, layer = _gpt2()
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(2, HF_VOCAB, (12,), generator=g) for _ in range(8)]
+    data = [{"input_ids": r, "labels": r} for r in rows]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_eval_batch_size=2
+    )
+    want = transformers.Trainer(model=copy.deepcopy(model), args=args).evaluate(data)
+    m = ShardedModule(copy.deepcopy(model), auto_wrap=layer)
+    groups = sum(len(u.groups) for u in m._shardwrap_root.units)
+    m.comm_stats.reset()
+    got = shardwrap.hf.Trainer(model=m, args=args).evaluate(data)
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-6)
+    assert m.comm_stats.calls.get("all_gather", 0) <= groups  # 4 batches, one gather per group
+    assert all(u.state.name == "SHARDED" for u in m._shardwrap_root.units)  # released after
