@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from ..engine.param_index import Param
 from .checksum import buffer_checksum, tensor_checksum
-from .files import DTYPES, agree, is_plain_name
+from .files import DTYPES, agree, few, is_plain_name
+from .optimizer_state import check_optimizer, names_by_id, optimizer_problem
 from .save import (
     BUFFERS,
     FORMAT,
@@ -30,8 +31,6 @@ from .save import (
     OPTIMIZER,
     VERSION,
     extra_file,
-    few,
-    names_by_id,
     persistent_buffers,
     resolve_folder,
     wrapped_root,
@@ -180,33 +179,10 @@ class _Loader:
                 "optimizer=None to load the model alone"
             )
         saved = self._load_pt(OPTIMIZER, sized=True)
-        problem = _optimizer_problem(saved)
+        problem = optimizer_problem(saved)
         if problem is not None:
             raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
-        cls = type(self.optimizer).__name__
-        if saved["class"] != cls:
-            raise ValueError(
-                f"load_checkpoint: optimizer mismatch: the checkpoint holds {saved['class']} "
-                f"state, got {cls}"
-            )
-        if any(id(p) not in self._names for g in self.optimizer.param_groups for p in g["params"]):
-            raise ValueError(
-                "load_checkpoint: the optimizer holds a parameter that is not one of the model's"
-            )
-        current = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-        groups = saved["param_groups"]
-        if len(groups) != len(current):
-            raise ValueError(
-                f"load_checkpoint: optimizer mismatch: the checkpoint has {len(groups)} parameter "
-                f"groups, the optimizer {len(current)}"
-            )
-        for j, (mine, theirs) in enumerate(zip(current, groups)):
-            if set(mine) != set(theirs["params"]):
-                raise ValueError(
-                    f"load_checkpoint: optimizer mismatch in parameter group {j}: only in the "
-                    f"checkpoint {few(sorted(set(theirs['params']) - set(mine)))}, only in the "
-                    f"optimizer {few(sorted(set(mine) - set(theirs['params'])))}"
-                )
+        check_optimizer(self.optimizer, saved, self._names)
         return saved
 
     def _open(self, file: str) -> Any:
@@ -367,39 +343,6 @@ class _Loader:
             hyper = {k: v for k, v in saved.items() if k != "params"}
             groups.append({**hyper, "params": ids})
         return {"state": state, "param_groups": groups}
-
-
-def _optimizer_problem(saved: object) -> str | None:
-    """What is wrong with the structure of a saved ``optimizer.pt``, or ``None``.
-
-    Scalar state (``step``) must be what ``save_checkpoint`` writes: a number or a 0-d tensor,
-    so that nothing the optimizer would refuse is found only after the model is overwritten.
-    """
-    if not isinstance(saved, dict) or not isinstance(saved.get("class"), str):
-        return 'it must be a dict with the optimizer\'s "class" name'
-    groups = saved.get("param_groups")
-    if not isinstance(groups, list) or any(
-        not isinstance(g, dict)
-        or not isinstance(g.get("params"), list)
-        or not all(isinstance(n, str) for n in g["params"])
-        for g in groups
-    ):
-        return '"param_groups" must be a list of groups, each listing its parameters by name'
-    state = saved.get("state")
-    if not isinstance(state, dict):
-        return '"state" must map parameter names to their scalar state'
-    for name, entry in state.items():
-        if not isinstance(entry, dict):
-            return f'the scalar state of "{name}" must be a dict'
-        for key, value in entry.items():
-            scalar = isinstance(value, (int, float)) or (
-                isinstance(value, torch.Tensor) and value.dim() == 0
-            )
-            if not scalar:
-                return (
-                    f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
-                )
-    return None
 
 
 def _read_metadata(folder: Path) -> dict[str, Any]:

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from .files import (
     agree,
     begin_folder,
     commit_folder,
+    few,
     full_disk_error,
     is_plain_name,
     partial_path,
@@ -59,6 +59,7 @@ from .files import (
     surviving,
     write_file,
 )
+from .optimizer_state import OptimizerPlan, plan_optimizer
 
 __all__ = ["latest_checkpoint", "save_checkpoint"]
 
@@ -212,56 +213,6 @@ def _refuse_to_replace(target: Path) -> None:
 # save --------------------------------------------------------------------------------
 
 
-@dataclass
-class _OptimizerPlan:
-    """What one rank saves of the optimizer: sharded tensors, and scalars and groups for rank 0."""
-
-    cls: str  # the optimizer's class name
-    sharded: dict[str, dict[str, Tensor]]  # name -> state key -> 1-D piece
-    scalars: dict[str, dict[str, Any]]  # name -> state key -> 0-d tensor or number
-    groups: list[dict[str, Any]]  # hyperparameters, "params": names
-
-
-def names_by_id(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
-def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> _OptimizerPlan:
-    names = names_by_id(model)
-    plan = _OptimizerPlan(type(optimizer).__name__, {}, {}, [])
-    for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        group_names = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(
-                    "save_checkpoint: the optimizer holds a parameter that is not one of the "
-                    f"model's (shape {tuple(p.shape)}); build it from model.parameters() after "
-                    "wrapping"
-                )
-            name = names[id(p)]
-            group_names.append(name)
-            sharded, scalars = {}, {}
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, Tensor) and value.shape == p.shape:
-                    sharded[key] = value
-                elif (isinstance(value, Tensor) and value.ndim == 0) or isinstance(
-                    value, (int, float, bool)
-                ):
-                    scalars[key] = value
-                else:
-                    raise ValueError(
-                        f"save_checkpoint: optimizer state '{key}' of '{name}' is a "
-                        f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}, "
-                        "neither shaped like the parameter nor a scalar; only elementwise "
-                        "optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) can be saved sharded"
-                    )
-            if sharded or scalars or p in optimizer.state:
-                plan.sharded[name], plan.scalars[name] = sharded, scalars
-        plan.groups.append({**hyper, "params": group_names})
-    return plan
-
-
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -313,7 +264,7 @@ def save_checkpoint(
     rank, world = mesh.shard_rank, mesh.shard_size
     params = root.params
     tmp = partial_path(target)
-    opt_plan: _OptimizerPlan | None = None
+    opt_plan: OptimizerPlan | None = None
     extra_bytes = b""
     entries: list[Entry] = []
     tensors: list[Tensor] = []
@@ -326,7 +277,7 @@ def save_checkpoint(
         _refuse_to_replace(target)
         extra_bytes = _extra_bytes(extra)
         if optimizer is not None:
-            opt_plan = _plan_optimizer(model, optimizer)
+            opt_plan = plan_optimizer(model, optimizer)
         for p in params if mesh.writes else ():
             if p.shard.numel() == 0:
                 continue
@@ -460,7 +411,7 @@ def _refused_leaf(value: Any) -> Any | None:
 def _metadata(
     model: nn.Module,
     params: list[Param],
-    opt_plan: _OptimizerPlan | None,
+    opt_plan: OptimizerPlan | None,
     rank_sizes: list[int],
     ranks: int,
     sequence: int,
@@ -560,9 +511,3 @@ def _prune(folder: Path, keep_last: int, newest: Path) -> None:
     done = [path for _, _, path in _completed(folder) if path != newest]
     for path in done[: max(0, len(done) - (keep_last - 1))]:
         remove_folder(path)
-
-
-def few(items: list[str], limit: int = 8, quote: bool = True) -> str:
-    """``items`` for an error message, at most ``limit`` of them."""
-    shown = ", ".join(f"'{i}'" if quote else i for i in items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
