@@ -2,8 +2,9 @@
 
 The folder's layout is described in :mod:`shardwrap.checkpoint.save`. Each rank intersects its own
 pieces (for its world size and policy) with the saved element ranges and reads only those
-bytes, memory-mapped. Every check runs on every rank before anything is written into the model
-or the optimizer.
+bytes, memory-mapped. State of an optimizer that steps parameters whole (Muon, Adafactor) is
+read whole, each parameter's by the rank that owns it in the new layout. Every check runs on
+every rank before anything is written into the model or the optimizer.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ..engine.param_index import Param
+from ..engine.whole_params import stepped_whole
 from .checksum import buffer_checksum, tensor_checksum
 from .files import DTYPES, agree, few, is_plain_name
-from .optimizer_state import check_optimizer, names_by_id, optimizer_problem
+from .optimizer_state import check_optimizer, names_by_id, optimizer_problem, owns
 from .save import (
     BUFFERS,
     FORMAT,
@@ -110,6 +112,7 @@ class _Loader:
         # file -> optimizer tensors read whole into fresh memory: checked there, while read
         self._checked_when_read: dict[str, set[str]] = {}
         self._names = names_by_id(model)
+        self._stepping: Any = None  # how the optimizer steps whole parameters, if it does
         self._check_model()
         self.saved_optimizer = self._check_optimizer() if optimizer is not None else None
         self.reads = {p.name: self._plan_reads(p) for p in params}
@@ -183,6 +186,10 @@ class _Loader:
         if problem is not None:
             raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
         check_optimizer(self.optimizer, saved, self._names)
+        self._stepping = stepped_whole(self.optimizer)
+        saved_whole = bool(self.meta["optimizer"].get("stepped_whole", False))
+        if saved_whole != (self._stepping is not None):
+            raise ValueError(_kind_mismatch(type(self.optimizer).__name__, saved_whole))
         return saved
 
     def _open(self, file: str) -> Any:
@@ -319,11 +326,35 @@ class _Loader:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
 
+    def _read_whole(self, key: str, at: dict[str, Any]) -> Tensor:
+        """The whole-stepped state tensor ``key`` as saved, from the file ``at`` names, checked
+        against its recorded shape and checksum."""
+        file = at["file"]
+        handle = self._open(file)
+        if key not in self._keys[file] or handle.get_slice(key).get_shape() != at["shape"]:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} lacks '{key}' of shape {tuple(at['shape'])}"
+            )
+        value = handle.get_tensor(key)
+        recorded = self.meta["checksums"]["tensors"].get(file, {}).get(key)
+        as_saved = recorded is not None and recorded[0] == DTYPES.get(value.dtype)
+        got = tensor_checksum(value) if as_saved else None
+        if got is None:  # another dtype or unaligned: check the stored bytes instead
+            self._verify(file, {key})
+        elif got != recorded[1]:
+            raise ValueError(
+                f"load_checkpoint: '{key}' in {self.folder / file} fails its checksum: the file "
+                "was corrupted after the save (a disk or copy error). Load an earlier checkpoint."
+            )
+        return value
+
     def _optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's own ``state_dict`` format, for the current parameters' pieces."""
+        """The optimizer's own ``state_dict`` format, for the current parameters' pieces; stepped
+        whole, for the parameters this rank owns (the others have no state here)."""
         assert self.optimizer is not None and self.saved_optimizer is not None
         by_name = {p.name: p for p in self.params}
         keys, scalars = self.meta["optimizer"]["state_keys"], self.saved_optimizer["state"]
+        whole = self.meta["optimizer"].get("whole_state", {})
         state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
@@ -331,7 +362,13 @@ class _Loader:
             ids = []
             for param in group["params"]:
                 name = self._names[id(param)]
-                if name in keys or name in scalars:
+                if self._stepping is not None:
+                    if (name in whole or name in scalars) and owns(self._stepping, param):
+                        entry = dict(scalars.get(name, {}))
+                        for key, at in whole.get(name, {}).items():
+                            entry[key] = self._read_whole(f"optim/{key}/{name}", at)
+                        state[index] = entry
+                elif name in keys or name in scalars:
                     p = by_name[name]
                     entry: dict[str, Any] = dict(scalars.get(name, {}))
                     for key in keys.get(name, []):
@@ -345,6 +382,28 @@ class _Loader:
         return {"state": state, "param_groups": groups}
 
 
+def _kind_mismatch(cls: str, saved_whole: bool) -> str:
+    """The error for an optimizer that steps otherwise than the one saved: each parameter's
+    state whole on its owner, or this rank's pieces of it, are not the same state."""
+    if saved_whole:
+        saved, now, declare = (
+            "stepped whole, each parameter's on one owner rank",
+            "steps each rank's piece of a parameter (declared reads_shapes=False)",
+            True,
+        )
+    else:
+        saved, now, declare = (
+            "of an elementwise optimizer, sharded by element ranges",
+            "steps each parameter whole (Muon, Adafactor or declared reads_shapes=True)",
+            False,
+        )
+    return (
+        f"load_checkpoint: optimizer mismatch: the checkpoint holds {cls} state {saved}, but "
+        f"this {cls} {now}. Declare it as it was when saved, before loading: "
+        f"shardwrap.declare_optimizer({cls}, reads_shapes={declare})"
+    )
+
+
 def _read_metadata(folder: Path) -> dict[str, Any]:
     path = folder / METADATA
     try:
@@ -353,10 +412,10 @@ def _read_metadata(folder: Path) -> dict[str, Any]:
         raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"load_checkpoint: {path} is not a shardwrap checkpoint's metadata")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in (2, VERSION):
         raise ValueError(
             f"load_checkpoint: {path} has format version {meta.get('version')}; this "
-            f"shardwrap reads {VERSION}"
+            f"shardwrap reads 2 to {VERSION}"
         )
     problem = _metadata_problem(meta)
     if problem is not None:
@@ -424,6 +483,22 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
         )
     ):
         return '"optimizer" must be null or hold "state_keys": parameter name to key names'
+    whole = (optimizer or {}).get("whole_state", {})
+    if not isinstance((optimizer or {}).get("stepped_whole", False), bool) or (
+        not isinstance(whole, dict)
+        or any(
+            not isinstance(by_key, dict)
+            or any(
+                not isinstance(at, dict) or bad_file(at.get("file")) or bad_shape(at.get("shape"))
+                for at in by_key.values()
+            )
+            for by_key in whole.values()
+        )
+    ):
+        return (
+            '"optimizer": "stepped_whole" must be true or false, and "whole_state" map parameter '
+            'names to key names to the "file" (a plain name inside the folder) and "shape"'
+        )
     sums = meta.get("checksums")
     if (
         not isinstance(sums, dict)

@@ -6,34 +6,61 @@ world size or policy, with its groups listing their parameters in another order,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..engine.whole_params import PIECE_ATTR, stepped_whole
 from .files import few
 
-__all__ = ["OptimizerPlan", "check_optimizer", "names_by_id", "optimizer_problem", "plan_optimizer"]
+__all__ = [
+    "OptimizerPlan",
+    "check_optimizer",
+    "names_by_id",
+    "optimizer_problem",
+    "owned_summary",
+    "owns",
+    "plan_optimizer",
+]
 
 
 @dataclass
 class OptimizerPlan:
-    """What one rank saves of the optimizer: sharded tensors, and scalars and groups for rank 0."""
+    """What one rank saves of the optimizer: sharded tensors, and scalars and groups for rank 0.
+
+    An optimizer that steps parameters whole (:func:`stepped_whole`) holds a parameter's state
+    on its owner rank alone: there ``owned`` holds its tensors in their own shapes and
+    ``scalars`` its scalars, and each writing owner hands both on (:func:`owned_summary`).
+    """
 
     cls: str  # the optimizer's class name
     sharded: dict[str, dict[str, Tensor]]  # name -> state key -> 1-D piece
     scalars: dict[str, dict[str, Any]]  # name -> state key -> 0-d tensor or number
     groups: list[dict[str, Any]]  # hyperparameters, "params": names
+    whole: bool = False  # stepped whole: ``owned`` and ``scalars`` are this rank's parameters'
+    owned: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # name -> key -> any shape
 
 
 def names_by_id(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
+def _is_scalar(value: Any) -> bool:
+    return (isinstance(value, Tensor) and value.ndim == 0) or isinstance(value, (int, float, bool))
+
+
 def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerPlan:
+    """What this rank saves of ``optimizer``'s state, by parameter name.
+
+    Raises:
+        ValueError: a parameter that is not the model's; state of an optimizer stepping pieces
+            that is neither shaped like its piece nor a scalar; a refused optimizer (LBFGS).
+    """
     names = names_by_id(model)
-    plan = OptimizerPlan(type(optimizer).__name__, {}, {}, [])
+    whole = stepped_whole(optimizer) is not None
+    plan = OptimizerPlan(type(optimizer).__name__, {}, {}, [], whole)
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         group_names = []
@@ -46,25 +73,43 @@ def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Optimi
                 )
             name = names[id(p)]
             group_names.append(name)
-            sharded, scalars = {}, {}
+            tensors, scalars = {}, {}
             for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, Tensor) and value.shape == p.shape:
-                    sharded[key] = value
-                elif (isinstance(value, Tensor) and value.ndim == 0) or isinstance(
-                    value, (int, float, bool)
-                ):
+                if _is_scalar(value):
                     scalars[key] = value
+                elif isinstance(value, Tensor) and (whole or value.shape == p.shape):
+                    tensors[key] = value
                 else:
                     raise ValueError(
                         f"save_checkpoint: optimizer state '{key}' of '{name}' is a "
                         f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}, "
                         "neither shaped like the parameter nor a scalar; only elementwise "
-                        "optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) can be saved sharded"
+                        "optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) and those that "
+                        "step parameters whole (Muon, Adafactor, or declared with "
+                        "shardwrap.declare_optimizer(cls, reads_shapes=True)) can be saved"
                     )
-            if sharded or scalars or p in optimizer.state:
-                plan.sharded[name], plan.scalars[name] = sharded, scalars
+            if p in optimizer.state:  # stepped whole: on the parameter's owner alone
+                plan.scalars[name] = scalars
+                (plan.owned if whole else plan.sharded)[name] = tensors
         plan.groups.append({**hyper, "params": group_names})
     return plan
+
+
+def owned_summary(plan: OptimizerPlan, file: str) -> dict[str, Any]:
+    """What a writing owner tells rank 0 of the whole-stepped state it writes into ``file``:
+    its scalars, and each tensor's file and shape (rank 0 merges them into the metadata)."""
+    return {
+        "scalars": plan.scalars,
+        "whole_state": {
+            name: {key: {"file": file, "shape": list(v.shape)} for key, v in state.items()}
+            for name, state in plan.owned.items()
+        },
+    }
+
+
+def owns(stepping: Any, param: nn.Parameter) -> bool:
+    """Whether this rank steps ``param`` whole, and so holds its optimizer state."""
+    return getattr(param, PIECE_ATTR)[0]().mesh.shard_rank == stepping.owner(param)
 
 
 def check_optimizer(

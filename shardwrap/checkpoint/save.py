@@ -17,10 +17,15 @@ size and policy) with the saved ranges and reads only those bytes, memory-mapped
     optimizer.pt                      optimizer class, param_groups by name, scalar state
     extra-00000.pt, extra-00001.pt    each rank's ``**extra``
 
-Optimizer state is split by shape: a tensor shaped like the 1-D shard parameter (Adam's
+Optimizer state is split by shape: a tensor shaped like the shard parameter (Adam's
 moments, SGD's momentum) is sharded like the parameter; a 0-d tensor or a number (``step``)
-is a scalar, equal on every rank, saved once by rank 0. Any other state (a factored or
-matrix preconditioner) has no meaning per element range and is refused at save time.
+is a scalar, equal on every rank, saved once by rank 0. An optimizer that steps parameters
+whole (Muon, Adafactor: :mod:`shardwrap.engine.whole_params`) holds a parameter's state on
+its owner rank alone, in the state's own shapes (a matrix's momentum, Adafactor's row and
+column variances): the owner writes those tensors whole into its rank file (``optim/KEY/NAME``)
+and hands their shapes and its scalars to rank 0 through a small file, and the metadata records
+which file holds each (``whole_state``). A load gives them to the owners of the new layout.
+Any other state of an elementwise optimizer has no meaning per element range and is refused.
 """
 
 from __future__ import annotations
@@ -59,12 +64,12 @@ from .files import (
     surviving,
     write_file,
 )
-from .optimizer_state import OptimizerPlan, plan_optimizer
+from .optimizer_state import OptimizerPlan, owned_summary, plan_optimizer
 
 __all__ = ["latest_checkpoint", "save_checkpoint"]
 
 FORMAT = "shardwrap.checkpoint"
-VERSION = 2  # 2: content checksums of every stored tensor and file
+VERSION = 3  # 2: content checksums of every stored tensor and file; 3: whole-stepped state
 METADATA = "metadata.json"
 BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -100,6 +105,11 @@ def rank_file(rank: int, world: int) -> str:
 
 def extra_file(rank: int) -> str:
     return f"extra-{rank:05d}.pt"
+
+
+def _owned_file(rank: int) -> str:
+    """Where a writing owner leaves its whole-stepped state's shapes and scalars for rank 0."""
+    return f".optimizer-{rank:05d}.pt"
 
 
 def _checksum_file(rank: int) -> str:
@@ -247,9 +257,11 @@ def save_checkpoint(
     Raises:
         TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
             its key; raised on every rank before anything is written.
-        ValueError: optimizer state that is not elementwise, or an optimizer parameter that
-            is not the model's; or a ``path`` holding anything but a checkpoint's own files
-            (replacing it would delete them). Raised on every rank before anything is written.
+        ValueError: state of an elementwise optimizer that is not elementwise (state of one
+            stepping whole parameters, Muon or Adafactor, is saved whole by each parameter's
+            owner), or an optimizer parameter that is not the model's; or a ``path`` holding
+            anything but a checkpoint's own files (replacing it would delete them). Raised on
+            every rank before anything is written.
         OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
             naming the checkpoint, the bytes it needs and those free, once its temporary
             files are deleted.
@@ -286,6 +298,10 @@ def save_checkpoint(
             for key, value in (opt_plan.sharded.get(p.name, {}) if opt_plan else {}).items():
                 entries.append((f"optim/{key}/{p.name}", (value.numel(),), value.dtype))
                 tensors.append(value.reshape(-1))
+        for name, state in opt_plan.owned.items() if opt_plan and mesh.writes else ():
+            for key, value in state.items():  # stepped whole: in the state's own shape
+                entries.append((f"optim/{key}/{name}", tuple(value.shape), value.dtype))
+                tensors.append(value)
         needed = len(extra_bytes)
         if mesh.writes:
             needed += safetensors_nbytes(entries, {"format": "pt"})
@@ -311,6 +327,10 @@ def save_checkpoint(
                 w.write(t)
             size = w.close()
         write_file(tmp / _checksum_file(rank), json.dumps(w.checksums).encode())
+        if opt_plan is not None and opt_plan.whole:
+            buffer = io.BytesIO()
+            torch.save(owned_summary(opt_plan, rank_file(rank, world)), buffer)
+            write_file(tmp / _owned_file(rank), buffer.getvalue())
         return 1 + size * world + rank
 
     def finish(codes: list[int]) -> int:
@@ -452,12 +472,25 @@ def _metadata(
     tensor_sums[BUFFERS] = w.checksums
     optimizer = None
     if opt_plan is not None:
-        saved = {"class": opt_plan.cls, "param_groups": opt_plan.groups, "state": opt_plan.scalars}
+        scalars, whole_state = opt_plan.scalars, {}
+        if opt_plan.whole:  # each writing owner's, left for rank 0
+            scalars = {}
+            for r in range(world):
+                left = tmp / _owned_file(r)
+                owned = torch.load(io.BytesIO(left.read_bytes()), weights_only=True)
+                left.unlink()
+                scalars.update(owned["scalars"])
+                whole_state.update(owned["whole_state"])
+        saved = {"class": opt_plan.cls, "param_groups": opt_plan.groups, "state": scalars}
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         files[OPTIMIZER] = write_file(tmp / OPTIMIZER, buffer.getvalue())
         file_sums[OPTIMIZER] = buffer_checksum(buffer.getvalue())
-        optimizer = {"state_keys": {n: sorted(s) for n, s in opt_plan.sharded.items()}}
+        optimizer = {
+            "state_keys": {n: sorted(s) for n, s in opt_plan.sharded.items()},
+            "stepped_whole": opt_plan.whole,
+            "whole_state": whole_state,
+        }
     return {
         "format": FORMAT,
         "version": VERSION,
