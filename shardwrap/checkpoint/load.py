@@ -25,7 +25,16 @@ from ..engine.param_index import Param
 from ..engine.whole_params import stepped_whole
 from .checksum import buffer_checksum, tensor_checksum
 from .files import DTYPES, agree, few, is_plain_name
-from .optimizer_state import check_optimizer, names_by_id, optimizer_problem, owns
+from .optimizer_state import (
+    Optimizers,
+    as_list,
+    check_count,
+    check_optimizer,
+    names_by_id,
+    optimizer_problem,
+    owns,
+    saved_optimizers,
+)
 from .save import (
     BUFFERS,
     FORMAT,
@@ -42,7 +51,7 @@ __all__ = ["load_checkpoint"]
 
 
 def load_checkpoint(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | Path, model: nn.Module, optimizer: Optimizers = None
 ) -> dict[str, Any]:
     """Load a checkpoint saved by :func:`save_checkpoint` at any world size and policy.
 
@@ -56,7 +65,9 @@ def load_checkpoint(
             ``auto_wrap``; parameter dtypes may differ from the saved ones (values are cast).
         optimizer: an optimizer of the saved class over ``model.parameters()``, grouped into
             the same parameter groups by name (the order within a group is free); its
-            state and hyperparameters are replaced. ``None`` loads the model alone.
+            state and hyperparameters are replaced. A list of optimizers (``[muon, adamw]``)
+            for a checkpoint saved with a list: as many, in the same order. ``None`` loads
+            the model alone.
 
     Returns:
         The ``**extra`` this rank saved; a rank beyond the saving world size gets rank 0's.
@@ -65,18 +76,21 @@ def load_checkpoint(
         FileNotFoundError: no checkpoint at ``path``, or a missing file.
         ValueError: a truncated or corrupt file; a model whose parameter or buffer names or
             shapes differ (all differences named); an optimizer of another class or with
-            other parameter groups, or one given for a checkpoint saved without.
+            other parameter groups, another number of optimizers, or one given for a
+            checkpoint saved without; an optimizer stepping whole parameters for state saved
+            elementwise, or the reverse.
     """
     root = wrapped_root(model, "load_checkpoint")
-    if optimizer is not None and root.optimizers is not None:
-        root.optimizers.add(optimizer)  # its steps get the offload tier's hook from now
+    optimizers = as_list(optimizer, "load_checkpoint")
+    for o in optimizers if root.optimizers is not None else ():
+        root.optimizers.add(o)  # its steps get the offload tier's hook from now
     params = root.params
     with ExitStack() as files:
         loader: _Loader | None = None
 
         def prepare() -> int:
             nonlocal loader
-            loader = _Loader(Path(path), model, params, optimizer, root.mesh.rank, files)
+            loader = _Loader(Path(path), model, params, optimizers, root.mesh.rank, files)
             return 0
 
         agree(root.mesh.control, root.mesh.control_device, "load_checkpoint", prepare)
@@ -96,7 +110,7 @@ class _Loader:
         path: Path,
         model: nn.Module,
         params: list[Param],
-        optimizer: torch.optim.Optimizer | None,
+        optimizers: list[torch.optim.Optimizer],
         rank: int,
         stack: ExitStack,
     ) -> None:
@@ -104,7 +118,7 @@ class _Loader:
         self.meta = _read_metadata(self.folder)
         self.params = params
         self.buffers = persistent_buffers(model, params)
-        self.optimizer = optimizer
+        self.optimizers = optimizers
         self._stack = stack
         self._handles: dict[str, Any] = {}
         self._keys: dict[str, set[str]] = {}
@@ -112,9 +126,9 @@ class _Loader:
         # file -> optimizer tensors read whole into fresh memory: checked there, while read
         self._checked_when_read: dict[str, set[str]] = {}
         self._names = names_by_id(model)
-        self._stepping: Any = None  # how the optimizer steps whole parameters, if it does
+        self._stepping: list[Any] = []  # per optimizer: how it steps whole parameters, or None
         self._check_model()
-        self.saved_optimizer = self._check_optimizer() if optimizer is not None else None
+        self.saved_optimizers = self._check_optimizers() if optimizers else []
         self.reads = {p.name: self._plan_reads(p) for p in params}
         if self.buffers:
             self._open(BUFFERS)
@@ -126,7 +140,7 @@ class _Loader:
             self._read_keys.setdefault(BUFFERS, set()).update(self.buffers)
         for file, keys in self._read_keys.items():
             self._verify(file, keys - self._checked_when_read.get(file, set()))
-        self.optimizer_state = self._optimizer_state_dict() if self.optimizer is not None else None
+        self.optimizer_states = [self._optimizer_state_dict(i) for i in range(len(optimizers))]
         saved_ranks = self.meta.get("ranks", self.meta["world_size"])
         self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
 
@@ -174,22 +188,25 @@ class _Loader:
                     f"load_checkpoint: {self.folder / METADATA} is corrupt: pieces of '{name}'"
                 )
 
-    def _check_optimizer(self) -> dict[str, Any]:
-        assert self.optimizer is not None
+    def _check_optimizers(self) -> list[dict[str, Any]]:
         if self.meta["optimizer"] is None:
             raise ValueError(
                 f"load_checkpoint: {self.folder} was saved without an optimizer; pass "
                 "optimizer=None to load the model alone"
             )
-        saved = self._load_pt(OPTIMIZER, sized=True)
-        problem = optimizer_problem(saved)
+        found = saved_optimizers(self._load_pt(OPTIMIZER, sized=True), self.meta["optimizer"])
+        problem = found if isinstance(found, str) else None
+        for entry in found[0] if problem is None else ():
+            problem = problem or optimizer_problem(entry)
         if problem is not None:
             raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
-        check_optimizer(self.optimizer, saved, self._names)
-        self._stepping = stepped_whole(self.optimizer)
-        saved_whole = bool(self.meta["optimizer"].get("stepped_whole", False))
-        if saved_whole != (self._stepping is not None):
-            raise ValueError(_kind_mismatch(type(self.optimizer).__name__, saved_whole))
+        saved, stepped = found
+        check_count(self.optimizers, saved)
+        for optimizer, entry, saved_whole in zip(self.optimizers, saved, stepped):
+            check_optimizer(optimizer, entry, self._names)
+            self._stepping.append(stepped_whole(optimizer))
+            if saved_whole != (self._stepping[-1] is not None):
+                raise ValueError(_kind_mismatch(type(optimizer).__name__, saved_whole))
         return saved
 
     def _open(self, file: str) -> Any:
@@ -230,7 +247,7 @@ class _Loader:
         """The saved ranges overlapping this rank's piece of ``p``, their headers checked."""
         piece = p.group.pieces[p.index]
         keys = [f"model/{p.name}"]
-        if self.optimizer is not None:
+        if self.optimizers:
             keys += [
                 f"optim/{k}/{p.name}" for k in self.meta["optimizer"]["state_keys"].get(p.name, [])
             ]
@@ -323,8 +340,8 @@ class _Loader:
                 self._read(f"model/{p.name}", p, p.shard)
             for k, v in self.buffers.items():
                 v.copy_(self._open(BUFFERS).get_tensor(k))
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self.optimizer_state)
+        for optimizer, state in zip(self.optimizers, self.optimizer_states):
+            optimizer.load_state_dict(state)
 
     def _read_whole(self, key: str, at: dict[str, Any]) -> Tensor:
         """The whole-stepped state tensor ``key`` as saved, from the file ``at`` names, checked
@@ -348,22 +365,26 @@ class _Loader:
             )
         return value
 
-    def _optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's own ``state_dict`` format, for the current parameters' pieces; stepped
-        whole, for the parameters this rank owns (the others have no state here)."""
-        assert self.optimizer is not None and self.saved_optimizer is not None
+    def _optimizer_state_dict(self, i: int) -> dict[str, Any]:
+        """Optimizer ``i``'s own ``state_dict`` format, for the current parameters' pieces;
+        stepped whole, for the parameters this rank owns (the others have no state here)."""
+        optimizer, saved_optimizer, stepping = (
+            self.optimizers[i],
+            self.saved_optimizers[i],
+            self._stepping[i],
+        )
         by_name = {p.name: p for p in self.params}
-        keys, scalars = self.meta["optimizer"]["state_keys"], self.saved_optimizer["state"]
+        keys, scalars = self.meta["optimizer"]["state_keys"], saved_optimizer["state"]
         whole = self.meta["optimizer"].get("whole_state", {})
         state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
-        for group, saved in zip(self.optimizer.param_groups, self.saved_optimizer["param_groups"]):
+        for group, saved in zip(optimizer.param_groups, saved_optimizer["param_groups"]):
             ids = []
             for param in group["params"]:
                 name = self._names[id(param)]
-                if self._stepping is not None:
-                    if (name in whole or name in scalars) and owns(self._stepping, param):
+                if stepping is not None:
+                    if (name in whole or name in scalars) and owns(stepping, param):
                         entry = dict(scalars.get(name, {}))
                         for key, at in whole.get(name, {}).items():
                             entry[key] = self._read_whole(f"optim/{key}/{name}", at)
@@ -483,9 +504,11 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
         )
     ):
         return '"optimizer" must be null or hold "state_keys": parameter name to key names'
+    stepped = (optimizer or {}).get("stepped_whole", False)
     whole = (optimizer or {}).get("whole_state", {})
-    if not isinstance((optimizer or {}).get("stepped_whole", False), bool) or (
-        not isinstance(whole, dict)
+    if (
+        not all(isinstance(b, bool) for b in (stepped if isinstance(stepped, list) else [stepped]))
+        or not isinstance(whole, dict)
         or any(
             not isinstance(by_key, dict)
             or any(
@@ -496,8 +519,9 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
         )
     ):
         return (
-            '"optimizer": "stepped_whole" must be true or false, and "whole_state" map parameter '
-            'names to key names to the "file" (a plain name inside the folder) and "shape"'
+            '"optimizer": "stepped_whole" must be true or false (a list of them for a list of '
+            'optimizers), and "whole_state" map parameter names to key names to the "file" (a '
+            'plain name inside the folder) and "shape"'
         )
     sums = meta.get("checksums")
     if (

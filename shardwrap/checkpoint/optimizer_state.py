@@ -2,10 +2,14 @@
 
 Per-parameter state is saved by parameter name, so an optimizer over a model wrapped at another
 world size or policy, with its groups listing their parameters in another order, loads it.
+Several optimizers over disjoint parameters (Muon for the matrices, AdamW for the rest) are
+saved together: ``optimizer.pt`` then lists each one's class, groups and scalars, in order, and
+the metadata says of each whether it stepped whole; per-parameter state stays keyed by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +21,43 @@ from .files import few
 
 __all__ = [
     "OptimizerPlan",
+    "Optimizers",
+    "as_list",
+    "check_count",
     "check_optimizer",
     "names_by_id",
     "optimizer_problem",
+    "optimizer_record",
     "owned_summary",
     "owns",
-    "plan_optimizer",
+    "plan_optimizers",
+    "saved_optimizers",
 ]
+
+# one optimizer, or several over disjoint parameters (Muon's matrices and AdamW's rest)
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def as_list(optimizer: Optimizers, caller: str) -> list[torch.optim.Optimizer]:
+    """The optimizers passed: none, one, or each of a list or tuple of them.
+
+    Raises:
+        TypeError: anything else, naming what was passed.
+    """
+    if optimizer is None:
+        return []
+    if not isinstance(optimizer, (list, tuple)) and hasattr(optimizer, "param_groups"):
+        return [optimizer]
+    if (
+        isinstance(optimizer, (list, tuple))
+        and optimizer
+        and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
+    ):
+        return list(optimizer)
+    raise TypeError(
+        f"{caller} takes an optimizer, or a list of optimizers over disjoint parameters (e.g. "
+        f"[muon, adamw]), got {type(optimizer).__name__}"
+    )
 
 
 @dataclass
@@ -95,16 +129,89 @@ def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Optimi
     return plan
 
 
-def owned_summary(plan: OptimizerPlan, file: str) -> dict[str, Any]:
-    """What a writing owner tells rank 0 of the whole-stepped state it writes into ``file``:
-    its scalars, and each tensor's file and shape (rank 0 merges them into the metadata)."""
-    return {
-        "scalars": plan.scalars,
-        "whole_state": {
-            name: {key: {"file": file, "shape": list(v.shape)} for key, v in state.items()}
-            for name, state in plan.owned.items()
-        },
-    }
+def plan_optimizers(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer]
+) -> list[OptimizerPlan]:
+    """Each optimizer's :func:`plan_optimizer`.
+
+    Raises:
+        ValueError: as :func:`plan_optimizer`; or a parameter in two of the optimizers.
+    """
+    plans = [plan_optimizer(model, o) for o in optimizers]
+    first: dict[str, int] = {}
+    for i, plan in enumerate(plans):
+        for name in (n for g in plan.groups for n in g["params"]):
+            if first.setdefault(name, i) != i:
+                raise ValueError(
+                    f"save_checkpoint: parameter '{name}' is in optimizers {first[name]} "
+                    f"({plans[first[name]].cls}) and {i} ({plan.cls}); a checkpoint keeps one "
+                    "optimizer's state per parameter: give each parameter to one optimizer"
+                )
+    return plans
+
+
+def owned_summary(plans: list[OptimizerPlan], file: str) -> list[dict[str, Any]]:
+    """What a writing owner tells rank 0 of the whole-stepped state it writes into ``file``, per
+    optimizer: its scalars, and each tensor's file and shape (merged into the metadata)."""
+    return [
+        {
+            "scalars": plan.scalars,
+            "whole_state": {
+                name: {key: {"file": file, "shape": list(v.shape)} for key, v in state.items()}
+                for name, state in plan.owned.items()
+            },
+        }
+        for plan in plans
+    ]
+
+
+def optimizer_record(
+    plans: list[OptimizerPlan], listed: bool, summaries: list[list[dict[str, Any]]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What rank 0 writes of the optimizers: ``optimizer.pt``'s contents and the metadata's
+    ``optimizer`` entry, from its own plans and every writing owner's :func:`owned_summary`.
+
+    One optimizer passed alone is written as before optimizers could be listed.
+    """
+    saved, stepped = [], []
+    meta: dict[str, Any] = {"state_keys": {}, "whole_state": {}}
+    for i, plan in enumerate(plans):
+        scalars = plan.scalars
+        if plan.whole:  # held by the owners alone
+            scalars = {}
+            for summary in summaries:
+                scalars.update(summary[i]["scalars"])
+                meta["whole_state"].update(summary[i]["whole_state"])
+        saved.append({"class": plan.cls, "param_groups": plan.groups, "state": scalars})
+        meta["state_keys"].update({n: sorted(s) for n, s in plan.sharded.items()})
+        stepped.append(plan.whole)
+    if not listed:
+        return saved[0], {**meta, "stepped_whole": stepped[0]}
+    return {"optimizers": saved}, {**meta, "stepped_whole": stepped}
+
+
+def saved_optimizers(saved: Any, meta: dict[str, Any]) -> tuple[list[Any], list[bool]] | str:
+    """Each saved optimizer's ``optimizer.pt`` entry and whether it stepped whole, or what is
+    wrong with them."""
+    stepped = meta.get("stepped_whole", False)
+    if not isinstance(stepped, list):
+        return [saved], [stepped]
+    entries = saved.get("optimizers") if isinstance(saved, dict) else None
+    if not isinstance(entries, list) or len(entries) != len(stepped):
+        return f'"optimizers" must list the {len(stepped)} optimizers the metadata names'
+    return entries, stepped
+
+
+def check_count(optimizers: list[torch.optim.Optimizer], saved: list[dict[str, Any]]) -> None:
+    """Raise unless as many optimizers are loaded as were saved, naming both."""
+    if len(saved) != len(optimizers):
+        theirs = ", ".join(s["class"] for s in saved)
+        mine = ", ".join(type(o).__name__ for o in optimizers)
+        raise ValueError(
+            f"load_checkpoint: optimizer mismatch: the checkpoint holds {len(saved)} "
+            f"optimizer(s) ({theirs}), got {len(optimizers)} ({mine}); pass them all, in the "
+            "order they were saved"
+        )
 
 
 def owns(stepping: Any, param: nn.Parameter) -> bool:

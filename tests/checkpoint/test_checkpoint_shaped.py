@@ -2,14 +2,17 @@
 
 Such an optimizer steps each parameter whole on one owner rank, and keeps its state there in
 the state's own shapes (Muon's momentum like the matrix, Adafactor's row and column variances).
-Proves that this state saves and loads at another world size, stage and ``auto_wrap``: trained 2
+Proves that this state saves and loads at another world size, stage and ``auto_wrap``, for
+Adafactor alone and for Muon over the matrices with AdamW over the rest (a list of two
+optimizers, saved and loaded together): trained 2
 steps at world size 2 (stage 3, one unit per ``Block``), saved, loaded at world size 4 (stage 2,
 one unit per ``nn.Linear``) or 1 (stage 3, one unit), trained 2 more steps, every parameter
 equals the unwrapped model trained over the same 4 batches (1e-5; Muon 1e-4, its Newton-Schulz
 iteration amplifies rounding). The reference sums each step's gradient over the slices of that
 step's world size, in the ranks' order, so the only differences left are the reductions'
 rounding. Resuming with a fresh optimizer instead misses the reference by far more: the state
-is what makes the resumed run exact. Also: with hybrid sharding one replica writes it, and every
+is what makes the resumed run exact. Also: a list of optimizers loads only as saved (as many, a
+parameter in one of them); with hybrid sharding one replica writes it, and every
 replica's owners read it back; after loading each parameter's state is on its owner alone; a
 corrupted state tensor is refused naming it, before anything changes; a checkpoint stepped
 whole does not load into the same class declared elementwise; ``export`` is unaffected.
@@ -39,7 +42,8 @@ from shardwrap.comm.mesh import Mesh
 from tests.support.hybrid import hybrid_mesh
 from tests.support.ranks import run_ranks
 
-MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
+MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizers]
 WIDTH = 32
 
 
@@ -72,10 +76,13 @@ BATCHES = [
 ]
 
 
-def muon(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """Muon over the matrices: the other parameters are frozen (``_frozen``), since a checkpoint
-    holds one optimizer and Muon takes matrices only."""
-    return torch.optim.Muon([p for p in params if p.requires_grad], lr=5e-3)
+def muon(params: Iterable[nn.Parameter]) -> Optimizers:
+    """Muon over the matrices, AdamW over the rest, as torch's documentation advises."""
+    params = list(params)
+    return [
+        torch.optim.Muon([p for p in params if p.ndim == 2], lr=5e-3),
+        torch.optim.AdamW([p for p in params if p.ndim != 2], lr=3e-3),
+    ]
 
 
 def adafactor(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -88,19 +95,15 @@ OPTIMIZERS: dict[str, tuple[MakeOptimizer, float]] = {
 }
 
 
-def _model(name: str) -> nn.Module:
-    model = build()
-    if name == "muon":
-        for p in model.parameters():
-            p.requires_grad_(p.ndim == 2)
-    return model
+def _each(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    return optimizer if isinstance(optimizer, list) else [optimizer]
 
 
 def _reference(model: nn.Module, make: MakeOptimizer, worlds: list[int]) -> dict[str, Tensor]:
     """The unwrapped model trained on batch ``i`` whole, its gradient summed over the slices of
     world size ``worlds[i]`` in the ranks' order, then averaged (the ranks' reduction)."""
     ref = copy.deepcopy(model)
-    opt = make(ref.parameters())
+    opts = _each(make(ref.parameters()))
     for (inputs, targets), world in zip(BATCHES, worlds):
         grads = [torch.zeros_like(p) for p in ref.parameters()]
         for x, y in zip(inputs.chunk(world), targets.chunk(world)):
@@ -110,20 +113,20 @@ def _reference(model: nn.Module, make: MakeOptimizer, worlds: list[int]) -> dict
                     g.add_(p.grad)
                     p.grad = None
         for g, p in zip(grads, ref.parameters()):
-            p.grad = g / world if p.requires_grad else None
-        opt.step()
-        opt.zero_grad()
+            p.grad = g / world
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
     return {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
 
-def _train(
-    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, steps: range
-) -> None:
+def _train(model: nn.Module, opt: Optimizers, rank: int, world: int, steps: range) -> None:
     for step in steps:
         inputs, targets = BATCHES[step]
         loss_fn(model, inputs.chunk(world)[rank], targets.chunk(world)[rank]).backward()
-        opt.step()
-        opt.zero_grad()
+        for o in _each(opt):
+            o.step()
+            o.zero_grad()
 
 
 def _wrap(model: nn.Module, pg: ProcessGroup | Mesh, **options: Any) -> ShardedModule:
@@ -149,11 +152,10 @@ def _resume(
     path: Path, model: nn.Module, make: MakeOptimizer, world: int, load: bool = True, **wrap: Any
 ) -> list[tuple[dict[str, Tensor], dict[str, list[int]]]]:
     """Load at ``world`` and train 2 more steps: per rank, the parameters and, of each parameter
-    that has optimizer state right after loading, the shapes of its state tensors."""
+    that has state of the shape-aware optimizer right after loading, the shapes of its state
+    tensors."""
     other = build()  # other weights: everything must come from the checkpoint
     other.load_state_dict({k: v + 1 for k, v in other.state_dict().items()})
-    for p, q in zip(other.parameters(), model.parameters()):
-        p.requires_grad_(q.requires_grad)
 
     def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, list[int]]]:
         m = _wrap(other, pg, **wrap)
@@ -165,7 +167,7 @@ def _resume(
         names = {id(p): n for n, p in m.named_parameters()}
         held = {
             names[id(p)]: [list(v.shape) for v in s.values() if isinstance(v, Tensor)]
-            for p, s in opt.state.items()
+            for p, s in _each(opt)[0].state.items()
         }
         _train(m, opt, rank, world, range(2, 4))
         return m.full_state_dict(), held
@@ -181,7 +183,9 @@ def _assert_same(ref: dict[str, Tensor], got: dict[str, Tensor], atol: float) ->
 def _owned_once(model: nn.Module, runs: list[tuple[Any, dict[str, list[int]]]], name: str) -> None:
     """Each trained parameter's state is on one rank, in the parameter's full shape (Muon) or
     factored by its rows and columns (Adafactor)."""
-    shapes = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    shapes = {
+        n: list(p.shape) for n, p in model.named_parameters() if name != "muon" or p.ndim == 2
+    }
     held = [(n, s) for _, by_name in runs for n, s in by_name.items()]
     assert sorted(n for n, _ in held) == sorted(shapes)
     for n, s in held:
@@ -195,7 +199,7 @@ def _owned_once(model: nn.Module, runs: list[tuple[Any, dict[str, list[int]]]], 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_resume_at_another_world_size_stage_and_policy(tmp_path: Path, name: str) -> None:
     make, atol = OPTIMIZERS[name]
-    model = _model(name)
+    model = build()
     _save(tmp_path / "ckpt", model, make)
     for world, wrap in ((4, {"auto_wrap": nn.Linear, "stage": 2}), (1, {"stage": 3})):
         ref = _reference(model, make, [2, 2, world, world])
@@ -212,7 +216,7 @@ def test_resume_at_another_world_size_stage_and_policy(tmp_path: Path, name: str
 
 def test_hybrid_sharding_writes_once_and_loads_into_every_replica(tmp_path: Path) -> None:
     make, atol = OPTIMIZERS["adafactor"]
-    model = _model("adafactor")
+    model = build()
     _save(tmp_path / "ckpt", model, make, hybrid=True)
     files = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())["files"]
     assert sorted(f for f in files if f.startswith("rank-")) == [
@@ -249,7 +253,7 @@ def _flip(path: Path, key: str) -> None:
 
 def test_a_corrupted_state_tensor_is_refused_and_export_is_unaffected(tmp_path: Path) -> None:
     make, _ = OPTIMIZERS["adafactor"]
-    model = _model("adafactor")
+    model = build()
     _save(tmp_path / "ckpt", model, make)
     meta = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())
     whole = meta["optimizer"]["whole_state"]["1.up.weight"]
@@ -277,12 +281,31 @@ def test_a_corrupted_state_tensor_is_refused_and_export_is_unaffected(tmp_path: 
     _assert_same(runs[0][1], load_file(tmp_path / "export" / "model.safetensors"), 0.0)
 
 
+def test_a_list_of_optimizers_loads_only_as_saved(tmp_path: Path) -> None:
+    model = build()
+    _save(tmp_path / "ckpt", model, muon)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(model, pg, auto_wrap=Block)
+        matrices = [p for p in m.parameters() if p.ndim == 2]
+        with pytest.raises(ValueError, match=r"2 optimizer\(s\) \(Muon, AdamW\), got 1 \(Muon\)"):
+            load_checkpoint(tmp_path / "ckpt", m, torch.optim.Muon(matrices))
+        both = [torch.optim.Muon(matrices), torch.optim.AdamW(m.parameters())]
+        with pytest.raises(ValueError, match=r"'0\.weight' is in optimizers 0 \(Muon\) and 1"):
+            save_checkpoint(tmp_path / "overlap", m, both)
+        with pytest.raises(TypeError, match=r"list of optimizers .* got str"):
+            save_checkpoint(tmp_path / "overlap", m, "adamw")  # type: ignore[arg-type]
+
+    run_ranks(2, fn)
+    assert not (tmp_path / "overlap").exists()
+
+
 class Declared(torch.optim.Adafactor):
     """An Adafactor subclass whose declaration the test changes."""
 
 
 def test_whole_and_elementwise_checkpoints_do_not_mix(tmp_path: Path) -> None:
-    model = _model("adafactor")
+    model = build()
     _save(tmp_path / "whole", model, lambda ps: Declared(ps, lr=1e-2))
     shardwrap.declare_optimizer(Declared, reads_shapes=False)
 
