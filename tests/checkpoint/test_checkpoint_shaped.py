@@ -4,18 +4,20 @@ Such an optimizer steps each parameter whole on one owner rank, and keeps its st
 the state's own shapes (Muon's momentum like the matrix, Adafactor's row and column variances).
 Proves that this state saves and loads at another world size, stage and ``auto_wrap``, for
 Adafactor alone and for Muon over the matrices with AdamW over the rest (a list of two
-optimizers, saved and loaded together): trained 2
-steps at world size 2 (stage 3, one unit per ``Block``), saved, loaded at world size 4 (stage 2,
-one unit per ``nn.Linear``) or 1 (stage 3, one unit), trained 2 more steps, every parameter
-equals the unwrapped model trained over the same 4 batches (1e-5; Muon 1e-4, its Newton-Schulz
-iteration amplifies rounding). The reference sums each step's gradient over the slices of that
-step's world size, in the ranks' order, so the only differences left are the reductions'
-rounding. Resuming with a fresh optimizer instead misses the reference by far more: the state
-is what makes the resumed run exact. Also: a list of optimizers loads only as saved (as many, a
-parameter in one of them); with hybrid sharding one replica writes it, and every
-replica's owners read it back; after loading each parameter's state is on its owner alone; a
-corrupted state tensor is refused naming it, before anything changes; a checkpoint stepped
-whole does not load into the same class declared elementwise; ``export`` is unaffected.
+optimizers, saved and loaded together): trained 2 steps at world size 2 (stage 3, one unit per
+``Block``), saved, loaded at world size 4 (stage 2, one unit per ``nn.Linear``) or 1 (stage 3,
+one unit), trained 2 more steps, every parameter equals the unwrapped model trained over the
+same 4 batches (1e-5; Muon 1e-4, its Newton-Schulz iteration amplifies rounding). The reference
+sums each step's gradient over the slices of that step's world size, in the ranks' order, so
+the only differences left are the reductions' rounding. Resuming with a fresh optimizer instead
+misses the reference by far more: the state is what makes the resumed run exact.
+
+Also: a list of optimizers loads only as saved (as many, each parameter in one of them); with
+hybrid sharding one replica writes the state and every replica's owners read it back; after
+loading each parameter's state is on its owner alone; a corrupted state tensor is refused
+naming it, and a ``whole_state`` entry naming a file outside the folder is refused, before
+anything changes; a checkpoint stepped whole does not load into the same class declared
+elementwise; version-2 checkpoints (before whole state) still load; ``export`` is unaffected.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_shaped.py -q``
@@ -239,6 +241,36 @@ def test_hybrid_sharding_writes_once_and_loads_into_every_replica(tmp_path: Path
     held = run_ranks(4, hybrid)
     for replica in (held[0] + held[1], held[2] + held[3]):  # ranks 0, 1 and 2, 3 shard together
         assert sorted(replica) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_whole_state_metadata_is_checked_and_version_2_checkpoints_still_load(
+    tmp_path: Path,
+) -> None:
+    """A ``whole_state`` entry naming a file outside the folder is refused before anything is
+    read; a checkpoint of the format before whole state (version 2, an elementwise optimizer)
+    loads as it did."""
+    model = build()
+    _save(tmp_path / "ckpt", model, adafactor)
+    _save(tmp_path / "v2", model, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    meta_path = tmp_path / "ckpt" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["optimizer"]["whole_state"]["1.up.weight"]["row_var"]["file"] = "../elsewhere"
+    meta_path.write_text(json.dumps(meta))
+    old_path = tmp_path / "v2" / "metadata.json"
+    old = json.loads(old_path.read_text())
+    assert old["optimizer"].pop("stepped_whole") is False
+    assert old["optimizer"].pop("whole_state") == {}
+    old_path.write_text(json.dumps({**old, "version": 2}))
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(model, pg, auto_wrap=Block)
+        with pytest.raises(ValueError, match=r'"whole_state" map .* plain name inside the folder'):
+            load_checkpoint(tmp_path / "ckpt", m, adafactor(m.parameters()))
+        opt = torch.optim.AdamW(m.parameters(), lr=0.5)
+        assert load_checkpoint(tmp_path / "v2", m, opt) == {"step": 2}
+        assert opt.param_groups[0]["lr"] == 1e-2 and len(opt.state) == len(list(m.parameters()))
+
+    run_ranks(2, fn)
 
 
 def _flip(path: Path, key: str) -> None:
