@@ -38,6 +38,7 @@ from .files import (
     agree,
     begin_folder,
     commit_folder,
+    few,
     fsync_path,
     full_disk_error,
     is_plain_name,
@@ -48,7 +49,7 @@ from .files import (
     tensor_nbytes,
     write_file,
 )
-from .save import few, persistent_buffers, saves_in, wrapped_root
+from .save import persistent_buffers, saves_in, wrapped_root
 
 __all__ = ["export", "load_pretrained", "write_export"]
 

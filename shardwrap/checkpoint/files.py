@@ -443,3 +443,9 @@ def _size(n: int) -> str:
             break
         value, unit = value / 1024, larger
     return f"{n:,} bytes ({value:.2f} {unit})"
+
+
+def few(items: list[str], limit: int = 8, quote: bool = True) -> str:
+    """``items`` for an error message, at most ``limit`` of them."""
+    shown = ", ".join(f"'{i}'" if quote else i for i in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -2,8 +2,9 @@
 
 The folder's layout is described in :mod:`shardwrap.checkpoint.save`. Each rank intersects its own
 pieces (for its world size and policy) with the saved element ranges and reads only those
-bytes, memory-mapped. Every check runs on every rank before anything is written into the model
-or the optimizer.
+bytes, memory-mapped. State of an optimizer that steps parameters whole (Muon, Adafactor) is
+read whole, each parameter's by the rank that owns it in the new layout. Every check runs on
+every rank before anything is written into the model or the optimizer.
 """
 
 from __future__ import annotations
@@ -21,8 +22,19 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ..engine.param_index import Param
+from ..engine.whole_params import stepped_whole
 from .checksum import buffer_checksum, tensor_checksum
-from .files import DTYPES, agree, is_plain_name
+from .files import DTYPES, agree, few, is_plain_name
+from .optimizer_state import (
+    Optimizers,
+    as_list,
+    check_count,
+    check_optimizer,
+    names_by_id,
+    optimizer_problem,
+    owns,
+    saved_optimizers,
+)
 from .save import (
     BUFFERS,
     FORMAT,
@@ -30,8 +42,6 @@ from .save import (
     OPTIMIZER,
     VERSION,
     extra_file,
-    few,
-    names_by_id,
     persistent_buffers,
     resolve_folder,
     wrapped_root,
@@ -41,7 +51,7 @@ __all__ = ["load_checkpoint"]
 
 
 def load_checkpoint(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | Path, model: nn.Module, optimizer: Optimizers = None
 ) -> dict[str, Any]:
     """Load a checkpoint saved by :func:`save_checkpoint` at any world size and policy.
 
@@ -55,7 +65,9 @@ def load_checkpoint(
             ``auto_wrap``; parameter dtypes may differ from the saved ones (values are cast).
         optimizer: an optimizer of the saved class over ``model.parameters()``, grouped into
             the same parameter groups by name (the order within a group is free); its
-            state and hyperparameters are replaced. ``None`` loads the model alone.
+            state and hyperparameters are replaced. A list of optimizers (``[muon, adamw]``)
+            for a checkpoint saved with a list: as many, in the same order. ``None`` loads
+            the model alone.
 
     Returns:
         The ``**extra`` this rank saved; a rank beyond the saving world size gets rank 0's.
@@ -64,18 +76,21 @@ def load_checkpoint(
         FileNotFoundError: no checkpoint at ``path``, or a missing file.
         ValueError: a truncated or corrupt file; a model whose parameter or buffer names or
             shapes differ (all differences named); an optimizer of another class or with
-            other parameter groups, or one given for a checkpoint saved without.
+            other parameter groups, another number of optimizers, or one given for a
+            checkpoint saved without; an optimizer stepping whole parameters for state saved
+            elementwise, or the reverse.
     """
     root = wrapped_root(model, "load_checkpoint")
-    if optimizer is not None and root.optimizers is not None:
-        root.optimizers.add(optimizer)  # its steps get the offload tier's hook from now
+    optimizers = as_list(optimizer, "load_checkpoint")
+    for o in optimizers if root.optimizers is not None else ():
+        root.optimizers.add(o)  # its steps get the offload tier's hook from now
     params = root.params
     with ExitStack() as files:
         loader: _Loader | None = None
 
         def prepare() -> int:
             nonlocal loader
-            loader = _Loader(Path(path), model, params, optimizer, root.mesh.rank, files)
+            loader = _Loader(Path(path), model, params, optimizers, root.mesh.rank, files)
             return 0
 
         agree(root.mesh.control, root.mesh.control_device, "load_checkpoint", prepare)
@@ -95,7 +110,7 @@ class _Loader:
         path: Path,
         model: nn.Module,
         params: list[Param],
-        optimizer: torch.optim.Optimizer | None,
+        optimizers: list[torch.optim.Optimizer],
         rank: int,
         stack: ExitStack,
     ) -> None:
@@ -103,7 +118,7 @@ class _Loader:
         self.meta = _read_metadata(self.folder)
         self.params = params
         self.buffers = persistent_buffers(model, params)
-        self.optimizer = optimizer
+        self.optimizers = optimizers
         self._stack = stack
         self._handles: dict[str, Any] = {}
         self._keys: dict[str, set[str]] = {}
@@ -111,8 +126,9 @@ class _Loader:
         # file -> optimizer tensors read whole into fresh memory: checked there, while read
         self._checked_when_read: dict[str, set[str]] = {}
         self._names = names_by_id(model)
+        self._stepping: list[Any] = []  # per optimizer: how it steps whole parameters, or None
         self._check_model()
-        self.saved_optimizer = self._check_optimizer() if optimizer is not None else None
+        self.saved_optimizers = self._check_optimizers() if optimizers else []
         self.reads = {p.name: self._plan_reads(p) for p in params}
         if self.buffers:
             self._open(BUFFERS)
@@ -124,7 +140,7 @@ class _Loader:
             self._read_keys.setdefault(BUFFERS, set()).update(self.buffers)
         for file, keys in self._read_keys.items():
             self._verify(file, keys - self._checked_when_read.get(file, set()))
-        self.optimizer_state = self._optimizer_state_dict() if self.optimizer is not None else None
+        self.optimizer_states = [self._optimizer_state_dict(i) for i in range(len(optimizers))]
         saved_ranks = self.meta.get("ranks", self.meta["world_size"])
         self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
 
@@ -172,41 +188,25 @@ class _Loader:
                     f"load_checkpoint: {self.folder / METADATA} is corrupt: pieces of '{name}'"
                 )
 
-    def _check_optimizer(self) -> dict[str, Any]:
-        assert self.optimizer is not None
+    def _check_optimizers(self) -> list[dict[str, Any]]:
         if self.meta["optimizer"] is None:
             raise ValueError(
                 f"load_checkpoint: {self.folder} was saved without an optimizer; pass "
                 "optimizer=None to load the model alone"
             )
-        saved = self._load_pt(OPTIMIZER, sized=True)
-        problem = _optimizer_problem(saved)
+        found = saved_optimizers(self._load_pt(OPTIMIZER, sized=True), self.meta["optimizer"])
+        problem = found if isinstance(found, str) else None
+        for entry in found[0] if problem is None else ():
+            problem = problem or optimizer_problem(entry)
         if problem is not None:
             raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
-        cls = type(self.optimizer).__name__
-        if saved["class"] != cls:
-            raise ValueError(
-                f"load_checkpoint: optimizer mismatch: the checkpoint holds {saved['class']} "
-                f"state, got {cls}"
-            )
-        if any(id(p) not in self._names for g in self.optimizer.param_groups for p in g["params"]):
-            raise ValueError(
-                "load_checkpoint: the optimizer holds a parameter that is not one of the model's"
-            )
-        current = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-        groups = saved["param_groups"]
-        if len(groups) != len(current):
-            raise ValueError(
-                f"load_checkpoint: optimizer mismatch: the checkpoint has {len(groups)} parameter "
-                f"groups, the optimizer {len(current)}"
-            )
-        for j, (mine, theirs) in enumerate(zip(current, groups)):
-            if set(mine) != set(theirs["params"]):
-                raise ValueError(
-                    f"load_checkpoint: optimizer mismatch in parameter group {j}: only in the "
-                    f"checkpoint {few(sorted(set(theirs['params']) - set(mine)))}, only in the "
-                    f"optimizer {few(sorted(set(mine) - set(theirs['params'])))}"
-                )
+        saved, stepped = found
+        check_count(self.optimizers, saved)
+        for optimizer, entry, saved_whole in zip(self.optimizers, saved, stepped):
+            check_optimizer(optimizer, entry, self._names)
+            self._stepping.append(stepped_whole(optimizer))
+            if saved_whole != (self._stepping[-1] is not None):
+                raise ValueError(_kind_mismatch(type(optimizer).__name__, saved_whole))
         return saved
 
     def _open(self, file: str) -> Any:
@@ -247,7 +247,7 @@ class _Loader:
         """The saved ranges overlapping this rank's piece of ``p``, their headers checked."""
         piece = p.group.pieces[p.index]
         keys = [f"model/{p.name}"]
-        if self.optimizer is not None:
+        if self.optimizers:
             keys += [
                 f"optim/{k}/{p.name}" for k in self.meta["optimizer"]["state_keys"].get(p.name, [])
             ]
@@ -340,22 +340,56 @@ class _Loader:
                 self._read(f"model/{p.name}", p, p.shard)
             for k, v in self.buffers.items():
                 v.copy_(self._open(BUFFERS).get_tensor(k))
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self.optimizer_state)
+        for optimizer, state in zip(self.optimizers, self.optimizer_states):
+            optimizer.load_state_dict(state)
 
-    def _optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's own ``state_dict`` format, for the current parameters' pieces."""
-        assert self.optimizer is not None and self.saved_optimizer is not None
+    def _read_whole(self, key: str, at: dict[str, Any]) -> Tensor:
+        """The whole-stepped state tensor ``key`` as saved, from the file ``at`` names, checked
+        against its recorded shape and checksum."""
+        file = at["file"]
+        handle = self._open(file)
+        if key not in self._keys[file] or handle.get_slice(key).get_shape() != at["shape"]:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} lacks '{key}' of shape {tuple(at['shape'])}"
+            )
+        value = handle.get_tensor(key)
+        recorded = self.meta["checksums"]["tensors"].get(file, {}).get(key)
+        as_saved = recorded is not None and recorded[0] == DTYPES.get(value.dtype)
+        got = tensor_checksum(value) if as_saved else None
+        if got is None:  # another dtype or unaligned: check the stored bytes instead
+            self._verify(file, {key})
+        elif got != recorded[1]:
+            raise ValueError(
+                f"load_checkpoint: '{key}' in {self.folder / file} fails its checksum: the file "
+                "was corrupted after the save (a disk or copy error). Load an earlier checkpoint."
+            )
+        return value
+
+    def _optimizer_state_dict(self, i: int) -> dict[str, Any]:
+        """Optimizer ``i``'s own ``state_dict`` format, for the current parameters' pieces;
+        stepped whole, for the parameters this rank owns (the others have no state here)."""
+        optimizer, saved_optimizer, stepping = (
+            self.optimizers[i],
+            self.saved_optimizers[i],
+            self._stepping[i],
+        )
         by_name = {p.name: p for p in self.params}
-        keys, scalars = self.meta["optimizer"]["state_keys"], self.saved_optimizer["state"]
+        keys, scalars = self.meta["optimizer"]["state_keys"], saved_optimizer["state"]
+        whole = self.meta["optimizer"].get("whole_state", {})
         state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
-        for group, saved in zip(self.optimizer.param_groups, self.saved_optimizer["param_groups"]):
+        for group, saved in zip(optimizer.param_groups, saved_optimizer["param_groups"]):
             ids = []
             for param in group["params"]:
                 name = self._names[id(param)]
-                if name in keys or name in scalars:
+                if stepping is not None:
+                    if (name in whole or name in scalars) and owns(stepping, param):
+                        entry = dict(scalars.get(name, {}))
+                        for key, at in whole.get(name, {}).items():
+                            entry[key] = self._read_whole(f"optim/{key}/{name}", at)
+                        state[index] = entry
+                elif name in keys or name in scalars:
                     p = by_name[name]
                     entry: dict[str, Any] = dict(scalars.get(name, {}))
                     for key in keys.get(name, []):
@@ -369,37 +403,26 @@ class _Loader:
         return {"state": state, "param_groups": groups}
 
 
-def _optimizer_problem(saved: object) -> str | None:
-    """What is wrong with the structure of a saved ``optimizer.pt``, or ``None``.
-
-    Scalar state (``step``) must be what ``save_checkpoint`` writes: a number or a 0-d tensor,
-    so that nothing the optimizer would refuse is found only after the model is overwritten.
-    """
-    if not isinstance(saved, dict) or not isinstance(saved.get("class"), str):
-        return 'it must be a dict with the optimizer\'s "class" name'
-    groups = saved.get("param_groups")
-    if not isinstance(groups, list) or any(
-        not isinstance(g, dict)
-        or not isinstance(g.get("params"), list)
-        or not all(isinstance(n, str) for n in g["params"])
-        for g in groups
-    ):
-        return '"param_groups" must be a list of groups, each listing its parameters by name'
-    state = saved.get("state")
-    if not isinstance(state, dict):
-        return '"state" must map parameter names to their scalar state'
-    for name, entry in state.items():
-        if not isinstance(entry, dict):
-            return f'the scalar state of "{name}" must be a dict'
-        for key, value in entry.items():
-            scalar = isinstance(value, (int, float)) or (
-                isinstance(value, torch.Tensor) and value.dim() == 0
-            )
-            if not scalar:
-                return (
-                    f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
-                )
-    return None
+def _kind_mismatch(cls: str, saved_whole: bool) -> str:
+    """The error for an optimizer that steps otherwise than the one saved: each parameter's
+    state whole on its owner, or this rank's pieces of it, are not the same state."""
+    if saved_whole:
+        saved, now, declare = (
+            "stepped whole, each parameter's on one owner rank",
+            "steps each rank's piece of a parameter (declared reads_shapes=False)",
+            True,
+        )
+    else:
+        saved, now, declare = (
+            "of an elementwise optimizer, sharded by element ranges",
+            "steps each parameter whole (Muon, Adafactor or declared reads_shapes=True)",
+            False,
+        )
+    return (
+        f"load_checkpoint: optimizer mismatch: the checkpoint holds {cls} state {saved}, but "
+        f"this {cls} {now}. Declare it as it was when saved, before loading: "
+        f"shardwrap.declare_optimizer({cls}, reads_shapes={declare})"
+    )
 
 
 def _read_metadata(folder: Path) -> dict[str, Any]:
@@ -410,10 +433,10 @@ def _read_metadata(folder: Path) -> dict[str, Any]:
         raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"load_checkpoint: {path} is not a shardwrap checkpoint's metadata")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in (2, VERSION):
         raise ValueError(
             f"load_checkpoint: {path} has format version {meta.get('version')}; this "
-            f"shardwrap reads {VERSION}"
+            f"shardwrap reads 2 to {VERSION}"
         )
     problem = _metadata_problem(meta)
     if problem is not None:
@@ -481,6 +504,25 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
         )
     ):
         return '"optimizer" must be null or hold "state_keys": parameter name to key names'
+    stepped = (optimizer or {}).get("stepped_whole", False)
+    whole = (optimizer or {}).get("whole_state", {})
+    if (
+        not all(isinstance(b, bool) for b in (stepped if isinstance(stepped, list) else [stepped]))
+        or not isinstance(whole, dict)
+        or any(
+            not isinstance(by_key, dict)
+            or any(
+                not isinstance(at, dict) or bad_file(at.get("file")) or bad_shape(at.get("shape"))
+                for at in by_key.values()
+            )
+            for by_key in whole.values()
+        )
+    ):
+        return (
+            '"optimizer": "stepped_whole" must be true or false (a list of them for a list of '
+            'optimizers), and "whole_state" map parameter names to key names to the "file" (a '
+            'plain name inside the folder) and "shape"'
+        )
     sums = meta.get("checksums")
     if (
         not isinstance(sums, dict)

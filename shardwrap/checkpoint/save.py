@@ -15,12 +15,18 @@ size and policy) with the saved ranges and reads only those bytes, memory-mapped
     rank-00001-of-00002.safetensors
     buffers.safetensors               buffers (BatchNorm statistics), from rank 0
     optimizer.pt                      optimizer class, param_groups by name, scalar state
+                                      (of each optimizer, for a list of them)
     extra-00000.pt, extra-00001.pt    each rank's ``**extra``
 
-Optimizer state is split by shape: a tensor shaped like the 1-D shard parameter (Adam's
+Optimizer state is split by shape: a tensor shaped like the shard parameter (Adam's
 moments, SGD's momentum) is sharded like the parameter; a 0-d tensor or a number (``step``)
-is a scalar, equal on every rank, saved once by rank 0. Any other state (a factored or
-matrix preconditioner) has no meaning per element range and is refused at save time.
+is a scalar, equal on every rank, saved once by rank 0. An optimizer that steps parameters
+whole (Muon, Adafactor: :mod:`shardwrap.engine.whole_params`) holds a parameter's state on
+its owner rank alone, in the state's own shapes (a matrix's momentum, Adafactor's row and
+column variances): the owner writes those tensors whole into its rank file (``optim/KEY/NAME``)
+and hands their shapes and its scalars to rank 0 through a small file, and the metadata records
+which file holds each (``whole_state``). A load gives them to the owners of the new layout.
+Any other state of an elementwise optimizer has no meaning per element range and is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,7 @@ from .files import (
     agree,
     begin_folder,
     commit_folder,
+    few,
     full_disk_error,
     is_plain_name,
     partial_path,
@@ -59,11 +65,19 @@ from .files import (
     surviving,
     write_file,
 )
+from .optimizer_state import (
+    OptimizerPlan,
+    Optimizers,
+    as_list,
+    optimizer_record,
+    owned_summary,
+    plan_optimizers,
+)
 
 __all__ = ["latest_checkpoint", "save_checkpoint"]
 
 FORMAT = "shardwrap.checkpoint"
-VERSION = 2  # 2: content checksums of every stored tensor and file
+VERSION = 3  # 2: content checksums of every stored tensor and file; 3: whole-stepped state
 METADATA = "metadata.json"
 BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -99,6 +113,11 @@ def rank_file(rank: int, world: int) -> str:
 
 def extra_file(rank: int) -> str:
     return f"extra-{rank:05d}.pt"
+
+
+def _owned_file(rank: int) -> str:
+    """Where a writing owner leaves its whole-stepped state's shapes and scalars for rank 0."""
+    return f".optimizer-{rank:05d}.pt"
 
 
 def _checksum_file(rank: int) -> str:
@@ -212,60 +231,10 @@ def _refuse_to_replace(target: Path) -> None:
 # save --------------------------------------------------------------------------------
 
 
-@dataclass
-class _OptimizerPlan:
-    """What one rank saves of the optimizer: sharded tensors, and scalars and groups for rank 0."""
-
-    cls: str  # the optimizer's class name
-    sharded: dict[str, dict[str, Tensor]]  # name -> state key -> 1-D piece
-    scalars: dict[str, dict[str, Any]]  # name -> state key -> 0-d tensor or number
-    groups: list[dict[str, Any]]  # hyperparameters, "params": names
-
-
-def names_by_id(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
-def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> _OptimizerPlan:
-    names = names_by_id(model)
-    plan = _OptimizerPlan(type(optimizer).__name__, {}, {}, [])
-    for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        group_names = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(
-                    "save_checkpoint: the optimizer holds a parameter that is not one of the "
-                    f"model's (shape {tuple(p.shape)}); build it from model.parameters() after "
-                    "wrapping"
-                )
-            name = names[id(p)]
-            group_names.append(name)
-            sharded, scalars = {}, {}
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, Tensor) and value.shape == p.shape:
-                    sharded[key] = value
-                elif (isinstance(value, Tensor) and value.ndim == 0) or isinstance(
-                    value, (int, float, bool)
-                ):
-                    scalars[key] = value
-                else:
-                    raise ValueError(
-                        f"save_checkpoint: optimizer state '{key}' of '{name}' is a "
-                        f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}, "
-                        "neither shaped like the parameter nor a scalar; only elementwise "
-                        "optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) can be saved sharded"
-                    )
-            if sharded or scalars or p in optimizer.state:
-                plan.sharded[name], plan.scalars[name] = sharded, scalars
-        plan.groups.append({**hyper, "params": group_names})
-    return plan
-
-
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers = None,
     *,
     keep_last: int | None = None,
     **extra: Any,
@@ -283,8 +252,9 @@ def save_checkpoint(
         path: the checkpoint folder to create, e.g. ``ckpt/step-1000``: a path that does
             not exist yet, an empty folder, or a checkpoint of this function to replace.
         model: a model wrapped with :class:`ShardedModule`.
-        optimizer: an optimizer over ``model.parameters()``; its per-parameter state, scalar
-            state (``step``) and ``param_groups`` hyperparameters are saved by parameter name.
+        optimizer: an optimizer over ``model.parameters()``, or a list of optimizers over
+            disjoint parts of them (``[muon, adamw]``); per-parameter state, scalar state
+            (``step``) and ``param_groups`` hyperparameters are saved by parameter name.
         keep_last: once the new checkpoint is complete, delete all but the newest
             ``keep_last`` checkpoints in ``path.parent`` (and leftovers of killed saves).
         **extra: anything ``torch.load(weights_only=True)`` reads back (step, scheduler and
@@ -295,17 +265,21 @@ def save_checkpoint(
 
     Raises:
         TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
-            its key; raised on every rank before anything is written.
-        ValueError: optimizer state that is not elementwise, or an optimizer parameter that
-            is not the model's; or a ``path`` holding anything but a checkpoint's own files
-            (replacing it would delete them). Raised on every rank before anything is written.
+            its key, or an ``optimizer`` that is neither an optimizer nor a list of them;
+            raised on every rank before anything is written.
+        ValueError: state of an elementwise optimizer that is not elementwise (state of one
+            stepping whole parameters, Muon or Adafactor, is saved whole by each parameter's
+            owner), an optimizer parameter that is not the model's or is in two optimizers;
+            or a ``path`` holding anything but a checkpoint's own files (replacing it would
+            delete them). Raised on every rank before anything is written.
         OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
             naming the checkpoint, the bytes it needs and those free, once its temporary
             files are deleted.
     """
     root = wrapped_root(model, "save_checkpoint")
-    if optimizer is not None and root.optimizers is not None:
-        root.optimizers.add(optimizer)  # its steps get the offload tier's hook from now
+    optimizers = as_list(optimizer, "save_checkpoint")
+    for o in optimizers if root.optimizers is not None else ():
+        root.optimizers.add(o)  # its steps get the offload tier's hook from now
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     target = Path(path)
@@ -313,7 +287,7 @@ def save_checkpoint(
     rank, world = mesh.shard_rank, mesh.shard_size
     params = root.params
     tmp = partial_path(target)
-    opt_plan: _OptimizerPlan | None = None
+    plans: list[OptimizerPlan] = []
     extra_bytes = b""
     entries: list[Entry] = []
     tensors: list[Tensor] = []
@@ -322,19 +296,23 @@ def save_checkpoint(
 
     def prepare() -> int:
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
-        nonlocal opt_plan, extra_bytes, needed
+        nonlocal plans, extra_bytes, needed
         _refuse_to_replace(target)
         extra_bytes = _extra_bytes(extra)
-        if optimizer is not None:
-            opt_plan = _plan_optimizer(model, optimizer)
+        plans = plan_optimizers(model, optimizers)
         for p in params if mesh.writes else ():
             if p.shard.numel() == 0:
                 continue
             entries.append((f"model/{p.name}", (p.shard.numel(),), p.shard.dtype))
             tensors.append(p.shard.reshape(-1))
-            for key, value in (opt_plan.sharded.get(p.name, {}) if opt_plan else {}).items():
+            for key, value in (kv for plan in plans for kv in plan.sharded.get(p.name, {}).items()):
                 entries.append((f"optim/{key}/{p.name}", (value.numel(),), value.dtype))
                 tensors.append(value.reshape(-1))
+        for plan in plans if mesh.writes else ():
+            for name, state in plan.owned.items():
+                for key, value in state.items():  # stepped whole: in the state's own shape
+                    entries.append((f"optim/{key}/{name}", tuple(value.shape), value.dtype))
+                    tensors.append(value)
         needed = len(extra_bytes)
         if mesh.writes:
             needed += safetensors_nbytes(entries, {"format": "pt"})
@@ -360,6 +338,10 @@ def save_checkpoint(
                 w.write(t)
             size = w.close()
         write_file(tmp / _checksum_file(rank), json.dumps(w.checksums).encode())
+        if any(plan.whole for plan in plans):
+            buffer = io.BytesIO()
+            torch.save(owned_summary(plans, rank_file(rank, world)), buffer)
+            write_file(tmp / _owned_file(rank), buffer.getvalue())
         return 1 + size * world + rank
 
     def finish(codes: list[int]) -> int:
@@ -370,7 +352,10 @@ def save_checkpoint(
                 sizes[code % world] = code // world
             _restore_moved_aside(target.parent)
             sequence = 1 + max((n for n, _, _ in _completed(target.parent)), default=0)
-            metadata = _metadata(model, params, opt_plan, sizes, mesh.world_size, sequence, tmp)
+            listed = isinstance(optimizer, (list, tuple))
+            metadata = _metadata(
+                model, params, plans, listed, sizes, mesh.world_size, sequence, tmp
+            )
             write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
             staged = stage_latest(target.parent, target.name)  # the last bytes written
             commit_folder(tmp, target)
@@ -460,13 +445,16 @@ def _refused_leaf(value: Any) -> Any | None:
 def _metadata(
     model: nn.Module,
     params: list[Param],
-    opt_plan: _OptimizerPlan | None,
+    plans: list[OptimizerPlan],
+    listed: bool,
     rank_sizes: list[int],
     ranks: int,
     sequence: int,
     tmp: Path,
 ) -> dict[str, Any]:
     """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0).
+
+    ``plans``: one per optimizer passed (none: ``[]``); ``listed``: passed as a list.
 
     Gathers the checksums: every rank file's (left by its writer, then removed), the
     buffers', and those of the whole ``.pt`` files.
@@ -500,13 +488,17 @@ def _metadata(
         files[BUFFERS] = w.close()
     tensor_sums[BUFFERS] = w.checksums
     optimizer = None
-    if opt_plan is not None:
-        saved = {"class": opt_plan.cls, "param_groups": opt_plan.groups, "state": opt_plan.scalars}
+    if plans:
+        summaries = []  # each writing owner's whole-stepped state, left for rank 0
+        for r in range(world) if any(plan.whole for plan in plans) else ():
+            left = tmp / _owned_file(r)
+            summaries.append(torch.load(io.BytesIO(left.read_bytes()), weights_only=True))
+            left.unlink()
+        saved, optimizer = optimizer_record(plans, listed, summaries)
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         files[OPTIMIZER] = write_file(tmp / OPTIMIZER, buffer.getvalue())
         file_sums[OPTIMIZER] = buffer_checksum(buffer.getvalue())
-        optimizer = {"state_keys": {n: sorted(s) for n, s in opt_plan.sharded.items()}}
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -560,9 +552,3 @@ def _prune(folder: Path, keep_last: int, newest: Path) -> None:
     done = [path for _, _, path in _completed(folder) if path != newest]
     for path in done[: max(0, len(done) - (keep_last - 1))]:
         remove_folder(path)
-
-
-def few(items: list[str], limit: int = 8, quote: bool = True) -> str:
-    """``items`` for an error message, at most ``limit`` of them."""
-    shown = ", ".join(f"'{i}'" if quote else i for i in items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

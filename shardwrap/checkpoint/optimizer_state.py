@@ -1,0 +1,283 @@
+"""The optimizer's part of a checkpoint: what a rank saves of it, and checks of what is loaded.
+
+Per-parameter state is saved by parameter name, so an optimizer over a model wrapped at another
+world size or policy, with its groups listing their parameters in another order, loads it.
+Several optimizers over disjoint parameters (Muon for the matrices, AdamW for the rest) are
+saved together: ``optimizer.pt`` then lists each one's class, groups and scalars, in order, and
+the metadata says of each whether it stepped whole; per-parameter state stays keyed by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..engine.whole_params import PIECE_ATTR, stepped_whole
+from .files import few
+
+__all__ = [
+    "OptimizerPlan",
+    "Optimizers",
+    "as_list",
+    "check_count",
+    "check_optimizer",
+    "names_by_id",
+    "optimizer_problem",
+    "optimizer_record",
+    "owned_summary",
+    "owns",
+    "plan_optimizers",
+    "saved_optimizers",
+]
+
+# one optimizer, or several over disjoint parameters (Muon's matrices and AdamW's rest)
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def as_list(optimizer: Optimizers, caller: str) -> list[torch.optim.Optimizer]:
+    """The optimizers passed: none, one, or each of a list or tuple of them.
+
+    Raises:
+        TypeError: anything else, naming what was passed.
+    """
+    if optimizer is None:
+        return []
+    if not isinstance(optimizer, (list, tuple)) and hasattr(optimizer, "param_groups"):
+        return [optimizer]
+    if (
+        isinstance(optimizer, (list, tuple))
+        and optimizer
+        and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
+    ):
+        return list(optimizer)
+    raise TypeError(
+        f"{caller} takes an optimizer, or a list of optimizers over disjoint parameters (e.g. "
+        f"[muon, adamw]), got {type(optimizer).__name__}"
+    )
+
+
+@dataclass
+class OptimizerPlan:
+    """What one rank saves of the optimizer: sharded tensors, and scalars and groups for rank 0.
+
+    An optimizer that steps parameters whole (:func:`stepped_whole`) holds a parameter's state
+    on its owner rank alone: there ``owned`` holds its tensors in their own shapes and
+    ``scalars`` its scalars, and each writing owner hands both on (:func:`owned_summary`).
+    """
+
+    cls: str  # the optimizer's class name
+    sharded: dict[str, dict[str, Tensor]]  # name -> state key -> 1-D piece
+    scalars: dict[str, dict[str, Any]]  # name -> state key -> 0-d tensor or number
+    groups: list[dict[str, Any]]  # hyperparameters, "params": names
+    whole: bool = False  # stepped whole: ``owned`` and ``scalars`` are this rank's parameters'
+    owned: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # name -> key -> any shape
+
+
+def names_by_id(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _is_scalar(value: Any) -> bool:
+    return (isinstance(value, Tensor) and value.ndim == 0) or isinstance(value, (int, float, bool))
+
+
+def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerPlan:
+    """What this rank saves of ``optimizer``'s state, by parameter name.
+
+    Raises:
+        ValueError: a parameter that is not the model's; state of an optimizer stepping pieces
+            that is neither shaped like its piece nor a scalar; a refused optimizer (LBFGS).
+    """
+    names = names_by_id(model)
+    whole = stepped_whole(optimizer) is not None
+    plan = OptimizerPlan(type(optimizer).__name__, {}, {}, [], whole)
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        group_names = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    "save_checkpoint: the optimizer holds a parameter that is not one of the "
+                    f"model's (shape {tuple(p.shape)}); build it from model.parameters() after "
+                    "wrapping"
+                )
+            name = names[id(p)]
+            group_names.append(name)
+            tensors, scalars = {}, {}
+            for key, value in optimizer.state.get(p, {}).items():
+                if _is_scalar(value):
+                    scalars[key] = value
+                elif isinstance(value, Tensor) and (whole or value.shape == p.shape):
+                    tensors[key] = value
+                else:
+                    raise ValueError(
+                        f"save_checkpoint: optimizer state '{key}' of '{name}' is a "
+                        f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}, "
+                        "neither shaped like the parameter nor a scalar; only elementwise "
+                        "optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) and those that "
+                        "step parameters whole (Muon, Adafactor, or declared with "
+                        "shardwrap.declare_optimizer(cls, reads_shapes=True)) can be saved"
+                    )
+            if p in optimizer.state:  # stepped whole: on the parameter's owner alone
+                plan.scalars[name] = scalars
+                (plan.owned if whole else plan.sharded)[name] = tensors
+        plan.groups.append({**hyper, "params": group_names})
+    return plan
+
+
+def plan_optimizers(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer]
+) -> list[OptimizerPlan]:
+    """Each optimizer's :func:`plan_optimizer`.
+
+    Raises:
+        ValueError: as :func:`plan_optimizer`; or a parameter in two of the optimizers.
+    """
+    plans = [plan_optimizer(model, o) for o in optimizers]
+    first: dict[str, int] = {}
+    for i, plan in enumerate(plans):
+        for name in (n for g in plan.groups for n in g["params"]):
+            if first.setdefault(name, i) != i:
+                raise ValueError(
+                    f"save_checkpoint: parameter '{name}' is in optimizers {first[name]} "
+                    f"({plans[first[name]].cls}) and {i} ({plan.cls}); a checkpoint keeps one "
+                    "optimizer's state per parameter: give each parameter to one optimizer"
+                )
+    return plans
+
+
+def owned_summary(plans: list[OptimizerPlan], file: str) -> list[dict[str, Any]]:
+    """What a writing owner tells rank 0 of the whole-stepped state it writes into ``file``, per
+    optimizer: its scalars, and each tensor's file and shape (merged into the metadata)."""
+    return [
+        {
+            "scalars": plan.scalars,
+            "whole_state": {
+                name: {key: {"file": file, "shape": list(v.shape)} for key, v in state.items()}
+                for name, state in plan.owned.items()
+            },
+        }
+        for plan in plans
+    ]
+
+
+def optimizer_record(
+    plans: list[OptimizerPlan], listed: bool, summaries: list[list[dict[str, Any]]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What rank 0 writes of the optimizers: ``optimizer.pt``'s contents and the metadata's
+    ``optimizer`` entry, from its own plans and every writing owner's :func:`owned_summary`.
+
+    One optimizer passed alone is written as before optimizers could be listed.
+    """
+    saved, stepped = [], []
+    meta: dict[str, Any] = {"state_keys": {}, "whole_state": {}}
+    for i, plan in enumerate(plans):
+        scalars = plan.scalars
+        if plan.whole:  # held by the owners alone
+            scalars = {}
+            for summary in summaries:
+                scalars.update(summary[i]["scalars"])
+                meta["whole_state"].update(summary[i]["whole_state"])
+        saved.append({"class": plan.cls, "param_groups": plan.groups, "state": scalars})
+        meta["state_keys"].update({n: sorted(s) for n, s in plan.sharded.items()})
+        stepped.append(plan.whole)
+    if not listed:
+        return saved[0], {**meta, "stepped_whole": stepped[0]}
+    return {"optimizers": saved}, {**meta, "stepped_whole": stepped}
+
+
+def saved_optimizers(saved: Any, meta: dict[str, Any]) -> tuple[list[Any], list[bool]] | str:
+    """Each saved optimizer's ``optimizer.pt`` entry and whether it stepped whole, or what is
+    wrong with them."""
+    stepped = meta.get("stepped_whole", False)
+    if not isinstance(stepped, list):
+        return [saved], [stepped]
+    entries = saved.get("optimizers") if isinstance(saved, dict) else None
+    if not isinstance(entries, list) or len(entries) != len(stepped):
+        return f'"optimizers" must list the {len(stepped)} optimizers the metadata names'
+    return entries, stepped
+
+
+def check_count(optimizers: list[torch.optim.Optimizer], saved: list[dict[str, Any]]) -> None:
+    """Raise unless as many optimizers are loaded as were saved, naming both."""
+    if len(saved) != len(optimizers):
+        theirs = ", ".join(s["class"] for s in saved)
+        mine = ", ".join(type(o).__name__ for o in optimizers)
+        raise ValueError(
+            f"load_checkpoint: optimizer mismatch: the checkpoint holds {len(saved)} "
+            f"optimizer(s) ({theirs}), got {len(optimizers)} ({mine}); pass them all, in the "
+            "order they were saved"
+        )
+
+
+def owns(stepping: Any, param: nn.Parameter) -> bool:
+    """Whether this rank steps ``param`` whole, and so holds its optimizer state."""
+    return getattr(param, PIECE_ATTR)[0]().mesh.shard_rank == stepping.owner(param)
+
+
+def check_optimizer(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], names: dict[int, str]
+) -> None:
+    """Raise unless ``optimizer`` is of the saved class, over the model's parameters, in the
+    saved parameter groups (by name; the order within a group is free)."""
+    cls = type(optimizer).__name__
+    if saved["class"] != cls:
+        raise ValueError(
+            f"load_checkpoint: optimizer mismatch: the checkpoint holds {saved['class']} "
+            f"state, got {cls}"
+        )
+    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "load_checkpoint: the optimizer holds a parameter that is not one of the model's"
+        )
+    current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    groups = saved["param_groups"]
+    if len(groups) != len(current):
+        raise ValueError(
+            f"load_checkpoint: optimizer mismatch: the checkpoint has {len(groups)} parameter "
+            f"groups, the optimizer {len(current)}"
+        )
+    for j, (mine, theirs) in enumerate(zip(current, groups)):
+        if set(mine) != set(theirs["params"]):
+            raise ValueError(
+                f"load_checkpoint: optimizer mismatch in parameter group {j}: only in the "
+                f"checkpoint {few(sorted(set(theirs['params']) - set(mine)))}, only in the "
+                f"optimizer {few(sorted(set(mine) - set(theirs['params'])))}"
+            )
+
+
+def optimizer_problem(saved: object) -> str | None:
+    """What is wrong with the structure of a saved ``optimizer.pt``, or ``None``.
+
+    Scalar state (``step``) must be what ``save_checkpoint`` writes: a number or a 0-d tensor,
+    so that nothing the optimizer would refuse is found only after the model is overwritten.
+    """
+    if not isinstance(saved, dict) or not isinstance(saved.get("class"), str):
+        return 'it must be a dict with the optimizer\'s "class" name'
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or any(
+        not isinstance(g, dict)
+        or not isinstance(g.get("params"), list)
+        or not all(isinstance(n, str) for n in g["params"])
+        for g in groups
+    ):
+        return '"param_groups" must be a list of groups, each listing its parameters by name'
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        return '"state" must map parameter names to their scalar state'
+    for name, entry in state.items():
+        if not isinstance(entry, dict):
+            return f'the scalar state of "{name}" must be a dict'
+        for key, value in entry.items():
+            scalar = isinstance(value, (int, float)) or (
+                isinstance(value, torch.Tensor) and value.dim() == 0
+            )
+            if not scalar:
+                return (
+                    f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
+                )
+    return None
