@@ -31,7 +31,8 @@ from ..engine.strategy import Strategy
 from ..engine.wrap import AutoWrap
 from ..options import MixedPrecision
 from .replay import Tier, replay
-from .trace import causal_loss, meta_twin, optimizer_bytes, trace
+from .step import optimizer_bytes
+from .trace import causal_loss, meta_twin, trace
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "estimate_memory"]
 
