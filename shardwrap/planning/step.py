@@ -1,66 +1,195 @@
 """What the memory planner measures of the optimizer step on the meta device: state, temporaries.
 
-Design note. One step of the user's optimizer runs over meta tensors shaped like rank 0's shard
-parameters, each with a gradient, under the dispatch mode that counts the trace's live bytes:
-what is alive after it is the optimizer's state, the most alive during it the step's peak.
+Design note. The user's optimizer is built over meta tensors shaped like one rank's shard
+parameters (each parameter's piece, in the shards' dtype, ``engine.flat_group.piece_shape``),
+each trainable one with a gradient, in the wrapped model's order, and stepped twice under the
+dispatch mode that counts the trace's live bytes: what is alive after the steps is the
+optimizer's state, the most alive during them the step's peak (the first step makes the
+state, the second holds it throughout).
+
+An optimizer that the engine steps whole (``engine.whole_params``: Muon, Adafactor, classes
+declared ``reads_shapes=True``) is stepped here as the engine's step hooks step it on that rank:
+the engine's own owner rule (``whole_params.owners``) picks the parameters the rank owns; the
+all-to-all buffers of the gather (values and gradients) are made; each owned parameter the rank
+does not hold whole gets whole values and a whole gradient, in its shape, which stay until the
+step's end; the others have no gradient, so the step skips them; after the step, the buffers of
+the all-to-all that sends the new values back. Its state is then that of the owned parameters,
+in their shapes, and the step's peak holds the exchange. Owners differ by rank, so such a plan
+is measured for every rank (:func:`ranks_to_plan`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
+from ..engine.flat_group import piece_shape
+from ..engine.whole_params import owners, steps_whole
 from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
-from .trace import GroupSpec, LiveBytes
+from .trace import LiveBytes, Trace
 
-__all__ = ["OptimizerFactory", "optimizer_bytes"]
+__all__ = ["OptimizerFactory", "optimizer_bytes", "ranks_to_plan"]
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer | Iterable[Optimizer]]
+"""``fn(params)``: one optimizer, or several over parts of ``params``, stepped in their order."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A shard parameter's parameter: its shape and how many elements each rank holds."""
+
+    shape: torch.Size
+    spans: list[int]  # per shard rank
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def ranks_to_plan(tr: Trace, optimizer: OptimizerFactory | None) -> list[int]:
+    """The ranks whose optimizer step may hold the most: rank 0 (which holds the most
+    elements) where every optimizer steps pieces, every rank where one steps whole parameters
+    (what each owns follows the owner rule, not the rank)."""
+    if optimizer is None or not tr.groups:
+        return [0]
+    params, _ = _shard_params(tr, 0)
+    if any(steps_whole(type(opt)) for opt in _optimizers(optimizer, params)):
+        return list(range(tr.groups[0].layout.world_size))
+    return [0]
 
 
 def optimizer_bytes(
-    groups: list[GroupSpec], optimizer: OptimizerFactory | None, device: str, fuse: bool = False
+    tr: Trace,
+    optimizer: OptimizerFactory | None,
+    device: str,
+    fuse: bool = False,
+    rank: int = 0,
 ) -> tuple[int, int]:
-    """The optimizer's state on rank 0 (which holds the most), and the most its step holds.
+    """The optimizer's state on ``rank``, and the most its step holds: ``(state, most)``.
 
-    One step over meta shard parameters, shaped like rank 0's pieces (1-D, in the shards'
-    dtype), each with a gradient; returns ``(state bytes, most alive during the step)``.
     Where a parameter group left ``fused`` and ``foreach`` unset, torch steps it as it would
     on ``device`` (one foreach step on CUDA, tensor by tensor on a CPU), and with ``fuse``
     (the offload tiers) the engine turns on torch's fused kernel for the optimizers that have
     one (``tiers.offload.prefer_fused``): a fused step updates in place and allocates nothing.
+    An optimizer the engine steps whole is stepped as the engine steps it (the design note).
     """
     if optimizer is None:
         return 0, 0
-    params = []
-    for g in groups:
-        if g.requires_grad:
-            for piece in g.layout.local_pieces(0):
-                p = nn.Parameter(torch.empty(piece.numel, dtype=g.dtype, device="meta"))
-                p.grad = torch.empty_like(p)
-                params.append(p)
-    if not params:
+    params, pieces = _shard_params(tr, rank)
+    if not any(p.grad is not None for p in params):
         return 0, 0
-    counter = LiveBytes()
+    counter = _StepBytes()
     with counter:
-        opt = optimizer(params)
+        opts = _optimizers(optimizer, params)
         fused = []
-        for group in opt.param_groups:
-            unset = group.get("fused") is None and group.get("foreach") is None
-            fused.append(bool(group.get("fused")) or (fuse and unset and _has_fused(opt)))
-            # meta tensors have no fused kernel: step them per tensor, for the state
-            if "foreach" in group:
-                group["foreach"] = device == "cuda" if unset else bool(group["foreach"])
-            if "fused" in group:
-                group["fused"] = False
-        opt.step()
+        for opt in opts:
+            for group in opt.param_groups:
+                unset = group.get("fused") is None and group.get("foreach") is None
+                fused.append(bool(group.get("fused")) or (fuse and unset and _has_fused(opt)))
+                # meta tensors have no fused kernel: step them per tensor, for the state
+                if "foreach" in group:
+                    group["foreach"] = device == "cuda" if unset else bool(group["foreach"])
+                if "fused" in group:
+                    group["fused"] = False
+        # The first step makes the state; the second shows what a step holds besides it (the
+        # whole-parameter exchange comes before the state is made).
+        for _ in range(2):
+            for opt in opts:
+                if steps_whole(type(opt)):
+                    _step_whole(opt, pieces, rank)
+                else:
+                    opt.step()
         state = counter.live()
     _, most = counter.mark()
-    del opt
+    del opts
     return state, state if all(fused) else most
 
 
-def _has_fused(optimizer: torch.optim.Optimizer) -> bool:
+class _StepBytes(LiveBytes):
+    """The live bytes of a step, where a meta tensor's value read (``.item()``) gives 1.
+
+    HACK: meta tensors have no values. Adafactor reads its parameter's norm as a number
+    (``param.norm().item()``) to scale its step; no allocation depends on that number.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype == torch.bool else 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _shard_params(tr: Trace, rank: int) -> tuple[list[nn.Parameter], dict[int, _Piece]]:
+    """Meta shard parameters as ``rank`` holds them, in the model's order, and what each is a
+    piece of (by ``id``)."""
+    groups = tr.groups
+    world = groups[0].layout.world_size if groups else 1
+    ranges = [[g.layout.local_pieces(q) for q in range(world)] for g in groups]
+    params, pieces = [], {}
+    for i, j in tr.params:
+        g, spans = groups[i], [pcs[j].numel for pcs in ranges[i]]
+        shape = piece_shape(g.shapes[j], spans[rank])
+        p = nn.Parameter(torch.empty(shape, dtype=g.dtype, device="meta"), g.requires_grad)
+        if g.requires_grad:
+            p.grad = torch.empty_like(p)
+        params.append(p)
+        pieces[id(p)] = _Piece(g.shapes[j], spans)
+    return params, pieces
+
+
+def _optimizers(optimizer: OptimizerFactory, params: list[nn.Parameter]) -> list[Optimizer]:
+    made = optimizer(params)
+    return [made] if isinstance(made, Optimizer) else list(made)
+
+
+def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
+    """``opt.step()`` as ``engine.whole_params`` runs it on shard rank ``rank``."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    of = [pieces[id(p)] for p in params]
+    owner = owners([e.numel for e in of], [e.spans for e in of])
+    world = len(of[0].spans) if of else 1
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.grad is not None:
+            by_dtype.setdefault(p.dtype, []).append(i)
+
+    def exchange(idx: list[int], dtype: torch.dtype, per_element: int) -> list[Tensor]:
+        """One all-to-all's buffers: to each peer its pieces of the parameters it owns, and
+        from each peer its pieces of the ones this rank owns."""
+        sizes = []
+        for q in range(world):
+            if q != rank:
+                sizes.append(sum(of[i].spans[rank] for i in idx if owner[i] == q))
+                sizes.append(sum(of[i].spans[q] for i in idx if owner[i] == rank))
+        return [torch.empty(per_element * n, dtype=dtype, device="meta") for n in sizes]
+
+    restore = []
+    with torch.no_grad():
+        for dtype, idx in by_dtype.items():
+            buffers = exchange(idx, dtype, 2)  # values and gradients
+            for i in idx:
+                p, piece = params[i], of[i]
+                restore.append((p, p.data, p.grad))
+                grad, p.grad = p.grad, None
+                if owner[i] != rank:
+                    continue
+                if piece.spans[rank] == piece.numel:  # held whole: stepped in place
+                    p.data, p.grad = p.data.view(piece.shape), grad.view(piece.shape)
+                else:
+                    p.data = torch.empty(piece.shape, dtype=dtype, device="meta")
+                    p.grad = torch.empty(piece.shape, dtype=dtype, device="meta")
+            del buffers
+        opt.step()
+        for dtype, idx in by_dtype.items():
+            exchange(idx, dtype, 1)  # the new values, back to each piece's rank
+        for p, data, grad in restore:
+            p.grad = None
+            p.data, p.grad = data, grad
+
+
+def _has_fused(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, FUSED_OPTIMIZERS)

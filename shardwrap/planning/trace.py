@@ -57,6 +57,7 @@ class GroupSpec:
     compute_dtype: torch.dtype  # the gathered parameters'
     grad_dtype: torch.dtype  # the flat gradient's and its reduction's
     requires_grad: bool
+    shapes: tuple[torch.Size, ...] = ()  # its parameters', in flat order
 
     @property
     def full(self) -> int:
@@ -92,6 +93,7 @@ class Trace:
 
     units: list[str]  # each unit's module class, in pre-order (the root first)
     groups: list[GroupSpec]
+    params: list[tuple[int, int]]  # the model's parameters in its order: (group, index in it)
     grad_bytes: dict[int, int]  # per group, its parameters' gradients as autograd made them
     events: list[tuple[str, int, int, int]]
     kept: int
@@ -217,9 +219,12 @@ def trace(
             compute = precision.compute_dtype(dtype) if precision else dtype
             reduce = precision.gradient_dtype(dtype) if precision else compute
             layout = FlatLayout(tuple(p.numel() for p, _ in group), world_size)
-            groups.append(GroupSpec(index, layout, dtype, compute, reduce, requires_grad))
+            shapes = tuple(p.shape for p, _ in group)
+            groups.append(GroupSpec(index, layout, dtype, compute, reduce, requires_grad, shapes))
             members.append(group)
-    return _run(placement.units, groups, members, loss_of, model, fused_dropout, precision)
+    where = {id(p): (i, j) for i, group in enumerate(members) for j, (p, _) in enumerate(group)}
+    order = [where[id(p)] for p in model.parameters()]  # as the wrapped model lists them
+    return _run(placement.units, groups, order, members, loss_of, model, fused_dropout, precision)
 
 
 class _Views(torch.autograd.Function):
@@ -252,6 +257,7 @@ def _views(buffer: Tensor, shapes: list[torch.Size]) -> tuple[Tensor, ...]:
 def _run(
     units: list[nn.Module],
     groups: list[GroupSpec],
+    order: list[tuple[int, int]],
     members: list[list[tuple[nn.Parameter, list[Slot]]]],
     loss_of: Callable[[nn.Module], tuple[Tensor, Any]],
     model: nn.Module,
@@ -337,6 +343,7 @@ def _run(
     return Trace(
         units=[type(u).__name__ for u in units],
         groups=groups,
+        params=order,
         grad_bytes=grad_bytes,
         events=events,
         kept=kept_bytes,

@@ -8,7 +8,9 @@ What this file proves:
   offload tiers (the host tier run staged on the CPU, the disk tier), on GPT-2, Llama, Qwen2,
   BERT, T5 and ViT (``tests/support/memory.py``: untied and tied heads, grouped-query attention,
   dropout, an encoder-decoder, images), in fp32 and bf16 mixed precision, and on the
-  benchmark GPT of ``examples/train_gpt.py`` (also over four ranks, within 0.5%);
+  benchmark GPT of ``examples/train_gpt.py`` (also over four ranks, within 0.5%), and also
+  with optimizers the engine steps whole on owner ranks (Muon with AdamW, Adafactor) at
+  stages 1 and 3;
 - the model is never materialised: a 70.9B-parameter GPT is planned in seconds;
 - the plan follows the engine's pool policy and strategy (changing either changes it);
 - the command line prints one row per stage and tier, and the disk tier moves the shards,
@@ -74,6 +76,7 @@ def measured_peak(
     precision: MixedPrecision | None = None,
     timeout: float = 60.0,
     world_size: int = 2,
+    optimizer: Any = None,
 ) -> int:
     """The largest peak of ``world_size`` ranks training the GPT of ``examples/train_gpt.py``
     like ``benchmarks/_worker.py``, every tensor each creates from wrapping on tracked."""
@@ -87,6 +90,7 @@ def measured_peak(
         auto_wrap=Block,
         stage=stage,
         mixed_precision=precision,
+        optimizer=optimizer,
     )
 
 
@@ -123,6 +127,44 @@ def test_estimate_counts_the_receive_buffers_of_a_reduction_over_four_ranks(stag
     estimate = plan.row(stage).peak
     measured = measured_peak(CONFIG, stage, BATCH, STEPS, world_size=4)
     assert abs(estimate - measured) <= 0.005 * measured, (estimate, measured)
+
+
+def muon_and_adamw(params: list[nn.Parameter]) -> list[torch.optim.Optimizer]:
+    """Muon for the matrices, AdamW for the rest, as torch's documentation advises."""
+    return [
+        torch.optim.Muon([p for p in params if p.ndim == 2]),
+        torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-3),
+    ]
+
+
+def adafactor(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(params, lr=1e-2)
+
+
+@pytest.mark.stage3  # names its stages itself: once is enough
+@pytest.mark.parametrize("optimizer", [muon_and_adamw, adafactor], ids=["muon", "adafactor"])
+def test_estimate_of_an_optimizer_stepping_whole_parameters_is_within_5_percent(
+    optimizer: Any,
+) -> None:
+    # Muon and Adafactor step each parameter whole on its owner rank: the plan counts the
+    # owned parameters' state in their shapes and the step's exchange, on the rank that holds
+    # the most (here rank 1, whose step holds more than rank 0's).
+    plan = estimate_memory(
+        "examples.train_gpt:GPT",
+        world_size=2,
+        stage=(1, 3),
+        batch=BATCH,
+        seq=CONFIG["context"],
+        kwargs=CONFIG,
+        optimizer=optimizer,
+    )
+    for stage in (1, 3):
+        estimate = plan.row(stage).peak
+        measured = measured_peak(CONFIG, stage, BATCH, STEPS, optimizer=optimizer)
+        assert abs(estimate - measured) <= 0.05 * measured, (
+            f"stage {stage}: estimated {estimate / 2**20:.2f} MiB, measured "
+            f"{measured / 2**20:.2f} MiB\n{plan}"
+        )
 
 
 # Each family: every stage, the host tier at stages 1 and 3, the disk tier (stage 3 only).
