@@ -228,7 +228,7 @@ def estimate_memory(
             if tier != "disk" or s == 3:
                 # the rank that holds the most (ranks differ only in their optimizer step)
                 parts = max(
-                    (replay(tr, Strategy(stage=s), where, *step, device) for step in steps),
+                    (replay(tr, Strategy(stage=s), where, step, device) for step in steps),
                     key=_peak,
                 )
                 rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts)))

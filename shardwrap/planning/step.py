@@ -33,7 +33,7 @@ from ..engine.whole_params import owners, steps_whole
 from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
 from .trace import LiveBytes, Trace
 
-__all__ = ["OptimizerFactory", "optimizer_bytes", "ranks_to_plan"]
+__all__ = ["OptimizerFactory", "StepBytes", "optimizer_bytes", "ranks_to_plan"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer | Iterable[Optimizer]]
 """``fn(params)``: one optimizer, or several over parts of ``params``, stepped in their order."""
@@ -63,14 +63,28 @@ def ranks_to_plan(tr: Trace, optimizer: OptimizerFactory | None) -> list[int]:
     return [0]
 
 
+@dataclass(frozen=True)
+class StepBytes:
+    """What one rank's optimizer holds, in bytes."""
+
+    state: int
+    """Its state between steps."""
+    most: int
+    """The most alive during a step, the state included."""
+    made_whole: int = 0
+    """Of ``state``: what an optimizer stepped whole made like a parameter's whole copy (the
+    parameters the rank owns but does not hold whole). Made like no shard, it stays in memory
+    in the disk tier."""
+
+
 def optimizer_bytes(
     tr: Trace,
     optimizer: OptimizerFactory | None,
     device: str,
     fuse: bool = False,
     rank: int = 0,
-) -> tuple[int, int]:
-    """The optimizer's state on ``rank``, and the most its step holds: ``(state, most)``.
+) -> StepBytes:
+    """The optimizer's state on ``rank``, and the most its step holds.
 
     Where a parameter group left ``fused`` and ``foreach`` unset, torch steps it as it would
     on ``device`` (one foreach step on CUDA, tensor by tensor on a CPU), and with ``fuse``
@@ -79,35 +93,42 @@ def optimizer_bytes(
     An optimizer the engine steps whole is stepped as the engine steps it (the design note).
     """
     if optimizer is None:
-        return 0, 0
+        return StepBytes(0, 0)
     params, pieces = _shard_params(tr, rank)
     if not any(p.grad is not None for p in params):
-        return 0, 0
+        return StepBytes(0, 0)
     counter = _StepBytes()
     with counter:
         opts = _optimizers(optimizer, params)
-        fused = []
+        fused = []  # per optimizer: every group steps with a fused kernel
         for opt in opts:
+            groups = []
             for group in opt.param_groups:
                 unset = group.get("fused") is None and group.get("foreach") is None
-                fused.append(bool(group.get("fused")) or (fuse and unset and _has_fused(opt)))
+                groups.append(bool(group.get("fused")) or (fuse and unset and _has_fused(opt)))
                 # meta tensors have no fused kernel: step them per tensor, for the state
                 if "foreach" in group:
                     group["foreach"] = device == "cuda" if unset else bool(group["foreach"])
                 if "fused" in group:
                     group["fused"] = False
+            fused.append(all(groups))
         # The first step makes the state; the second shows what a step holds besides it (the
         # whole-parameter exchange comes before the state is made).
+        made_whole = 0
         for _ in range(2):
-            for opt in opts:
+            made_whole = 0
+            for opt, in_place in zip(opts, fused):
+                before = counter.most
                 if steps_whole(type(opt)):
-                    _step_whole(opt, pieces, rank)
+                    made_whole += _step_whole(opt, pieces, rank)
                 else:
                     opt.step()
+                if in_place:  # the fused kernel's step: its state, no temporaries
+                    counter.most = max(before, counter.live())
         state = counter.live()
     _, most = counter.mark()
     del opts
-    return state, state if all(fused) else most
+    return StepBytes(state, most, made_whole)
 
 
 class _StepBytes(LiveBytes):
@@ -146,8 +167,9 @@ def _optimizers(optimizer: OptimizerFactory, params: list[nn.Parameter]) -> list
     return [made] if isinstance(made, Optimizer) else list(made)
 
 
-def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
-    """``opt.step()`` as ``engine.whole_params`` runs it on shard rank ``rank``."""
+def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> int:
+    """``opt.step()`` as ``engine.whole_params`` runs it on shard rank ``rank``; returns the
+    bytes of the state of the parameters the rank owns but does not hold whole."""
     params = [p for group in opt.param_groups for p in group["params"]]
     of = [pieces[id(p)] for p in params]
     owner = owners([e.numel for e in of], [e.spans for e in of])
@@ -189,6 +211,15 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
         for p, data, grad in restore:
             p.grad = None
             p.data, p.grad = data, grad
+    copied = [
+        p for i, p in enumerate(params) if owner[i] == rank and of[i].spans[rank] < of[i].numel
+    ]
+    return sum(
+        t.untyped_storage().nbytes()
+        for p in copied
+        for t in opt.state.get(p, {}).values()
+        if isinstance(t, Tensor) and t.is_meta
+    )
 
 
 def _has_fused(optimizer: Optimizer) -> bool:

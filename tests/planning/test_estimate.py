@@ -10,7 +10,7 @@ What this file proves:
   dropout, an encoder-decoder, images), in fp32 and bf16 mixed precision, and on the
   benchmark GPT of ``examples/train_gpt.py`` (also over four ranks, within 0.5%), and also
   with optimizers the engine steps whole on owner ranks (Muon with AdamW, Adafactor) at
-  stages 1 and 3;
+  stages 1 and 3 and in the disk tier;
 - the model is never materialised: a 70.9B-parameter GPT is planned in seconds;
 - the plan follows the engine's pool policy and strategy (changing either changes it);
 - the command line prints one row per stage and tier, and the disk tier moves the shards,
@@ -143,28 +143,31 @@ def adafactor(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 @pytest.mark.stage3  # names its stages itself: once is enough
 @pytest.mark.parametrize("optimizer", [muon_and_adamw, adafactor], ids=["muon", "adafactor"])
-def test_estimate_of_an_optimizer_stepping_whole_parameters_is_within_5_percent(
+def test_estimate_of_an_optimizer_stepping_whole_parameters_is_within_the_bounds(
     optimizer: Any,
 ) -> None:
     # Muon and Adafactor step each parameter whole on its owner rank: the plan counts the
     # owned parameters' state in their shapes and the step's exchange, on the rank that holds
-    # the most (here rank 1, whose step holds more than rank 0's).
-    plan = estimate_memory(
-        "examples.train_gpt:GPT",
-        world_size=2,
-        stage=(1, 3),
-        batch=BATCH,
-        seq=CONFIG["context"],
-        kwargs=CONFIG,
-        optimizer=optimizer,
-    )
-    for stage in (1, 3):
-        estimate = plan.row(stage).peak
-        measured = measured_peak(CONFIG, stage, BATCH, STEPS, optimizer=optimizer)
-        assert abs(estimate - measured) <= 0.05 * measured, (
-            f"stage {stage}: estimated {estimate / 2**20:.2f} MiB, measured "
-            f"{measured / 2**20:.2f} MiB\n{plan}"
-        )
+    # the most (here rank 1, whose step holds more than rank 0's); in the disk tier, the
+    # state made like a whole copy stays in memory. Within 5%, 10% in the disk tier.
+    misses = []
+    for stage, offload in [(1, None), (3, None), (3, "disk")]:
+        plan = estimate_memory(
+            "examples.train_gpt:GPT", world_size=2, stage=stage, offload=offload, batch=BATCH,
+            seq=CONFIG["context"], kwargs=CONFIG, optimizer=optimizer,
+        )  # fmt: skip
+        estimate = plan.row(stage, offload).peak
+        torch.manual_seed(0)
+        measured = training_peak(
+            GPT(**CONFIG), gpt_batches(BATCH, CONFIG["context"], STEPS), gpt_loss,
+            offload=offload, auto_wrap=Block, stage=stage, optimizer=optimizer,
+        )  # fmt: skip
+        if abs(estimate - measured) > (0.05 if offload is None else 0.1) * measured:
+            misses.append(
+                f"stage {stage}, offload {offload}: estimated {estimate / 2**20:.2f} MiB, "
+                f"measured {measured / 2**20:.2f} MiB\n{plan}"
+            )
+    assert not misses, "\n".join(misses)
 
 
 # Each family: every stage, the host tier at stages 1 and 3, the disk tier (stage 3 only).
