@@ -223,7 +223,10 @@ def estimate_memory(
         where = _tier(tier, device)
         # The offload tiers step with torch's fused kernel where the user left the choice.
         fuse = where.staged or where.disk
-        steps = {optimizer_bytes(tr, make_optimizer, device, fuse, rank) for rank in ranks}
+        steps = {
+            optimizer_bytes(tr, make_optimizer, device, fuse, rank, disk=where.disk)
+            for rank in ranks
+        }
         for s in stages:
             if tier != "disk" or s == 3:
                 # the rank that holds the most (ranks differ only in their optimizer step)

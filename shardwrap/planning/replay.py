@@ -106,9 +106,9 @@ class _Replay:
         state, step_most = step.state, step.most
         self.state = state if in_memory else 0
         self.step_most = step_most if in_memory else 0
-        if tier.disk:  # state made like the shards is in files; the step's temporaries are not
-            self.state = step.made_whole
-            self.step_most = step_most - state + step.made_whole
+        if tier.disk:  # what the tier does not make in its files is in memory
+            self.state = state - step.in_files
+            self.step_most = step_most - step.in_files
         self.host_fixed = shards + home_grads if tier.apart else 0
         self.host_state = state if tier.apart else 0
         self.host_step = step_most - state if tier.apart else 0
@@ -388,7 +388,7 @@ def replay(tr: Trace, strategy: Strategy, tier: Tier, step: StepBytes, device: s
     params, grads, optimizer, working, activations = run.best
     disk = 0
     if tier.disk:
-        disk = sum(g.shard + g.shard_grad for g in tr.groups) + step.state - step.made_whole
+        disk = sum(g.shard + g.shard_grad for g in tr.groups) + step.in_files
     return Parts(
         params, grads, optimizer, working, activations, run.best_phase, run.host_peak, disk
     )

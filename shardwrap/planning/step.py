@@ -16,6 +16,11 @@ step's end; the others have no gradient, so the step skips them; after the step,
 the all-to-all that sends the new values back. Its state is then that of the owned parameters,
 in their shapes, and the step's peak holds the exchange. Owners differ by rank, so such a plan
 is measured for every rank (:func:`ranks_to_plan`).
+
+For the disk tier the shard parameters and gradients are typed as that tier's, over a home
+that applies the tier's own rule for where state goes (:class:`_MetaFiles`): state made like
+a shard parameter or its gradient is in files; anything else (made like a whole gradient the
+exchange made, or temporaries) is in memory.
 """
 
 from __future__ import annotations
@@ -26,11 +31,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim import Optimizer
 
+from ..comm.collectives import CommStats
 from ..engine.flat_group import piece_shape
+from ..engine.grad_norm import as_shard_grad, shard_grad_owner
 from ..engine.whole_params import owners, steps_whole
+from ..tiers.home import DiskHome, Home
 from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
+from ..tiers.offload import stored_param
 from .trace import LiveBytes, Trace
 
 __all__ = ["OptimizerFactory", "StepBytes", "optimizer_bytes", "ranks_to_plan"]
@@ -71,10 +81,8 @@ class StepBytes:
     """Its state between steps."""
     most: int
     """The most alive during a step, the state included."""
-    made_whole: int = 0
-    """Of ``state``: what an optimizer stepped whole made like a parameter's whole copy (the
-    parameters the rank owns but does not hold whole). Made like no shard, it stays in memory
-    in the disk tier."""
+    in_files: int = 0
+    """Of ``state``, what the disk tier makes in its files (measured with ``disk``)."""
 
 
 def optimizer_bytes(
@@ -83,6 +91,7 @@ def optimizer_bytes(
     device: str,
     fuse: bool = False,
     rank: int = 0,
+    disk: bool = False,
 ) -> StepBytes:
     """The optimizer's state on ``rank``, and the most its step holds.
 
@@ -91,10 +100,13 @@ def optimizer_bytes(
     (the offload tiers) the engine turns on torch's fused kernel for the optimizers that have
     one (``tiers.offload.prefer_fused``): a fused step updates in place and allocates nothing.
     An optimizer the engine steps whole is stepped as the engine steps it (the design note).
+    With ``disk``, the shard parameters and their gradients are the disk tier's, over a home
+    that makes on the meta device what the disk tier makes in its files (:class:`_MetaFiles`).
     """
     if optimizer is None:
         return StepBytes(0, 0)
-    params, pieces = _shard_params(tr, rank)
+    files = _MetaFiles() if disk else None
+    params, pieces = _shard_params(tr, rank, files)
     if not any(p.grad is not None for p in params):
         return StepBytes(0, 0)
     counter = _StepBytes()
@@ -114,21 +126,20 @@ def optimizer_bytes(
             fused.append(all(groups))
         # The first step makes the state; the second shows what a step holds besides it (the
         # whole-parameter exchange comes before the state is made).
-        made_whole = 0
         for _ in range(2):
-            made_whole = 0
             for opt, in_place in zip(opts, fused):
                 before = counter.most
                 if steps_whole(type(opt)):
-                    made_whole += _step_whole(opt, pieces, rank)
+                    _step_whole(opt, pieces, rank)
                 else:
                     opt.step()
                 if in_place:  # the fused kernel's step: its state, no temporaries
                     counter.most = max(before, counter.live())
         state = counter.live()
     _, most = counter.mark()
+    in_files = files.live() if files is not None else 0
     del opts
-    return StepBytes(state, most, made_whole)
+    return StepBytes(state, most, in_files)
 
 
 class _StepBytes(LiveBytes):
@@ -144,9 +155,32 @@ class _StepBytes(LiveBytes):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _shard_params(tr: Trace, rank: int) -> tuple[list[nn.Parameter], dict[int, _Piece]]:
+class _MetaFiles(DiskHome):
+    """The disk tier's home, its files on the meta device: by the tier's own rule
+    (``DiskHome.made_like``, ``made_from_grad``) it makes the optimizer state made like a
+    shard parameter or its gradient, here as meta tensors it records."""
+
+    def __init__(self) -> None:  # no folder: nothing is written
+        Home.__init__(self, torch.device("meta"))
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def like(self, t: Tensor, fill: Any = None, copy: bool = False) -> Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        storage = out.untyped_storage()
+        self.made[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def live(self) -> int:
+        """Bytes of what it made that is still alive."""
+        return sum(n for ref, n in self.made.values() if not ref.expired())
+
+
+def _shard_params(
+    tr: Trace, rank: int, files: _MetaFiles | None = None
+) -> tuple[list[nn.Parameter], dict[int, _Piece]]:
     """Meta shard parameters as ``rank`` holds them, in the model's order, and what each is a
-    piece of (by ``id``)."""
+    piece of (by ``id``); with ``files``, the disk tier's (their state made in ``files``)."""
+    owner = shard_grad_owner(None, CommStats(), files) if files is not None else None
     groups = tr.groups
     world = groups[0].layout.world_size if groups else 1
     ranges = [[g.layout.local_pieces(q) for q in range(world)] for g in groups]
@@ -154,9 +188,14 @@ def _shard_params(tr: Trace, rank: int) -> tuple[list[nn.Parameter], dict[int, _
     for i, j in tr.params:
         g, spans = groups[i], [pcs[j].numel for pcs in ranges[i]]
         shape = piece_shape(g.shapes[j], spans[rank])
-        p = nn.Parameter(torch.empty(shape, dtype=g.dtype, device="meta"), g.requires_grad)
+        data = torch.empty(shape, dtype=g.dtype, device="meta")
+        if files is None:
+            p = nn.Parameter(data, g.requires_grad)
+        else:
+            p = stored_param(data, g.requires_grad, files)
         if g.requires_grad:
-            p.grad = torch.empty_like(p)
+            grad = torch.empty(shape, dtype=g.dtype, device="meta")
+            p.grad = grad if owner is None else as_shard_grad(grad, owner)
         params.append(p)
         pieces[id(p)] = _Piece(g.shapes[j], spans)
     return params, pieces
@@ -167,9 +206,8 @@ def _optimizers(optimizer: OptimizerFactory, params: list[nn.Parameter]) -> list
     return [made] if isinstance(made, Optimizer) else list(made)
 
 
-def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> int:
-    """``opt.step()`` as ``engine.whole_params`` runs it on shard rank ``rank``; returns the
-    bytes of the state of the parameters the rank owns but does not hold whole."""
+def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
+    """``opt.step()`` as ``engine.whole_params`` runs it on shard rank ``rank``."""
     params = [p for group in opt.param_groups for p in group["params"]]
     of = [pieces[id(p)] for p in params]
     owner = owners([e.numel for e in of], [e.spans for e in of])
@@ -211,15 +249,6 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> int:
         for p, data, grad in restore:
             p.grad = None
             p.data, p.grad = data, grad
-    copied = [
-        p for i, p in enumerate(params) if owner[i] == rank and of[i].spans[rank] < of[i].numel
-    ]
-    return sum(
-        t.untyped_storage().nbytes()
-        for p in copied
-        for t in opt.state.get(p, {}).values()
-        if isinstance(t, Tensor) and t.is_meta
-    )
 
 
 def _has_fused(optimizer: Optimizer) -> bool:
