@@ -100,15 +100,18 @@ def training_peak(
     world_size: int = 2,
     offload: str | None = None,
     timeout: float = 120.0,
+    optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
     **options: Any,
 ) -> int:
     """The largest peak of ``world_size`` ranks (threads) training ``model``, in bytes.
 
     Each rank wraps its own copy, ``ShardedModule(copy, offload=..., **options)``, inside
-    ``shardwrap.track_allocations()``, then takes one AdamW step per batch of
+    ``shardwrap.track_allocations()``, then takes one optimizer step per batch of
     ``batches(rank, copy)``, its loss and outputs from ``loss(model, batch)``; the outputs
     stay alive until the next forward returns, as in ``out = model(...)``. ``offload``:
     ``"disk"`` (files in a temporary folder) or ``"cpu"`` (the host tier, staged on the CPU).
+    ``optimizer``: as ``estimate_memory`` takes it, ``fn(params)`` returning one optimizer or
+    several (stepped in their order); default AdamW.
     """
 
     def fn(rank: int, pg: ProcessGroup, folder: str) -> int:
@@ -119,17 +122,24 @@ def training_peak(
             tier = Offload(device=offload, path=Path(folder) if offload == "disk" else None)
         with track_allocations() as tracked:
             m = ShardedModule(plain, process_group=pg, offload=tier, **options)
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+            made = (optimizer or _adamw)(list(m.parameters()))
+            opts = [made] if isinstance(made, torch.optim.Optimizer) else list(made)
             for batch in steps:
                 value, out = loss(m, batch)
                 value.backward()
-                opt.step()
-                opt.zero_grad()
+                for opt in opts:
+                    opt.step()
+                for opt in opts:
+                    opt.zero_grad()
             del out
         return tracked.peak
 
     with tempfile.TemporaryDirectory() as folder, staged_on_cpu(offload == "cpu"):
         return max(run_ranks(world_size, lambda r, pg: fn(r, pg, folder), timeout=timeout))
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
 
 
 # Model families: Hugging Face classes from small configs, random weights -------------------

@@ -51,7 +51,15 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.collectives import all_to_all
 from ..tiers.offload import HOME_ATTR, before_step
 
-__all__ = ["PIECE_ATTR", "declare_optimizer", "install", "release", "stepped_whole"]
+__all__ = [
+    "PIECE_ATTR",
+    "declare_optimizer",
+    "install",
+    "owners",
+    "release",
+    "stepped_whole",
+    "steps_whole",
+]
 
 PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (weakref to its FlatGroup, index)
 
@@ -111,6 +119,12 @@ def declare_optimizer(cls: type[Optimizer], *, reads_shapes: bool) -> None:
             "shardwrap.declare_optimizer(MyOptimizer, reads_shapes=True)"
         )
     _declared[cls] = bool(reads_shapes)
+
+
+def steps_whole(cls: type) -> bool:
+    """Whether shardwrap steps each parameter of optimizer class ``cls`` whole, on its owner
+    (torch's Muon and Adafactor, classes declared with ``reads_shapes=True``)."""
+    return _kind(cls) == "whole"
 
 
 def _kind(cls: type) -> str:
@@ -395,9 +409,7 @@ def _held(entries: list[_Entry], q: int) -> int:
 
 
 def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
-    """Each parameter's pieces and owner, by ``id``: over each shard group, largest first, to
-    the rank owning the fewest elements so far (then the one holding most of it, then the
-    lowest). Every rank computes the same from the same parameters."""
+    """Each parameter's pieces and owner (:func:`owners`), by ``id``, over each shard group."""
     entries: dict[int, _Entry] = {}
     by_group: dict[int, tuple[int, list[_Entry]]] = {}
     ranges: dict[int, list[tuple]] = {}
@@ -411,11 +423,28 @@ def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
         e = entries[id(p)] = _Entry(p, fg.shapes[index], pieces)
         by_group.setdefault(id(fg.mesh.shard), (world, []))[1].append(e)
     for world, group in by_group.values():
-        load = [0] * world
-        for e in sorted(group, key=lambda e: -e.numel):
-            e.owner = min(range(world), key=lambda q: (load[q], -_span(e, q), q))
-            load[e.owner] += e.numel
+        spans = [[_span(e, q) for q in range(world)] for e in group]
+        for e, owner in zip(group, owners([e.numel for e in group], spans)):
+            e.owner = owner
     return entries
+
+
+def owners(numels: list[int], spans: list[list[int]]) -> list[int]:
+    """The owner rank of each parameter of one shard group, in the optimizer's order.
+
+    ``numels[i]`` is parameter ``i``'s size and ``spans[i][q]`` how many of its elements shard
+    rank ``q`` holds. Largest first (the optimizer's order among equals), each goes to the rank
+    owning the fewest elements so far, then the one holding most of it, then the lowest. Pure
+    arithmetic: every rank, and the memory planner, computes the same from the same sizes.
+    """
+    world = len(spans[0]) if spans else 1
+    load = [0] * world
+    result = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        owner = min(range(world), key=lambda q: (load[q], -spans[i][q], q))
+        result[i] = owner
+        load[owner] += numels[i]
+    return result
 
 
 def _plan(entries: list[_Entry]) -> list[_Plan]:

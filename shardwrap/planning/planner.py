@@ -5,14 +5,16 @@ policy that ``ShardedModule`` itself uses (``planning/trace.py`` splits a meta-d
 the model into units and flat groups); activations are measured by running the meta model
 with its parameters shown as views of per-group buffers, as the engine shows them, so that
 autograd hands each group's gradients over at the moment it hands the engine's over; the
-optimizer's state and temporaries by one step over meta shards. The meta run's trace is then
-replayed with the engine's own decisions on top (``planning/replay.py``): gathers, prefetch
-and the buffer pool's spares, flat gradients and the reductions in flight, where each tier
-keeps shards, gradients and state, and the host tier's staged copies.
+optimizer's state and temporaries by stepping it over meta shards, as the engine steps it
+(``planning/step.py``). The meta run's trace is then replayed with the engine's own
+decisions on top (``planning/replay.py``): gathers, prefetch and the buffer pool's spares,
+flat gradients and the reductions in flight, where each tier keeps shards, gradients and
+state, and the host tier's staged copies.
 
 What the plan counts is what ``shardwrap.track_allocations`` measures: the tensors a rank
 creates from wrapping on, at their peak over the first step and the steady ones after it, on
-the rank with the most real elements (rank 0).
+the rank with the most real elements (rank 0); where an optimizer steps whole parameters on
+owner ranks (``planning/step.py``), ranks differ in their step, and the plan is the highest.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,9 @@ from torch import Tensor, nn
 from ..engine.strategy import Strategy
 from ..engine.wrap import AutoWrap
 from ..options import MixedPrecision
-from .replay import Tier, replay
-from .trace import causal_loss, meta_twin, optimizer_bytes, trace
+from .replay import Parts, Tier, replay
+from .step import OptimizerFactory, optimizer_bytes, ranks_to_plan
+from .trace import causal_loss, meta_twin, trace
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "estimate_memory"]
 
@@ -123,6 +125,12 @@ class MemoryPlan:
         return "\n".join([head, *table])
 
 
+def _peak(parts: Parts) -> tuple[int, int]:
+    """A rank's peak, then its host memory's."""
+    compute = parts.params + parts.grads + parts.optimizer + parts.working_set
+    return compute + parts.activations, parts.host
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -137,7 +145,7 @@ def estimate_memory(
     batch: int = 1,
     seq: int = 128,
     auto_wrap: AutoWrap = None,
-    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw",
+    optimizer: str | OptimizerFactory = "adamw",
     device: str = "cpu",
     kwargs: dict[str, Any] | None = None,
 ) -> MemoryPlan:
@@ -165,7 +173,14 @@ def estimate_memory(
         auto_wrap: as given to ``ShardedModule``; default: a ``transformers`` model's
             ``_no_split_modules``, else the most frequent class held in an ``nn.ModuleList``.
         optimizer: ``"adamw"`` (default), ``"sgd"`` (with momentum), ``"none"``, or a factory
-            ``fn(params) -> Optimizer``; it is run for one step on meta shard parameters.
+            ``fn(params)`` returning an optimizer or several (each over some of ``params``,
+            stepped in their order: Muon for the matrices, AdamW for the rest); it is stepped
+            on meta shard parameters, which keep their parameters' number of dimensions as the
+            engine's do. An optimizer the engine steps whole (Muon, Adafactor, one declared
+            with ``shardwrap.declare_optimizer(cls, reads_shapes=True)``) is stepped as the
+            engine steps it: each rank's state is that of the parameters it owns, in their
+            shapes, its step holds their whole values and gradients and the all-to-all's
+            buffers, and the figures are for the rank whose peak is highest.
         device: ``"cpu"`` or ``"cuda"``: where the model computes. It decides the default
             optimizer's implementation (foreach on CUDA) and what the cpu tier moves.
         kwargs: keyword arguments of a factory, or overrides of a config's fields.
@@ -202,16 +217,23 @@ def estimate_memory(
     wrap = auto_wrap if auto_wrap is not None else _default_wrap(model)
     tr = trace(model, wrap, world_size, mixed_precision, loss_of, fused_dropout=device == "cuda")
     make_optimizer = _optimizer(optimizer)
+    ranks = ranks_to_plan(tr, make_optimizer)
     rows = []
     for tier in tiers:
         where = _tier(tier, device)
         # The offload tiers step with torch's fused kernel where the user left the choice.
-        state, most = optimizer_bytes(
-            tr.groups, make_optimizer, device, fuse=where.staged or where.disk
-        )
+        fuse = where.staged or where.disk
+        steps = {
+            optimizer_bytes(tr, make_optimizer, device, fuse, rank, disk=where.disk)
+            for rank in ranks
+        }
         for s in stages:
             if tier != "disk" or s == 3:
-                parts = replay(tr, Strategy(stage=s), where, state, most, device)
+                # the rank that holds the most (ranks differ only in their optimizer step)
+                parts = max(
+                    (replay(tr, Strategy(stage=s), where, step, device) for step in steps),
+                    key=_peak,
+                )
                 rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts)))
     rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
     precision = "fp32"
@@ -264,9 +286,7 @@ def _check(
         raise ValueError(f'device must be "cpu" or "cuda", got {device!r}.')
 
 
-def _optimizer(
-    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None:
+def _optimizer(optimizer: str | OptimizerFactory) -> OptimizerFactory | None:
     if callable(optimizer):
         return optimizer
     if optimizer == "adamw":

@@ -38,6 +38,7 @@ import torch
 from ..engine.pool import Spares
 from ..engine.root import _successors
 from ..engine.strategy import Strategy
+from .step import StepBytes
 from .trace import Trace
 
 __all__ = ["Parts", "Tier", "replay"]
@@ -81,7 +82,7 @@ class _Replay:
     """One rank's buffers through the engine's training step."""
 
     def __init__(
-        self, tr: Trace, strategy: Strategy, tier: Tier, state: int, step_most: int, device: str
+        self, tr: Trace, strategy: Strategy, tier: Tier, step: StepBytes, device: str
     ) -> None:
         self.tr, self.strategy, self.tier = tr, strategy, tier
         groups = tr.groups
@@ -102,8 +103,12 @@ class _Replay:
         self.fixed_params = sum(g.full for i, g in enumerate(groups) if self.resident[i])
         self.fixed_params += shards if in_memory else 0
         self.fixed_grads = home_grads if in_memory else 0
+        state, step_most = step.state, step.most
         self.state = state if in_memory else 0
         self.step_most = step_most if in_memory else 0
+        if tier.disk:  # what the tier does not make in its files is in memory
+            self.state = state - step.in_files
+            self.step_most = step_most - step.in_files
         self.host_fixed = shards + home_grads if tier.apart else 0
         self.host_state = state if tier.apart else 0
         self.host_step = step_most - state if tier.apart else 0
@@ -374,17 +379,16 @@ class _Replay:
         self.grads = 0  # zero_grad()
 
 
-def replay(
-    tr: Trace, strategy: Strategy, tier: Tier, state: int, step_most: int, device: str
-) -> Parts:
-    """Rank 0's peak over a first step and two steady ones, for ``strategy`` and ``tier``."""
-    run = _Replay(tr, strategy, tier, state, step_most, device)
+def replay(tr: Trace, strategy: Strategy, tier: Tier, step: StepBytes, device: str) -> Parts:
+    """A rank's peak over a first step and two steady ones, for ``strategy`` and ``tier``,
+    with ``step`` its optimizer's."""
+    run = _Replay(tr, strategy, tier, step, device)
     for first in (True, False, False):
         run.step(first)
     params, grads, optimizer, working, activations = run.best
     disk = 0
     if tier.disk:
-        disk = sum(g.shard + g.shard_grad for g in tr.groups) + state
+        disk = sum(g.shard + g.shard_grad for g in tr.groups) + step.in_files
     return Parts(
         params, grads, optimizer, working, activations, run.best_phase, run.host_peak, disk
     )

@@ -13,8 +13,7 @@ precision, and attention takes the kernel the device would.
 The run leaves a trace: the live bytes at each unit boundary (forward start and end, backward
 start) and at each group's gradients, and the most live in between. The planner replays it
 with the engine's buffers on top (``planning/replay.py``). The optimizer is measured the same
-way: one step over meta tensors shaped like rank 0's shard parameters gives its state and its
-step's temporaries.
+way (``planning/step.py``).
 """
 
 from __future__ import annotations
@@ -42,13 +41,10 @@ from ..engine.wrap import (
     resolve_policy,
 )
 from ..options import MixedPrecision
-from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
 
-__all__ = ["GroupSpec", "Trace", "meta_twin", "optimizer_bytes", "trace"]
+__all__ = ["GroupSpec", "LiveBytes", "Trace", "meta_twin", "trace"]
 
 Slot = tuple[nn.Module, str]  # a module attribute that holds a parameter
-
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -61,6 +57,7 @@ class GroupSpec:
     compute_dtype: torch.dtype  # the gathered parameters'
     grad_dtype: torch.dtype  # the flat gradient's and its reduction's
     requires_grad: bool
+    shapes: tuple[torch.Size, ...] = ()  # its parameters', in flat order
 
     @property
     def full(self) -> int:
@@ -96,13 +93,14 @@ class Trace:
 
     units: list[str]  # each unit's module class, in pre-order (the root first)
     groups: list[GroupSpec]
+    params: list[tuple[int, int]]  # the model's parameters in its order: (group, index in it)
     grad_bytes: dict[int, int]  # per group, its parameters' gradients as autograd made them
     events: list[tuple[str, int, int, int]]
     kept: int
     end: int  # the most alive between the last event and the end of backward
 
 
-class _LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):
     """Bytes of the storages that ops create, while alive; the most since the last ``mark``."""
 
     def __init__(self) -> None:
@@ -221,9 +219,12 @@ def trace(
             compute = precision.compute_dtype(dtype) if precision else dtype
             reduce = precision.gradient_dtype(dtype) if precision else compute
             layout = FlatLayout(tuple(p.numel() for p, _ in group), world_size)
-            groups.append(GroupSpec(index, layout, dtype, compute, reduce, requires_grad))
+            shapes = tuple(p.shape for p, _ in group)
+            groups.append(GroupSpec(index, layout, dtype, compute, reduce, requires_grad, shapes))
             members.append(group)
-    return _run(placement.units, groups, members, loss_of, model, fused_dropout, precision)
+    where = {id(p): (i, j) for i, group in enumerate(members) for j, (p, _) in enumerate(group)}
+    order = [where[id(p)] for p in model.parameters()]  # as the wrapped model lists them
+    return _run(placement.units, groups, order, members, loss_of, model, fused_dropout, precision)
 
 
 class _Views(torch.autograd.Function):
@@ -256,6 +257,7 @@ def _views(buffer: Tensor, shapes: list[torch.Size]) -> tuple[Tensor, ...]:
 def _run(
     units: list[nn.Module],
     groups: list[GroupSpec],
+    order: list[tuple[int, int]],
     members: list[list[tuple[nn.Parameter, list[Slot]]]],
     loss_of: Callable[[nn.Module], tuple[Tensor, Any]],
     model: nn.Module,
@@ -264,7 +266,7 @@ def _run(
 ) -> Trace:
     events: list[tuple[str, int, int, int]] = []
     grad_bytes: dict[int, int] = {}
-    counter = _LiveBytes()
+    counter = LiveBytes()
     # Each group's gathered buffer (made outside the count, as the engine's are pooled) and
     # the leaf that stands for it in autograd.
     buffers = [
@@ -341,57 +343,12 @@ def _run(
     return Trace(
         units=[type(u).__name__ for u in units],
         groups=groups,
+        params=order,
         grad_bytes=grad_bytes,
         events=events,
         kept=kept_bytes,
         end=end,
     )
-
-
-def optimizer_bytes(
-    groups: list[GroupSpec], optimizer: OptimizerFactory | None, device: str, fuse: bool = False
-) -> tuple[int, int]:
-    """The optimizer's state on rank 0 (which holds the most), and the most its step holds.
-
-    One step over meta shard parameters, shaped like rank 0's pieces (1-D, in the shards'
-    dtype), each with a gradient; returns ``(state bytes, most alive during the step)``.
-    Where a parameter group left ``fused`` and ``foreach`` unset, torch steps it as it would
-    on ``device`` (one foreach step on CUDA, tensor by tensor on a CPU), and with ``fuse``
-    (the offload tiers) the engine turns on torch's fused kernel for the optimizers that have
-    one (``tiers.offload.prefer_fused``): a fused step updates in place and allocates nothing.
-    """
-    if optimizer is None:
-        return 0, 0
-    params = []
-    for g in groups:
-        if g.requires_grad:
-            for piece in g.layout.local_pieces(0):
-                p = nn.Parameter(torch.empty(piece.numel, dtype=g.dtype, device="meta"))
-                p.grad = torch.empty_like(p)
-                params.append(p)
-    if not params:
-        return 0, 0
-    counter = _LiveBytes()
-    with counter:
-        opt = optimizer(params)
-        fused = []
-        for group in opt.param_groups:
-            unset = group.get("fused") is None and group.get("foreach") is None
-            fused.append(bool(group.get("fused")) or (fuse and unset and _has_fused(opt)))
-            # meta tensors have no fused kernel: step them per tensor, for the state
-            if "foreach" in group:
-                group["foreach"] = device == "cuda" if unset else bool(group["foreach"])
-            if "fused" in group:
-                group["fused"] = False
-        opt.step()
-        state = counter.live()
-    _, most = counter.mark()
-    del opt
-    return state, state if all(fused) else most
-
-
-def _has_fused(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, FUSED_OPTIMIZERS)
 
 
 def causal_loss(out: Any, targets: Tensor) -> Tensor:
