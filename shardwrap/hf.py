@@ -37,6 +37,7 @@ from .checkpoint.export import load_pretrained
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .engine.sharded_module import ShardedModule
+from .integrations.hf_accelerate import check_trainer_arguments
 
 __all__ = ["Seq2SeqTrainer", "ShardedTrainerMixin", "Trainer"]
 
@@ -62,6 +63,18 @@ class ShardedTrainerMixin:
     lr_scheduler: Any
     args: Any
     state: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's own ``__init__``, then a check of its arguments against the model.
+
+        Raises:
+            ValueError: ``bf16``, ``fp16`` or ``torch_compile`` that the sharded model would
+                ignore (it is not wrapped with that precision or compilation), or
+                ``bf16_full_eval``/``fp16_full_eval``; naming the ``ShardedModule`` keyword.
+        """
+        super().__init__(*args, **kwargs)
+        if isinstance(self.model, ShardedModule):
+            check_trainer_arguments(self.model._shardwrap_root, self.args)
 
     def _sharded(self) -> ShardedModule:
         if not isinstance(self.model, ShardedModule):
