@@ -10,7 +10,9 @@ A drop-in for ``transformers.Trainer`` (and ``Seq2SeqTrainer``) when the model i
 What the model itself already takes care of, so that the stock Trainer and a plain
 ``accelerate`` loop see a sharded model as ready: it is never wrapped in DDP (it reduces its
 own gradients), moving it to the device it is on does nothing, ``torch.nn.utils.clip_grad_norm_``
-clips by the global norm, and ``generate()`` keeps every rank decoding until all are done.
+clips by the global norm, and ``generate()`` keeps every rank decoding until all are done;
+``accelerator.save_state``/``load_state`` write and read a shardwrap checkpoint
+(``integrations/hf_accelerate.py``).
 
 What this class changes is saving and loading, which the stock Trainer does on rank 0 alone:
 

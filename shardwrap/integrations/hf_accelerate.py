@@ -18,21 +18,41 @@ the model (and when ``shardwrap.hf.Trainer`` is built):
 The settings are the same on every rank and the model's were agreed when it was wrapped, so
 every rank raises alike, before any collective.
 
+Saving. accelerate saves every model's ``state_dict()`` and every optimizer's state on rank 0
+alone, which for a sharded model is rank 0's pieces; the accelerator that prepares one saves
+it the sharded way instead:
+
+- ``save_state(dir)`` writes each sharded model with the optimizer over its parameters as a
+  shardwrap checkpoint, ``dir/shardwrap`` (``dir/shardwrap_1``, ... for further models;
+  every rank writes its pieces), and everything else (schedulers, RNG states, scaler,
+  other models) as accelerate does; ``load_state(dir)`` reads them back, at any world size.
+  Its save and load hooks are not shown the sharded models.
+- ``get_state_dict(model)`` returns ``model.full_state_dict()``: full tensors, on every rank.
+
 HACK: accelerate hands a prepared model nothing that names the accelerator; the mark's
-reader does (a few caller frames, read as accelerate reads the mark).
+reader does (a few caller frames, read as accelerate reads the mark). Its save and load
+hooks see neither the optimizers nor a way to leave them out, so the accelerator's own three
+methods are wrapped, on that accelerator only.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..checkpoint.load import load_checkpoint
+from ..checkpoint.save import save_checkpoint
 from ..engine import extensions
 from ..engine.grad_scaler import ShardedGradScaler
 from ..engine.root import Root
+from ..engine.sharded_module import ShardedModule
 
 __all__ = ["check_settings", "check_trainer_arguments"]
 
@@ -154,6 +174,7 @@ def check_accelerator(accelerator: Any, model: nn.Module) -> None:
         f"Accelerator(dynamo_backend={backend!r})",
     )
     _share_scaler(accelerator)
+    _save_sharded(accelerator)
 
 
 def _share_scaler(accelerator: Any) -> None:
@@ -169,6 +190,110 @@ def _share_scaler(accelerator: Any) -> None:
     for optimizer in accelerator._optimizers:
         if getattr(optimizer, "scaler", None) is scaler:
             optimizer.scaler = sharded
+
+
+_SAVES = "_shardwrap_saves"
+CHECKPOINT = "shardwrap"  # dir/shardwrap, dir/shardwrap_1, ...: one per sharded model
+
+
+def _sharded_pairs(accelerator: Any) -> list[tuple[nn.Module, Any]]:
+    """Each sharded model the accelerator prepared, with the prepared optimizer over its
+    parameters (or ``None``).
+
+    Raises:
+        ValueError: an optimizer over the parameters of several models, or two optimizers
+            over one sharded model (a shardwrap checkpoint holds one); before any file.
+    """
+    models = [m for m in accelerator._models if isinstance(m, ShardedModule)]
+    owner = {id(p): i for i, m in enumerate(models) for p in m.parameters()}
+    found: list[list[Any]] = [[] for _ in models]
+    for optimizer in accelerator._optimizers:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        ids = {id(p) for g in inner.param_groups for p in g["params"]}
+        mine = {owner[i] for i in ids if i in owner}
+        if len(mine) > 1 or (mine and len(ids) != sum(i in owner for i in ids)):
+            raise ValueError(
+                "accelerator.save_state/load_state: an optimizer steps the parameters of a "
+                "sharded model and of other models; a shardwrap checkpoint holds one model "
+                "with its optimizer. Give each model its own optimizer, or call "
+                "shardwrap.save_checkpoint(dir, model, optimizer) yourself."
+            )
+        for i in mine:
+            found[i].append(optimizer)
+    if any(len(f) > 1 for f in found):
+        raise ValueError(
+            "accelerator.save_state/load_state: several optimizers step one sharded model; a "
+            "shardwrap checkpoint holds one. Use one optimizer (with parameter groups), or "
+            "call shardwrap.save_checkpoint(dir, model, optimizer) yourself."
+        )
+    return [(m, f[0] if f else None) for m, f in zip(models, found)]
+
+
+def _folder(directory: str | Path, index: int) -> Path:
+    return Path(directory) / (CHECKPOINT if index == 0 else f"{CHECKPOINT}_{index}")
+
+
+@contextmanager
+def _set_aside(accelerator: Any, pairs: list[tuple[nn.Module, Any]]) -> Iterator[None]:
+    """The accelerator without the sharded models and their optimizers, for the duration."""
+    aside = {id(x) for pair in pairs for x in pair if x is not None}
+    models, optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models = [m for m in models if id(m) not in aside]
+    accelerator._optimizers = [o for o in optimizers if id(o) not in aside]
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    return None if optimizer is None else getattr(optimizer, "optimizer", optimizer)
+
+
+def _save_sharded(accelerator: Any) -> None:
+    """Wrap ``accelerator``'s ``save_state``, ``load_state`` and ``get_state_dict`` (once)."""
+    if getattr(accelerator, _SAVES, False):
+        return
+    setattr(accelerator, _SAVES, True)
+    save_state, load_state = accelerator.save_state, accelerator.load_state
+    get_state_dict = accelerator.get_state_dict
+
+    def around(
+        original: Callable[..., Any], register: Callable[[Callable[..., None]], Any], write: bool
+    ) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            pairs = _sharded_pairs(accelerator)
+            if not pairs:
+                return original(*args, **kwargs)
+
+            def sharded(models: Any, *rest: Any) -> None:
+                directory = rest[-1]  # (weights, output_dir) when saving, (input_dir) loading
+                for i, (model, optimizer) in enumerate(pairs):
+                    if write:
+                        save_checkpoint(_folder(directory, i), model, _torch_optimizer(optimizer))
+                    else:
+                        load_checkpoint(_folder(directory, i), model, _torch_optimizer(optimizer))
+
+            handle = register(sharded)
+            try:
+                with _set_aside(accelerator, pairs):
+                    return original(*args, **kwargs)
+            finally:
+                handle.remove()
+
+        return run
+
+    @functools.wraps(get_state_dict)
+    def state_dict(model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        inner = accelerator.unwrap_model(model) if unwrap else model
+        if isinstance(inner, ShardedModule):
+            return inner.full_state_dict()
+        return get_state_dict(model, unwrap=unwrap)
+
+    accelerator.save_state = around(save_state, accelerator.register_save_state_pre_hook, True)
+    accelerator.load_state = around(load_state, accelerator.register_load_state_pre_hook, False)
+    accelerator.get_state_dict = state_dict
 
 
 def _on_prepare(model: nn.Module) -> None:

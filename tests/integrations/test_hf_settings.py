@@ -7,7 +7,10 @@ Proves, at stages 2 and 3 (one rank: accelerate's state is one per process, so t
 be its ranks): each is refused at ``prepare`` or when ``shardwrap.hf.Trainer`` is built,
 naming the ``ShardedModule`` keyword; a model wrapped with the matching ``MixedPrecision`` (or
 ``compile=True``) is accepted, and fp16's loss scaler becomes a ``ShardedGradScaler`` in the
-accelerator and in the optimizers it prepared. Under torchrun: ``tests/e2e/test_hf_trainer.py``.
+accelerator and in the optimizers it prepared. ``accelerator.save_state`` refuses two
+optimizers over one sharded model before writing, naming ``shardwrap.save_checkpoint``, and
+``get_state_dict`` is ``full_state_dict()``. Under torchrun (saving and loading a sharded
+model, parity, refusal on both ranks): ``tests/e2e/test_hf_trainer.py``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_settings.py -q``
 """
@@ -132,3 +135,23 @@ def test_trainer_compile_and_full_eval_casts_are_refused_when_built(tmp_path: Pa
         model=_gpt2(3, compile=True), args=_arguments(tmp_path, torch_compile=True)
     )
     assert trainer.args.torch_compile and trainer.model._shardwrap_root.compile_options is not None
+
+
+def test_accelerator_save_state_refuses_two_optimizers_over_one_sharded_model(
+    tmp_path: Path,
+) -> None:
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = _gpt2(3)
+    params = list(model.parameters())
+    first = torch.optim.SGD(params[:2], lr=0.1)
+    second = torch.optim.SGD(params[2:], lr=0.1)
+    model, first, second = accelerator.prepare(model, first, second)
+    with pytest.raises(ValueError, match=r"several optimizers.*shardwrap.save_checkpoint"):
+        accelerator.save_state(str(tmp_path / "state"))
+    assert not (tmp_path / "state" / "shardwrap").exists()
+    state = accelerator.get_state_dict(model)
+    assert _equal(state, model.full_state_dict())
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
