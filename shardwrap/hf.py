@@ -10,7 +10,9 @@ A drop-in for ``transformers.Trainer`` (and ``Seq2SeqTrainer``) when the model i
 What the model itself already takes care of, so that the stock Trainer and a plain
 ``accelerate`` loop see a sharded model as ready: it is never wrapped in DDP (it reduces its
 own gradients), moving it to the device it is on does nothing, ``torch.nn.utils.clip_grad_norm_``
-clips by the global norm, and ``generate()`` keeps every rank decoding until all are done.
+clips by the global norm, and ``generate()`` keeps every rank decoding until all are done;
+``accelerator.save_state``/``load_state`` write and read a shardwrap checkpoint
+(``integrations/hf_accelerate.py``).
 
 What this class changes is saving and loading, which the stock Trainer does on rank 0 alone:
 
@@ -37,6 +39,7 @@ from .checkpoint.export import load_pretrained
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .engine.sharded_module import ShardedModule
+from .integrations.hf_accelerate import check_trainer_arguments
 
 __all__ = ["Seq2SeqTrainer", "ShardedTrainerMixin", "Trainer"]
 
@@ -62,6 +65,18 @@ class ShardedTrainerMixin:
     lr_scheduler: Any
     args: Any
     state: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's own ``__init__``, then a check of its arguments against the model.
+
+        Raises:
+            ValueError: ``bf16``, ``fp16`` or ``torch_compile`` that the sharded model would
+                ignore (it is not wrapped with that precision or compilation), or
+                ``bf16_full_eval``/``fp16_full_eval``; naming the ``ShardedModule`` keyword.
+        """
+        super().__init__(*args, **kwargs)
+        if isinstance(self.model, ShardedModule):
+            check_trainer_arguments(self.model._shardwrap_root, self.args)
 
     def _sharded(self) -> ShardedModule:
         if not isinstance(self.model, ShardedModule):

@@ -22,15 +22,18 @@ if TYPE_CHECKING:
 __all__ = [
     "checkpoint_unit",
     "check_move",
+    "check_prepare",
     "class_habits",
     "register_class_habits",
     "register_move_check",
+    "register_prepare_check",
     "register_unit_checkpointer",
 ]
 
 _class_habits: list[Callable[[type], tuple[type, ...]]] = []
 _unit_checkpointers: list[Callable[[Root, Unit], bool]] = []
 _move_checks: list[Callable[[nn.Module], None]] = []
+_prepare_checks: list[Callable[[nn.Module], None]] = []
 
 
 def register_class_habits(habits: Callable[[type], tuple[type, ...]]) -> None:
@@ -50,6 +53,12 @@ def register_move_check(check: Callable[[nn.Module], None]) -> None:
     _move_checks.append(check)
 
 
+def register_prepare_check(check: Callable[[nn.Module], None]) -> None:
+    """``check(model)``: called as a training library reads the mark that has it hand a
+    sharded ``model`` back unwrapped (accelerate's ``prepare``); it raises to refuse."""
+    _prepare_checks.append(check)
+
+
 def class_habits(cls: type) -> tuple[type, ...]:
     """The classes every integration adds to a wrapped model of class ``cls``."""
     return tuple(h for habits in _class_habits for h in habits(cls))
@@ -63,4 +72,10 @@ def checkpoint_unit(root: Root, unit: Unit) -> bool:
 def check_move(model: nn.Module) -> None:
     """Run every registered move check on ``model``."""
     for check in _move_checks:
+        check(model)
+
+
+def check_prepare(model: nn.Module) -> None:
+    """Run every registered prepare check on ``model``."""
+    for check in _prepare_checks:
         check(model)

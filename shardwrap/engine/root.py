@@ -75,6 +75,7 @@ class Root:
         pool: the buffers units gather into.
         precision: mixed-precision casts of inputs and outputs, or ``None``.
         home: where the shards live (``tiers/home.py``); default: on the mesh's device.
+        compile_options: the ``torch.compile`` options units were compiled with, or ``None``.
     """
 
     def __init__(
@@ -86,8 +87,11 @@ class Root:
         pool: BufferPool,
         precision: MixedPrecision | None = None,
         home: Home | None = None,
+        compile_options: dict[str, Any] | None = None,
     ) -> None:
         self.units = units
+        self.precision = precision
+        self.compile_options = compile_options
         self.home = home or Home(mesh.device)
         self.input_dtype = precision.param_dtype if precision else None
         self.output_dtype = precision.output_dtype if precision else None

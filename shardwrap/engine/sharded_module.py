@@ -34,7 +34,7 @@ from .checks import (
     resolve_compile,
     unit_plan,
 )
-from .extensions import check_move, checkpoint_unit, class_habits
+from .extensions import check_move, check_prepare, checkpoint_unit, class_habits
 from .flat_group import FlatGroup
 from .inference import fits_gathered
 from .init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
@@ -135,9 +135,6 @@ class ShardedModule(nn.Module):
     """
 
     _shardwrap_root: Root
-    # accelerate's mark for a model it must hand back untouched: no DDP (the model reduces its
-    # own gradients), no move, no autocast wrapper.
-    _is_accelerate_prepared = True
 
     def __new__(
         cls,
@@ -195,7 +192,9 @@ class ShardedModule(nn.Module):
         elif sync_module_states is None and not is_meta(module):
             check_same_values(module, mesh.control, mesh.control_device)
         home = make_home(offload, device, mesh.rank)
-        _wrap(module, placement, mesh, strategy, mixed_precision, param_init_fn, home)
+        _wrap(
+            module, placement, mesh, strategy, mixed_precision, param_init_fn, home, compile_options
+        )
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
@@ -209,6 +208,18 @@ class ShardedModule(nn.Module):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Wrapping happens in ``__new__``; the wrapped module is already initialised."""
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """accelerate's mark for a model it must hand back untouched: no DDP (the model reduces
+        its own gradients), no move, no autocast wrapper. accelerate reads it as it prepares
+        the model, so the integrations' prepare checks run then (``check_prepare``)."""
+        check_prepare(self)
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        """accelerate marks what it prepared; a sharded model is marked for good."""
 
     def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
         """``.to()``, ``.cuda()``, ``.half()`` and friends: allowed where they change nothing.
@@ -483,6 +494,7 @@ def _wrap(
     precision: MixedPrecision | None,
     param_init_fn: ParamInitFn | None = None,
     home: Home | None = None,
+    compile_options: dict[str, Any] | None = None,
 ) -> None:
     device = mesh.device
     materialize = None
@@ -532,7 +544,7 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision, home)
+    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options)
     install()  # the step hooks that give shape-aware optimizers whole parameters
     weakref.finalize(root, release)
 

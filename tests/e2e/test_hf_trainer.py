@@ -11,7 +11,13 @@ must match it step for step. Proves:
   ``generate()`` with a different length on each rank completes with DDP's tokens;
 - a stock ``accelerate`` loop (Llama; ``prepare``, gradient accumulation, ``clip_grad_norm_``,
   a scheduler, ``gather_for_metrics``) trains a ``ShardedModule`` unchanged, within 1e-5 of
-  the DDP run, and resumes from a shardwrap checkpoint saved at step 2.
+  the DDP run, and resumes from a shardwrap checkpoint saved at step 2;
+- at stages 2 and 3, ``accelerator.save_state`` writes a shardwrap checkpoint (every rank's
+  pieces, model and optimizer) and accelerate's other state, and ``load_state`` after two more
+  steps brings back the step-2 parameters and learning rate exactly, so the repeated steps
+  end on the same parameters; ``get_state_dict`` is the full state on every rank; the
+  sharded model trains like the plain model on the global batch; and
+  ``TrainingArguments(bf16=True)`` on a float32 sharded model is refused on both ranks alike.
 
 In process: ``tests/integrations/test_hf_trainer.py``.
 
@@ -70,3 +76,23 @@ def test_accelerate_loop_matches_ddp_and_resumes(tmp_path: Path) -> None:
     _assert_steps_match(sharded["resumed_logs"], sharded["logs"][2:], keys)
     assert sharded["generated"] == ddp["generated"]
     assert len(sharded["generated"][0]) != len(sharded["generated"][1])
+
+
+@pytest.mark.process
+def test_accelerate_save_state_and_load_state_resume_a_sharded_model(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    torchrun("tests/e2e/scripts/hf_accelerate_state.py", str(out), str(tmp_path))
+    result = json.loads(out.read_text())
+    assert "MixedPrecision(param_dtype=torch.bfloat16) to ShardedModule" in result["refused"]
+    for stage in ("stage2", "stage3"):
+        got = result[stage]
+        assert max(got["off_plain"]) < 1e-6, stage  # trains like the plain model
+        # per rank: full shapes, == full_state_dict, reload == step 2, repeat == step 4
+        assert got["checks_per_rank"] == [[True] * 4] * 2, stage
+        assert got["lr"][1] == got["lr"][0], stage
+        files = got["files"]
+        assert "shardwrap/metadata.json" in files and "scheduler.bin" in files, stage
+        assert {"shardwrap/rank-00000-of-00002.safetensors", "shardwrap/optimizer.pt"} <= set(
+            files
+        ), stage
+        assert not any(f.startswith(("model", "optimizer")) for f in files), stage
