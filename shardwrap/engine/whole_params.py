@@ -5,8 +5,8 @@ parameter exactly as it would step the whole one, so shardwrap hands it the piec
 else happens. An optimizer that reads a parameter's shape (Muon orthogonalises each matrix's
 update; Adafactor factors the second moment into row and column means and scales by the
 parameter's norm) needs the whole parameter. For those, every parameter the optimizer steps is
-given an *owner* rank among the ranks that shard it, balanced by elements (largest first, to the
-rank holding least so far). Around each step:
+given an *owner* rank among the ranks that shard it: the rank holding most of it, so that the
+least moves, while owned elements stay within 1.1x an even split (``owners``). Around each step:
 
 1. before it (a step pre-hook): each rank sends the owners its pieces of their parameters'
    values and gradients, in one all-to-all; the owner's shard parameter then *is* the whole
@@ -61,6 +61,7 @@ __all__ = [
     "steps_whole",
 ]
 
+BALANCE = 1.1  # no rank owns more than this times an even split (but for one parameter)
 PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (weakref to its FlatGroup, index)
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = tuple(
@@ -434,14 +435,21 @@ def owners(numels: list[int], spans: list[list[int]]) -> list[int]:
 
     ``numels[i]`` is parameter ``i``'s size and ``spans[i][q]`` how many of its elements shard
     rank ``q`` holds. Largest first (the optimizer's order among equals), each goes to the rank
-    owning the fewest elements so far, then the one holding most of it, then the lowest. Pure
-    arithmetic: every rank, and the memory planner, computes the same from the same sizes.
+    that holds most of it, so that the least moves, as long as that keeps the rank's owned
+    elements within ``BALANCE`` times an even split; else to the next such rank by elements
+    held; where none has room, to the rank owning the fewest so far. So no rank owns more than
+    ``BALANCE`` times an even split, or an even split plus one parameter. Pure arithmetic: every
+    rank, and the memory planner, computes the same from the same sizes.
     """
     world = len(spans[0]) if spans else 1
+    cap = BALANCE * sum(numels) / world
     load = [0] * world
     result = [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        owner = min(range(world), key=lambda q: (load[q], -spans[i][q], q))
+        near = sorted(range(world), key=lambda q: (-spans[i][q], load[q], q))
+        owner = next((q for q in near if load[q] + numels[i] <= cap), None)
+        if owner is None:
+            owner = min(range(world), key=lambda q: (load[q], -spans[i][q], q))
         result[i] = owner
         load[owner] += numels[i]
     return result
