@@ -17,9 +17,9 @@ least moves, while owned elements stay within 1.1x an even split (``owners``). A
 
 The optimizer's state is made on the owner, in the parameter's shape: 1/N of it per rank, as
 balanced as the parameters' sizes allow. A parameter a rank holds whole is stepped in place.
-Per step and rank this moves ``3 (N-1)/N`` of the elements the rank owns (values and gradients
-in, values out), against the ``2 (N-1)/N`` of all elements that the step's gathers and
-reductions move.
+Per step this moves, three times (values and gradients in, values out), the part of each
+parameter that its owner does not hold, against the ``2 (N-1)/N`` of all elements that the
+step's gathers and reductions move.
 
 Which optimizers are which: torch's own are known (``ELEMENTWISE``, ``WHOLE``, ``REFUSED``); a
 subclass that keeps its base's ``step`` is what its base is; any other class is *undeclared*:
