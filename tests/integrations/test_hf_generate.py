@@ -69,7 +69,9 @@ def _uneven(model: nn.Module) -> tuple[list[Tensor], int]:
 
 
 @pytest.mark.parametrize("family", [_gpt2, _t5], ids=["gpt2", "t5"])
-def test_ranks_finishing_at_different_steps_all_match_the_plain_model(family: Any) -> None:
+def test_ranks_finishing_at_different_steps_all_match_the_plain_model(
+    family: Any, default_stage: int
+) -> None:
     model, layer = family()
     prompts, eos = _uneven(model)
     want = [_generate(model, p, eos_token_id=eos) for p in prompts]
@@ -97,7 +99,8 @@ def test_ranks_finishing_at_different_steps_all_match_the_plain_model(family: An
             assert torch.equal(out, want[rank])
         kept, inside, per_forward = gathers
         assert kept <= groups and inside == 0, gathers  # at most one gather per group a call
-        assert per_forward > 2 * groups, gathers  # what generate() did before
+        if default_stage == 3:  # stages 1 and 2 keep their parameters anyway
+            assert per_forward > 2 * groups, gathers  # what generate() did before
 
 
 def test_unsynced_generate_is_refused() -> None:
@@ -114,7 +117,7 @@ def test_unsynced_generate_is_refused() -> None:
 
 
 def test_trainer_evaluate_gathers_each_unit_once_and_matches_the_plain_model(
-    tmp_path: Path,
+    tmp_path: Path, default_stage: int
 ) -> None:
     import shardwrap.hf
 
@@ -132,4 +135,5 @@ def test_trainer_evaluate_gathers_each_unit_once_and_matches_the_plain_model(
     got = shardwrap.hf.Trainer(model=m, args=args).evaluate(data)
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-6)
     assert m.comm_stats.calls.get("all_gather", 0) <= groups  # 4 batches, one gather per group
-    assert all(u.state.name == "SHARDED" for u in m._shardwrap_root.units)  # released after
+    if default_stage == 3:  # released after; stages 1 and 2 keep them
+        assert all(u.state.name == "SHARDED" for u in m._shardwrap_root.units)
