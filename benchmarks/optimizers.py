@@ -151,12 +151,14 @@ def ratio_lines(rows: dict[int, dict[tuple[str, str], dict[str, Any]]]) -> list[
                 )
         for opt in ("muon", "adafactor"):
             row = by_cell.get(("shardwrap-s3", opt))
-            if row is not None and row["comm_mb_per_step"]:
+            if row is not None and row["comm_mb_per_step"] and n > 1:
                 extra = row["exchange_mb_per_step_per_rank"]
+                sent = row["comm_mb_per_step"] * (n - 1) / n
                 lines.append(
                     f"- {n} ranks, {opt}: the owner exchange sends {extra:.1f} MB per step and "
-                    f"rank, {extra / row['comm_mb_per_step']:.2f}x the "
-                    f"{row['comm_mb_per_step']:.1f} MB of the step's gathers and reductions."
+                    f"rank, {extra / sent:.2f}x the {sent:.1f} MB a rank sends in the step's "
+                    f"gathers and reductions ({n - 1}/{n} of their "
+                    f"{row['comm_mb_per_step']:.1f} MB of buffers)."
                 )
     return lines
 
@@ -267,10 +269,11 @@ def markdown(
         "A step is forward, backward and the optimizer step, timed on every rank and taken at "
         "the slowest. Peak memory: resident-set high-water mark above the resident set just "
         "before the model was built; the worst rank of the worst round. Gathers+reductions: "
-        "buffers handed to collectives per step on rank 0 (shardwrap: its `comm_stats`); the "
-        "owner exchange: bytes a rank sends in the two all-to-alls of a shape-aware step, the "
-        "most of any rank (counted by the benchmark: the model's `comm_stats` does not record "
-        "them). Profile: `exchange in` is the time from the optimizer's `step()` call to its "
+        "buffers handed to collectives per step on rank 0 (shardwrap: its `comm_stats`), of "
+        "which a rank sends (N-1)/N; the owner exchange: bytes a rank sends in the two "
+        "all-to-alls of a shape-aware step, the most of any rank (counted by the benchmark: "
+        "the model's `comm_stats` does not record them). Profile: `exchange in` is the time "
+        "from the optimizer's `step()` call to its "
         "own pre-hook, so for shardwrap's shape-aware steps the all-to-all bringing each owner "
         "its parameters' values and gradients, and the copies around it; `update (all)` the "
         "optimizer's own step (for Muon: momentum, the Newton-Schulz iteration, the parameter "

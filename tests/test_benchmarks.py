@@ -206,8 +206,9 @@ def test_optimizers_ratios_judge_shardwraps_muon_by_its_goal_per_world_size() ->
         "- 2 ranks, adamw: shardwrap stage 3 vs DDP: step time 1.00x, peak memory 0.50x.",
         "- 2 ranks, muon: shardwrap stage 3 vs DDP: step time 0.55x, peak memory 0.50x.",
         "- 2 ranks, muon: shardwrap stage 3 vs deepspeed-s2: step time 0.40x, peak memory 0.40x.",
-        "- 2 ranks, muon: the owner exchange sends 300.0 MB per step and rank, 0.30x the "
-        "1000.0 MB of the step's gathers and reductions.",
+        "- 2 ranks, muon: the owner exchange sends 300.0 MB per step and rank, 0.60x the "
+        "500.0 MB a rank sends in the step's gathers and reductions (1/2 of their 1000.0 MB "
+        "of buffers).",
         "- 4 ranks, shardwrap-s3: muon step time 1.20x adamw's (goal <= 1.15x: NOT met).",
     ]
 
