@@ -4,7 +4,7 @@ Runs under torchrun (one process per rank); rank 0 prints one JSON line with the
 
     torchrun --standalone --nproc_per_node=2 benchmarks/_worker.py shardwrap-s3 '{"width": 1024}'
 
-Methods (every one trains with the same ``torch.optim.AdamW``):
+Methods (every one trains with the same torch optimizer, ``"optimizer"`` in the config):
 
 - ``shardwrap-s1``, ``shardwrap-s2``, ``shardwrap-s3``: ``ShardedModule(model,
   auto_wrap=Block, stage=s)``; ``shardwrap`` is ``shardwrap-s3``.
@@ -16,6 +16,28 @@ Methods (every one trains with the same ``torch.optim.AdamW``):
   AdamW passed in as its client optimizer, gradient clipping off (DeepSpeed's default clips at
   1.0). On CPU its ``cpu`` accelerator (``DS_ACCELERATOR=cpu``) over gloo; needs the ``bench``
   extra.
+
+Optimizers (``"optimizer"`` in the config), torch's defaults but for the learning rate:
+
+- ``adamw``: ``torch.optim.AdamW`` over every parameter.
+- ``muon``: ``torch.optim.Muon`` over the matrices (``p.ndim == 2``) and ``torch.optim.AdamW``
+  over the rest, as torch's documentation advises; shardwrap steps Muon's matrices whole, each
+  on one owner rank. DeepSpeed instead trains with its own Muon (``"optimizer": {"type":
+  "Muon"}`` in its config: its ``MuonWithAuxAdam``, which tags the same matrices), with
+  ``ns_method`` ``"standard"``: the same quintic Newton-Schulz iteration in bf16 as torch's
+  (DeepSpeed's default, ``"gram"``, is a cheaper iteration in fp16).
+- ``adafactor``: ``torch.optim.Adafactor`` over every parameter (not with DeepSpeed, which
+  would hand it flat 1-D partitions).
+
+Each timed step is split into phases, per rank (``phases_s_per_rank``, medians over the timed
+steps): ``forward_backward``; ``step`` (the optimizer step, DeepSpeed's ``engine.step``); for
+each torch optimizer ``<name> exchange in``, ``<name> update`` and ``<name> exchange out``: the
+time before its own step pre-hook runs (shardwrap's step hooks run first: for a shape-aware
+optimizer the all-to-all that brings each owner its parameters' values and gradients), inside
+its step, and after its own post-hook (shardwrap's send back the new values); and
+``newton_schulz``, the time inside Muon's Newton-Schulz iteration (torch's, or DeepSpeed's
+``muon_update``, which includes its momentum update); ``owner all-to-all``, the time inside
+shardwrap's two all-to-alls of a shape-aware step (the rest of the exchange is copies).
 
 Models (``"model"`` in the config): ``gpt``, the GPT of ``examples/train_gpt.py``, or ``t5``,
 Hugging Face's ``T5ForConditionalGeneration`` (``depth`` encoder and ``depth`` decoder blocks,
@@ -61,11 +83,16 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from compare import ALIASES, METHODS, PRECISIONS  # noqa: E402  (this folder, as the script's)
+from compare import (  # noqa: E402  (this folder, as the script's)
+    ALIASES,
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+)
 
 from benchmarks._memory import StorageTracker  # noqa: E402
 from examples.train_gpt import GPT, Block  # noqa: E402
-from shardwrap import MixedPrecision, ShardedModule  # noqa: E402
+from shardwrap import CommStats, MixedPrecision, ShardedModule  # noqa: E402
 
 MODELS = ("gpt", "t5")
 
@@ -87,6 +114,8 @@ class Config:
     seed: int = 0
     precision: str = "fp32"
     """``fp32``, or ``bf16``: bf16 compute on fp32 master weights, gradients reduced in fp32."""
+    optimizer: str = "adamw"
+    """``adamw``, ``muon`` or ``adafactor`` (see the module docstring)."""
     track: bool = False
     """Also count every storage created from building the model through the warm-up steps
     (``benchmarks/_memory.py``) and report the peak of live bytes after wrapping: the CPU's
@@ -100,6 +129,8 @@ class Config:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 
 
 @dataclass
@@ -195,12 +226,89 @@ def logits_of(model: nn.Module, cfg: Config, inputs: Tensor) -> Tensor:
     return model(inputs)
 
 
-def plain(model: nn.Module, cfg: Config) -> Trainer:
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+class Phases:
+    """Seconds spent per phase of the current step (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def end_step(self, keep: bool) -> None:
+        if keep:
+            self.steps.append(self.seconds)
+        self.seconds = {}
+
+    def medians(self) -> dict[str, float]:
+        names = dict.fromkeys(name for step in self.steps for name in step)
+        return {n: statistics.median(s.get(n, 0.0) for s in self.steps) for n in names}
+
+    def time_newton_schulz(self) -> None:
+        """Time every Newton-Schulz iteration of torch's Muon and every DeepSpeed Muon update."""
+        import torch.optim._muon as torch_muon
+
+        def timed(module: Any, name: str) -> None:
+            original = getattr(module, name)
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = original(*args, **kwargs)
+                self.add("newton_schulz", time.perf_counter() - t0)
+                return out
+
+            setattr(module, name, wrapper)
+
+        timed(torch_muon, "_zeropower_via_newtonschulz")
+        if "deepspeed" in sys.modules:
+            from deepspeed.runtime.zero.muon import original_muon
+
+            timed(original_muon, "muon_update")
+
+
+PHASES = Phases()
+
+
+def optimizers(params: list[nn.Parameter], cfg: Config) -> dict[str, torch.optim.Optimizer]:
+    """The torch optimizers of ``cfg.optimizer`` over ``params``, by name."""
+    if cfg.optimizer == "adamw":
+        return {"adamw": torch.optim.AdamW(params, lr=cfg.lr)}
+    if cfg.optimizer == "adafactor":
+        return {"adafactor": torch.optim.Adafactor(params, lr=cfg.lr)}
+    return {
+        "muon": torch.optim.Muon([p for p in params if p.ndim == 2], lr=cfg.lr),
+        "adamw": torch.optim.AdamW([p for p in params if p.ndim != 2], lr=cfg.lr),
+    }
+
+
+def timed_step(name: str, opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """``opt.step()``, its time split into exchange in, update and exchange out: its own step
+    hooks run after shardwrap's pre-hook and before shardwrap's post-hook."""
+    marks: dict[str, float] = {}
+    opt.register_step_pre_hook(lambda *_: marks.__setitem__("pre", time.perf_counter()))
+    opt.register_step_post_hook(lambda *_: marks.__setitem__("post", time.perf_counter()))
 
     def step() -> None:
+        t0 = time.perf_counter()
         opt.step()
-        opt.zero_grad()
+        t1 = time.perf_counter()
+        PHASES.add(f"{name} exchange in", marks["pre"] - t0)
+        PHASES.add(f"{name} update", marks["post"] - marks["pre"])
+        PHASES.add(f"{name} exchange out", t1 - marks["post"])
+
+    return step
+
+
+def plain(model: nn.Module, cfg: Config) -> Trainer:
+    opts = optimizers(list(model.parameters()), cfg)
+    steps = [timed_step(name, opt) for name, opt in opts.items()]
+
+    def step() -> None:
+        for one in steps:
+            one()
+        for opt in opts.values():
+            opt.zero_grad()
 
     return Trainer(model, Tensor.backward, step)
 
@@ -254,10 +362,27 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
     if method.startswith("deepspeed-s"):
         import deepspeed
 
+        if cfg.optimizer == "adafactor":
+            raise ValueError(
+                "Adafactor is not benchmarked under DeepSpeed: ZeRO hands its client optimizer "
+                "flat 1-D partitions, whose factored moments are not Adafactor's; choose adamw "
+                "or muon (DeepSpeed's own Muon)"
+            )
+        muon = {
+            "optimizer": {
+                "type": "Muon",
+                "params": {"lr": cfg.lr, "momentum": 0.95, "ns_method": "standard"},
+            }
+        }
         engine, *_ = deepspeed.initialize(
             model=model.to(device),
-            optimizer=torch.optim.AdamW(model.parameters(), lr=cfg.lr),
+            **(
+                {"model_parameters": model.parameters()}
+                if cfg.optimizer == "muon"
+                else {"optimizer": torch.optim.AdamW(model.parameters(), lr=cfg.lr)}
+            ),
             config={
+                **(muon if cfg.optimizer == "muon" else {}),
                 "train_micro_batch_size_per_gpu": cfg.batch,
                 "gradient_accumulation_steps": 1,
                 "gradient_clipping": 0.0,
@@ -269,6 +394,35 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
         )
         return Trainer(engine, engine.backward, engine.step)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+class _TimedWait:
+    """A collective in flight whose ``wait()`` adds the time from its issue to its end to the
+    phase ``owner all-to-all``."""
+
+    def __init__(self, pending: Any, issued: float) -> None:
+        self._pending, self._issued = pending, issued
+
+    def wait(self) -> None:
+        self._pending.wait()
+        PHASES.add("owner all-to-all", time.perf_counter() - self._issued)
+
+
+def count_owner_exchange() -> CommStats:
+    """Count the bytes each rank sends in the all-to-alls that step shape-aware optimizers
+    (``shardwrap.engine.whole_params``), which the model's ``comm_stats`` does not record, and
+    time them (issue to end of ``wait()``; the copies around them are not in it)."""
+    from shardwrap.engine import whole_params
+
+    stats = CommStats()
+    original = whole_params.all_to_all
+
+    def counted(outs: list[Tensor], ins: list[Tensor], group: Any) -> _TimedWait:
+        issued = time.perf_counter()
+        return _TimedWait(original(outs, ins, group, stats), issued)
+
+    whole_params.all_to_all = counted
+    return stats
 
 
 def setup_deepspeed() -> None:
@@ -292,6 +446,8 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
     counter.install()  # before DeepSpeed, which keeps references to some collectives
     if method.startswith("deepspeed-s"):
         setup_deepspeed()
+    exchange = count_owner_exchange()
+    PHASES.time_newton_schulz()
     if cfg.model == "t5":
         import transformers  # noqa: F401 (library code is no method's memory)
     # NOTE: torch.optim imports torch._dynamo when the first optimizer is built, 73 MB of
@@ -319,6 +475,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
             counter.bytes = counter.calls = 0
+            exchange.reset()
             if method.startswith("shardwrap"):
                 model.comm_stats.reset()
         tokens = torch.randint(256, (cfg.batch, cfg.context + 1), generator=gen).to(device)
@@ -329,21 +486,34 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
             logits = logits_of(model, cfg, tokens[:, :-1])  # (B, T, 256), bf16 under bf16
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         trainer.backward(loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
         trainer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = torch.tensor(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        PHASES.add("forward_backward", t1 - t0)
+        PHASES.add("step", t2 - t1)
+        PHASES.end_step(keep=step >= cfg.warmup)
+        elapsed = torch.tensor(t2 - t0)
         counter.paused = True  # the benchmark's own reduction is not the method's traffic
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
         counter.paused = False
         losses.append(loss.item())
         if step >= cfg.warmup:
             times.append(elapsed.item())
+    by_kind: dict[str, float] = {}
     if method.startswith("shardwrap"):
         comm_bytes = sum(model.comm_stats.bytes.values())
         comm_calls = sum(model.comm_stats.calls.values())
+        by_kind = {k: b / cfg.steps for k, b in model.comm_stats.bytes.items()}
     else:
         comm_bytes, comm_calls = counter.bytes, counter.calls
+    counter.paused = True  # what follows is the benchmark's own traffic
+    per_rank: list[Any] = [None] * world
+    exchanged = sum(exchange.bytes.values()) / cfg.steps
+    dist.all_gather_object(per_rank, (PHASES.medians(), exchanged))
     tracked = -1.0 if tracker is None else tracker.peak / 2**20
     peak = torch.tensor([peak_mb(device, rss_before), built, tracked])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -360,6 +530,9 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         **({"tracked_peak_mb_per_rank": peak[2].item()} if cfg.track else {}),
         "comm_bytes_per_step": comm_bytes / cfg.steps,
         "comm_calls_per_step": comm_calls / cfg.steps,
+        "comm_bytes_per_step_by_kind": by_kind,
+        "owner_exchange_bytes_per_step_per_rank": [e for _, e in per_rank],
+        "phases_s_per_rank": [p for p, _ in per_rank],
         "losses": losses,
         "final_loss": losses[-1],
         "config": asdict(cfg),

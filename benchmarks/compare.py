@@ -51,6 +51,9 @@ METHODS = (
 )
 ALIASES = {"shardwrap": "shardwrap-s3"}
 PRECISIONS = ("fp32", "bf16")
+# What the worker can train with (``benchmarks/optimizers.py`` compares them): AdamW; Muon on the
+# matrices with AdamW on the rest; Adafactor.
+OPTIMIZERS = ("adamw", "muon", "adafactor")
 # shardwrap's targets at every precision: (method, reference, bound on the ratio of step
 # times, bound on the ratio of peak memory or None).
 TARGETS = (

@@ -9,7 +9,12 @@ a made-up result set judges every cell's allocated peak against it.
 the exact edge of the budget (or none, or its limit), and ``--time-steps`` times the largest
 batch in one more launch whose step time is the one the report uses.
 
-``compare.py`` and ``scaling.py`` end to end, in the process tier: ``tests/e2e/test_benchmarks.py``.
+``benchmarks/optimizers.py``: it runs DeepSpeed only with the optimizers it has (its own Muon,
+AdamW), and its report judges shardwrap's Muon against AdamW by the goal and sets every method
+against DDP and DeepSpeed per optimizer.
+
+``compare.py``, ``scaling.py`` and ``optimizers.py`` end to end, in the process tier:
+``tests/e2e/test_benchmarks.py``.
 Run: ``pytest tests/test_benchmarks.py``.
 """
 
@@ -160,6 +165,52 @@ def test_methods_resolve_aliases_and_skip_deepspeed_only_when_not_asked_for() ->
     )
     with pytest.raises(SystemExit, match=r"deepspeed-s2.*pip install -e '\.\[bench\]'.*make bench"):
         compare.select_methods(["ddp", "deepspeed-s2"], everything, have_deepspeed=False)
+
+
+def test_optimizers_runs_deepspeed_only_with_adamw_and_its_own_muon() -> None:
+    optimizers = load_benchmark("optimizers")
+    todo = optimizers.cells([2], ["shardwrap-s3", "deepspeed-s1"], ["adamw", "muon", "adafactor"])
+    assert todo == [
+        (2, "shardwrap-s3", "adamw"),
+        (2, "shardwrap-s3", "muon"),
+        (2, "shardwrap-s3", "adafactor"),
+        (2, "deepspeed-s1", "adamw"),
+        (2, "deepspeed-s1", "muon"),
+    ]
+
+
+def test_optimizers_ratios_judge_shardwraps_muon_by_its_goal_per_world_size() -> None:
+    optimizers = load_benchmark("optimizers")
+
+    def row(step_s: float, peak: float, comm: float = 0.0, extra: float = 0.0) -> dict:
+        return {
+            "step_s": step_s,
+            "peak_mb_per_rank": peak,
+            "comm_mb_per_step": comm,
+            "exchange_mb_per_step_per_rank": extra,
+        }
+
+    rows = {
+        2: {
+            ("shardwrap-s3", "adamw"): row(2.0, 1000, 1000),
+            ("shardwrap-s3", "muon"): row(2.2, 800, 1000, 300),
+            ("ddp", "adamw"): row(2.0, 2000, 400),
+            ("ddp", "muon"): row(4.0, 1600, 400),
+            ("deepspeed-s2", "muon"): row(5.5, 2000, 400),
+        },
+        4: {("shardwrap-s3", "adamw"): row(3.0, 600), ("shardwrap-s3", "muon"): row(3.6, 500)},
+    }
+    assert optimizers.ratio_lines(rows) == [
+        "- 2 ranks, shardwrap-s3: muon step time 1.10x adamw's (goal <= 1.15x: met).",
+        "- 2 ranks, ddp: muon step time 2.00x adamw's.",
+        "- 2 ranks, adamw: shardwrap stage 3 vs DDP: step time 1.00x, peak memory 0.50x.",
+        "- 2 ranks, muon: shardwrap stage 3 vs DDP: step time 0.55x, peak memory 0.50x.",
+        "- 2 ranks, muon: shardwrap stage 3 vs deepspeed-s2: step time 0.40x, peak memory 0.40x.",
+        "- 2 ranks, muon: the owner exchange sends 300.0 MB per step and rank, 0.60x the "
+        "500.0 MB a rank sends in the step's gathers and reductions (1/2 of their 1000.0 MB "
+        "of buffers).",
+        "- 4 ranks, shardwrap-s3: muon step time 1.20x adamw's (goal <= 1.15x: NOT met).",
+    ]
 
 
 def test_scaling_counts_the_example_gpts_parameters_and_its_sizes_land_near_their_names(

@@ -5,7 +5,10 @@ configuration; timings are not checked (this machine is noisy), only that every 
 exists and holds what the report promises, that every method trains like DDP (same per-step
 losses), and that bf16 really ran in mixed precision (shardwrap and FSDP2 gather bf16 bytes;
 every loss moves, slightly). ``benchmarks/scaling.py`` runs one tiny cell, measured within 10%
-of its prediction. Their logic, in process: ``tests/test_benchmarks.py``.
+of its prediction. ``benchmarks/optimizers.py`` runs AdamW, Muon and Adafactor with shardwrap
+and DDP on two ranks: each trains like DDP with the same optimizer, and only the shape-aware
+ones move bytes in the owner exchange, timed in its phases. Their logic, in process:
+``tests/test_benchmarks.py``.
 Run: ``pytest -m process tests/e2e/test_benchmarks.py``.
 """
 
@@ -112,3 +115,47 @@ def test_scaling_runs_one_tiny_cell_and_writes_markdown_json_and_png(tmp_path: P
     assert report["failed"] == []
     assert "| 32x2x2 | " in md.read_text()
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.process
+def test_optimizers_runs_shape_aware_optimizers_like_ddp_and_counts_the_owner_exchange(
+    tmp_path: Path,
+) -> None:
+    cmd = [
+        sys.executable,
+        "benchmarks/optimizers.py",
+        *("--nproc", "2", "--methods", "shardwrap", "ddp"),
+        *("--optimizers", "adamw", "muon", "adafactor", "--steps", "1"),
+        *("--config", json.dumps(TINY), "--theme", "smoke", "--out-dir", str(tmp_path)),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("smoke_*.md")
+    (js,) = tmp_path.glob("smoke_*.json")
+    report = json.loads(js.read_text())
+    rows = {(r["method"], r["optimizer"]): r for r in report["rows"]}
+    assert set(rows) == {
+        (m, o) for m in ("shardwrap-s3", "ddp") for o in ("adamw", "muon", "adafactor")
+    }
+    params = rows["ddp", "adamw"]["params"]
+    for (method, opt), row in rows.items():
+        assert row["step_s"] > 0 and row["peak_mb_per_rank"] > 0, (method, opt)
+        assert row["loss_diff_vs_ddp"] < (1e-4 if opt == "muon" else 1e-5), (method, opt)
+        extra = row["exchange_mb_per_step_per_rank"] * 2**20
+        if method == "ddp" or opt == "adamw":
+            assert extra == 0, (method, opt)
+        else:  # values and gradients in, values out: at most 3 fp32 copies of the model
+            assert 0 < extra <= 3 * 4 * params, (method, opt)
+    (run,) = [
+        r
+        for r in report["runs"]
+        if r["method"] == "shardwrap-s3" and r["config"]["optimizer"] == "muon"
+    ]
+    for phases in run["phases_s_per_rank"]:
+        assert phases["newton_schulz"] > 0 and phases["muon exchange in"] > 0
+        assert phases["muon update"] >= phases["newton_schulz"]
+    table = md.read_text()
+    assert "| 2 | shardwrap-s3 | muon | " in table
+    assert "- 2 ranks, shardwrap-s3: muon step time " in table and "(goal <= 1.15x: " in table
+    assert "- 2 ranks, muon: shardwrap stage 3 vs DDP: step time " in table
