@@ -530,7 +530,7 @@ def _wrap(
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
                 setattr(shard_param, SHARD_ATTR, True)
-                setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i))
+                setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i, stats))
                 for owner, attr in slots:
                     owner._parameters[attr] = shard_param
                 retire(p, name)

@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 BALANCE = 1.1  # no rank owns more than this times an even split (but for one parameter)
-PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (weakref to its FlatGroup, index)
+PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (its FlatGroup, weakly; index; CommStats)
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -263,6 +263,7 @@ class _Plan:
     dtype: torch.dtype
     device: torch.device
     entries: list[_Entry]
+    stats: Any = None  # the model's CommStats: the exchange counts as "all_to_all"
     sends: list[list[_Entry]] = field(default_factory=list)  # per peer: its params I hold
     recvs: list[list[_Entry]] = field(default_factory=list)  # per peer: my params it holds
 
@@ -348,7 +349,7 @@ class _WholeStep:
             torch.empty(2 * _held(es, q), dtype=dtype, device=device)
             for q, es in enumerate(plan.recvs)
         ]
-        all_to_all(outs, ins, plan.group).wait()
+        all_to_all(outs, ins, plan.group, plan.stats).wait()
         copies: dict[int, tuple[Tensor, Tensor]] = {}  # owned, not held whole: (values, grads)
         for e in plan.entries:
             p, piece, grad = e.param, e.param.data, e.param.grad
@@ -391,7 +392,7 @@ class _WholeStep:
                 at += b - a
             ins.append(buf)
         outs = [torch.empty(_held(es, r), dtype=dtype, device=device) for es in plan.sends]
-        all_to_all(outs, ins, plan.group).wait()
+        all_to_all(outs, ins, plan.group, plan.stats).wait()
         for q, es in enumerate(plan.sends):
             at = 0
             for e in es:
@@ -415,7 +416,7 @@ def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
     by_group: dict[int, tuple[int, list[_Entry]]] = {}
     ranges: dict[int, list[tuple]] = {}
     for p in params:
-        ref, index = getattr(p, PIECE_ATTR)
+        ref, index, _ = getattr(p, PIECE_ATTR)
         fg = ref()
         world = fg.mesh.shard_size
         if id(fg) not in ranges:
@@ -460,10 +461,13 @@ def _plan(entries: list[_Entry]) -> list[_Plan]:
     plans: dict[tuple[int, torch.dtype], _Plan] = {}
     for e in entries:
         p = e.param
-        mesh = getattr(p, PIECE_ATTR)[0]().mesh
+        ref, _, stats = getattr(p, PIECE_ATTR)
+        mesh = ref().mesh
         key = (id(mesh.shard), p.dtype)
         if key not in plans:
-            plans[key] = _Plan(mesh.shard, mesh.shard_rank, mesh.shard_size, p.dtype, p.device, [])
+            plans[key] = _Plan(
+                mesh.shard, mesh.shard_rank, mesh.shard_size, p.dtype, p.device, [], stats
+            )
         plans[key].entries.append(e)
     for plan in plans.values():
         r = plan.rank

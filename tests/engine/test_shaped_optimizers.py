@@ -206,7 +206,10 @@ def test_state_is_sharded_by_owner() -> None:
         opt = torch.optim.Adafactor(m.parameters(), lr=1e-2)
         inputs, targets = BATCHES[0]
         loss_fn(m, inputs.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+        m.comm_stats.reset()
         opt.step()
+        assert m.comm_stats.calls["all_to_all"] == 2  # in and out, counted with the model's
+        assert m.comm_stats.bytes["all_to_all"] > 0
         names = {id(p): n for n, p in m.named_parameters()}
         held = {names[id(p)]: numels[names[id(p)]] for p in opt.state}
         for p in m.parameters():  # every parameter is its piece again
