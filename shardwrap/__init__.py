@@ -14,6 +14,7 @@ from .engine.grad_scaler import ShardedGradScaler
 from .engine.sharded_module import ShardedModule
 from .engine.whole_params import declare_optimizer
 from .integrations import hf as _hf  # noqa: F401  (registers its habits with the engine)
+from .integrations import peft as _peft  # noqa: F401  (registers its habits with the engine)
 from .options import MixedPrecision, Offload
 from .planning.allocations import AllocationTracker, track_allocations
 from .planning.planner import estimate_memory

@@ -1,0 +1,92 @@
+"""PEFT LoRA on a sharded Llama.
+
+Proves, on Llama from a tiny config at 2 ranks, wrapped as ``ShardedModule(get_peft_model(model,
+config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
+
+- AdamW steps on the per-rank halves of each global batch leave the LoRA weights of the
+  unwrapped PEFT model trained on the whole batch, the base weights untouched, and optimizer
+  state only for LoRA weights;
+- adding adapters to a model that is already sharded is refused, naming the order to use.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from shardwrap import ShardedModule
+from tests.support.models import hf_ids, tiny_llama_config
+from tests.support.ranks import run_ranks
+
+WORLD, STEPS, GLOBAL_BATCH, LENGTH = 2, 3, 4, 10
+
+
+def _lora() -> LoraConfig:
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+    )
+
+
+def _models() -> tuple[nn.Module, nn.Module]:
+    """The base model and a PEFT model of a copy of it (same base weights)."""
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(tiny_llama_config())
+    return base, get_peft_model(copy.deepcopy(base), _lora())
+
+
+def _train(model: nn.Module, rank: int, world: int) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        ids = hf_ids(step, GLOBAL_BATCH, LENGTH).chunk(world)[rank]
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_training_matches_the_plain_peft_model(stage: int) -> None:
+    _, peft_model = _models()
+    ref = copy.deepcopy(peft_model)
+    _train(ref, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], int, list[str]]:
+        m = ShardedModule(
+            copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage
+        )
+        opt = _train(m, rank, WORLD)
+        names = {id(p): n for n, p in m.named_parameters()}
+        return m.full_state_dict(), len(opt.state), sorted(names[id(p)] for p in opt.state)
+
+    lora = sorted(n for n, p in peft_model.named_parameters() if p.requires_grad)
+    assert len(lora) == 8  # lora_A and lora_B of q_proj and v_proj, 2 layers
+    start = peft_model.state_dict()
+    for full, states, with_state in run_ranks(WORLD, fn, timeout=60.0):
+        torch.testing.assert_close(full, ref.state_dict(), atol=1e-5, rtol=0)
+        assert states == 8 and with_state == lora
+        changed = {k for k, v in full.items() if not torch.equal(v, start[k])}
+        assert changed == {k for k in start if ".lora_" in k}
+
+
+def test_adapters_added_to_a_sharded_model_are_refused() -> None:
+    base, _ = _models()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=LlamaDecoderLayer, process_group=pg)
+        with pytest.raises(TypeError, match=r"ShardedModule\(get_peft_model\(model, config\)"):
+            get_peft_model(m, _lora())
+
+    run_ranks(WORLD, fn)
