@@ -6,17 +6,26 @@ separate flat groups of each unit (groups are keyed by dtype and ``requires_grad
 adapters get gradients and optimizer state. The reverse order would graft unsharded adapters
 into a sharded model, whose gradients no rank would average; it is refused.
 
+A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
+
+- ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
+  parameters, not this rank's pieces.
+
 The engine does not import this module (nor ``peft``): ``shardwrap/__init__.py`` imports it,
-and it registers its habits with the engine (``engine/extensions.py``).
+and it registers the habits with the engine (``engine/extensions.py``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from ..engine import extensions
+from torch import nn
 
-__all__ = ["RefusesAdapters", "is_peft_model"]
+from ..engine import extensions
+from ..engine.root import Root
+
+__all__ = ["PeftHabits", "is_peft_model"]
 
 
 def is_peft_model(cls: type) -> bool:
@@ -25,7 +34,7 @@ def is_peft_model(cls: type) -> bool:
 
 
 def _habits(cls: type) -> tuple[type, ...]:
-    return () if is_peft_model(cls) else (RefusesAdapters,)
+    return (PeftHabits,) if is_peft_model(cls) else (RefusesAdapters,)
 
 
 class RefusesAdapters:
@@ -47,6 +56,22 @@ class RefusesAdapters:
             "first and shard it: ShardedModule(get_peft_model(model, config), auto_wrap=...) "
             "(this model now holds the unsharded adapters: build it again)."
         )
+
+
+class PeftHabits:
+    """Methods of a wrapped ``PeftModel`` that differ from the unwrapped model's."""
+
+    _shardwrap_root: Root
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """Trainable and all parameters, counted whole (not this rank's pieces)."""
+        index = self._shardwrap_root.param_of
+        trainable = total = 0
+        for p in nn.Module.parameters(self):  # type: ignore[arg-type]
+            n = math.prod(index[id(p)].shape) if id(p) in index else p.numel()
+            total += n
+            trainable += n if p.requires_grad else 0
+        return trainable, total
 
 
 extensions.register_class_habits(_habits)

@@ -6,6 +6,7 @@ config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
 - AdamW steps on the per-rank halves of each global batch leave the LoRA weights of the
   unwrapped PEFT model trained on the whole batch, the base weights untouched, and optimizer
   state only for LoRA weights;
+- ``print_trainable_parameters()`` reports the unwrapped model's counts;
 - adding adapters to a model that is already sharded is refused, naming the order to use.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
@@ -13,7 +14,11 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -28,6 +33,8 @@ from tests.support.models import hf_ids, tiny_llama_config
 from tests.support.ranks import run_ranks
 
 WORLD, STEPS, GLOBAL_BATCH, LENGTH = 2, 3, 4, 10
+
+T = TypeVar("T")
 
 
 def _lora() -> LoraConfig:
@@ -57,6 +64,32 @@ def _train(model: nn.Module, rank: int, world: int) -> torch.optim.Optimizer:
     return opt
 
 
+def _printed(model: Any) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.print_trainable_parameters()
+    return out.getvalue()
+
+
+def _sharded_and_trained(
+    stage: int, after: Callable[[nn.Module, int], T]
+) -> tuple[nn.Module, nn.Module, list[T]]:
+    """The base model, the unwrapped PEFT model trained on the global batches, and what
+    ``after(model, rank)`` returns on each rank once the sharded PEFT model took the same steps."""
+    base, peft_model = _models()
+    ref = copy.deepcopy(peft_model)
+    _train(ref, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> T:
+        m = ShardedModule(
+            copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage
+        )
+        _train(m, rank, WORLD)
+        return after(m, rank)
+
+    return base, ref.eval(), run_ranks(WORLD, fn, timeout=60.0)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lora_training_matches_the_plain_peft_model(stage: int) -> None:
     _, peft_model = _models()
@@ -79,6 +112,12 @@ def test_lora_training_matches_the_plain_peft_model(stage: int) -> None:
         assert states == 8 and with_state == lora
         changed = {k for k, v in full.items() if not torch.equal(v, start[k])}
         assert changed == {k for k in start if ".lora_" in k}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_print_trainable_parameters_counts_whole_parameters(stage: int) -> None:
+    _, ref, printed = _sharded_and_trained(stage, lambda m, rank: _printed(m))
+    assert printed == [_printed(ref)] * WORLD
 
 
 def test_adapters_added_to_a_sharded_model_are_refused() -> None:
