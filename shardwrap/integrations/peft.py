@@ -8,6 +8,8 @@ into a sharded model, whose gradients no rank would average; it is refused.
 
 A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
 
+- ``save_pretrained(dir)`` gathers only what the adapter file holds (rank 0 writes), so
+  ``PeftModel.from_pretrained(base, dir)`` loads it;
 - ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
   parameters, not this rank's pieces.
 
@@ -18,9 +20,10 @@ and it registers the habits with the engine (``engine/extensions.py``).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from ..engine import extensions
 from ..engine.root import Root
@@ -35,6 +38,29 @@ def is_peft_model(cls: type) -> bool:
 
 def _habits(cls: type) -> tuple[type, ...]:
     return (PeftHabits,) if is_peft_model(cls) else (RefusesAdapters,)
+
+
+def _full_params(root: Root, wanted: set[int]) -> dict[int, Tensor]:
+    """The whole value (CPU) of each shard parameter in ``wanted``, on rank 0 (others: empty).
+
+    Gathers only the flat groups that hold one of them, one at a time. Every rank calls it
+    with the same ``wanted`` (the same parameters, by name).
+    """
+    root.settle()
+    root.check_state()
+    root.schedule.enter("save_pretrained")
+    keep = root.mesh.rank == 0
+    full: dict[int, Tensor] = {}
+    for unit in root.units:
+        for g in unit.groups:
+            if not any(id(p) in wanted for p in g.shard_params):
+                continue
+            with unit.readable(g) as views:
+                if keep:
+                    for p, view in zip(g.shard_params, views):
+                        if id(p) in wanted:
+                            full[id(p)] = view.to("cpu", copy=True)
+    return full
 
 
 class RefusesAdapters:
@@ -62,6 +88,42 @@ class PeftHabits:
     """Methods of a wrapped ``PeftModel`` that differ from the unwrapped model's."""
 
     _shardwrap_root: Root
+
+    def save_pretrained(
+        self, save_directory: str | Path, is_main_process: bool = True, **kwargs: Any
+    ) -> None:
+        """Write the adapters as ``PeftModel.from_pretrained`` reads them. Call on every rank.
+
+        Gathers only the parameters the adapter file holds (the adapters, and any
+        ``modules_to_save``), one flat group at a time; rank 0 writes. Every other option is
+        ``PeftModel.save_pretrained``'s. A ``state_dict`` passed in is written as it is (it
+        must hold whole tensors: ``full_state_dict(rank0_only=True)``).
+        """
+        root = self._shardwrap_root
+        if "state_dict" in kwargs:
+            return super().save_pretrained(  # type: ignore[misc]
+                save_directory, is_main_process=is_main_process, **kwargs
+            )
+        from peft.utils import get_peft_model_state_dict
+
+        own = nn.Module.state_dict(self, keep_vars=True)  # type: ignore[arg-type]
+        names = kwargs.get("selected_adapters") or list(self.peft_config)  # type: ignore[attr-defined]
+        wanted = {
+            id(v)
+            for name in names
+            for v in get_peft_model_state_dict(self, state_dict=own, adapter_name=name).values()
+            if id(v) in root.param_of
+        }
+        full = _full_params(root, wanted)
+        rank0 = root.mesh.rank == 0
+        state = {
+            k: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
+            for k, v in own.items()
+            if id(v) in wanted or id(v) not in root.param_of
+        }
+        return super().save_pretrained(  # type: ignore[misc]
+            save_directory, is_main_process=is_main_process and rank0, state_dict=state, **kwargs
+        )
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """Trainable and all parameters, counted whole (not this rank's pieces)."""

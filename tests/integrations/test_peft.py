@@ -7,6 +7,8 @@ config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
   unwrapped PEFT model trained on the whole batch, the base weights untouched, and optimizer
   state only for LoRA weights;
 - ``print_trainable_parameters()`` reports the unwrapped model's counts;
+- ``save_pretrained(dir)`` on every rank writes an adapter that ``PeftModel.from_pretrained``
+  loads onto the base model as the trained adapter (same weights, same logits);
 - adding adapters to a model that is already sharded is refused, naming the order to use.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
@@ -18,12 +20,14 @@ import contextlib
 import copy
 import io
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -69,6 +73,11 @@ def _printed(model: Any) -> str:
     with contextlib.redirect_stdout(out):
         model.print_trainable_parameters()
     return out.getvalue()
+
+
+def _logits(model: nn.Module) -> Tensor:
+    with torch.no_grad():
+        return model(input_ids=hf_ids(99, 2, LENGTH)).logits
 
 
 def _sharded_and_trained(
@@ -118,6 +127,18 @@ def test_lora_training_matches_the_plain_peft_model(stage: int) -> None:
 def test_print_trainable_parameters_counts_whole_parameters(stage: int) -> None:
     _, ref, printed = _sharded_and_trained(stage, lambda m, rank: _printed(m))
     assert printed == [_printed(ref)] * WORLD
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_pretrained_writes_the_adapter_as_from_pretrained_loads_it(
+    stage: int, tmp_path: Path
+) -> None:
+    folder = tmp_path / "adapter"
+    base, ref, _ = _sharded_and_trained(stage, lambda m, rank: m.save_pretrained(folder))
+    assert len(load_file(folder / "adapter_model.safetensors")) == 8  # the LoRA weights alone
+    loaded = PeftModel.from_pretrained(base, folder).eval()
+    torch.testing.assert_close(loaded.state_dict(), ref.state_dict(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(_logits(loaded), _logits(ref), atol=1e-4, rtol=0)
 
 
 def test_adapters_added_to_a_sharded_model_are_refused() -> None:
