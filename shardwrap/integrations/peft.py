@@ -10,6 +10,7 @@ A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
 
 - ``save_pretrained(dir)`` gathers only what the adapter file holds (rank 0 writes), so
   ``PeftModel.from_pretrained(base, dir)`` loads it;
+- ``merge_and_unload()`` returns the whole base model with the adapters merged, unsharded;
 - ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
   parameters, not this rank's pieces.
 
@@ -19,6 +20,7 @@ and it registers the habits with the engine (``engine/extensions.py``).
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,8 @@ from torch import Tensor, nn
 
 from ..engine import extensions
 from ..engine.root import Root
+from ..engine.sharded_module import ShardedModule
+from .hf import is_transformers_model
 
 __all__ = ["PeftHabits", "is_peft_model"]
 
@@ -61,6 +65,11 @@ def _full_params(root: Root, wanted: set[int]) -> dict[int, Tensor]:
                         if id(p) in wanted:
                             full[id(p)] = view.to("cpu", copy=True)
     return full
+
+
+def _original_class(cls: type) -> type:
+    """The ``peft`` class a sharded model's class was made from."""
+    return next(c for c in cls.__mro__ if is_peft_model(c) and not issubclass(c, ShardedModule))
 
 
 class RefusesAdapters:
@@ -124,6 +133,44 @@ class PeftHabits:
         return super().save_pretrained(  # type: ignore[misc]
             save_directory, is_main_process=is_main_process and rank0, state_dict=state, **kwargs
         )
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """The base model with the adapters merged in: whole, unsharded, on the CPU, on every
+        rank. Call on every rank.
+
+        The sharded model stays as it was, adapters apart and training-ready: merging into
+        the shards would leave a sharded model whose adapter groups no module holds. The
+        result is the unwrapped PEFT model, built on the CPU and given :meth:`full_state_dict`,
+        whose own ``merge_and_unload(*args, **kwargs)`` then merges: CPU memory of the whole
+        model per rank.
+        ``merged.save_pretrained(dir)`` on rank 0 writes it.
+
+        Raises:
+            TypeError: a base model that is not a ``transformers`` model (it cannot be built
+                again from its configuration); naming what to do instead.
+        """
+        base = self.get_base_model()  # type: ignore[attr-defined]
+        if not is_transformers_model(type(base)):
+            raise TypeError(
+                f"merge_and_unload on a sharded model rebuilds the base model from its "
+                f"configuration, which {type(base).__name__} (not a transformers model) has "
+                "not. Save the adapters (model.save_pretrained(dir), every rank), load them "
+                "onto the unwrapped base model and merge there."
+            )
+        full = self.full_state_dict()  # type: ignore[attr-defined]
+        configs = self.peft_config  # type: ignore[attr-defined]
+        first, *others = list(configs)
+        # Built for real on the CPU (its initial weights replaced below): a model built on the
+        # meta device would leave the tensors it computes at init, rotary tables say, unbuilt.
+        plain = _original_class(type(self))(
+            type(base)(copy.deepcopy(base.config)), copy.deepcopy(configs[first]), first
+        )
+        for name in others:
+            plain.add_adapter(name, copy.deepcopy(configs[name]))
+        plain.load_state_dict(full, strict=True, assign=True)
+        plain.get_base_model().tie_weights()
+        plain.set_adapter(self.active_adapter)  # type: ignore[attr-defined]
+        return plain.merge_and_unload(*args, **kwargs)
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """Trainable and all parameters, counted whole (not this rank's pieces)."""

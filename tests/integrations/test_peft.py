@@ -9,6 +9,8 @@ config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
 - ``print_trainable_parameters()`` reports the unwrapped model's counts;
 - ``save_pretrained(dir)`` on every rank writes an adapter that ``PeftModel.from_pretrained``
   loads onto the base model as the trained adapter (same weights, same logits);
+- ``merge_and_unload()`` returns the unwrapped model's merged model (same weights, logits),
+  and is refused before any collective for a base model it cannot build again;
 - adding adapters to a model that is already sharded is refused, naming the order to use.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
@@ -139,6 +141,30 @@ def test_save_pretrained_writes_the_adapter_as_from_pretrained_loads_it(
     loaded = PeftModel.from_pretrained(base, folder).eval()
     torch.testing.assert_close(loaded.state_dict(), ref.state_dict(), atol=1e-5, rtol=0)
     torch.testing.assert_close(_logits(loaded), _logits(ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_merge_and_unload_gives_the_plain_models_merged_model(stage: int) -> None:
+    _, ref, merged = _sharded_and_trained(stage, lambda m, rank: m.merge_and_unload())
+    want = ref.merge_and_unload()
+    for got in merged:
+        assert type(got) is type(want)
+        torch.testing.assert_close(got.state_dict(), want.state_dict(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(_logits(got.eval()), _logits(want), atol=1e-4, rtol=0)
+
+
+def test_merge_and_unload_of_a_base_model_without_a_config_is_refused() -> None:
+    torch.manual_seed(0)
+    model = get_peft_model(nn.Sequential(nn.Linear(8, 8)), LoraConfig(target_modules=["0"]))
+
+    def fn(rank: int, pg: ProcessGroup) -> int:
+        m = ShardedModule(copy.deepcopy(model), process_group=pg)
+        before = sum(m.comm_stats.calls.values())
+        with pytest.raises(TypeError, match="merge there"):
+            m.merge_and_unload()
+        return sum(m.comm_stats.calls.values()) - before
+
+    assert run_ranks(WORLD, fn) == [0, 0]
 
 
 def test_adapters_added_to_a_sharded_model_are_refused() -> None:
