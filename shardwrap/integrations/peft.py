@@ -11,6 +11,8 @@ A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
 - ``save_pretrained(dir)`` gathers only what the adapter file holds (rank 0 writes), so
   ``PeftModel.from_pretrained(base, dir)`` loads it;
 - ``merge_and_unload()`` returns the whole base model with the adapters merged, unsharded;
+- ``generate()`` keeps every rank decoding until all are done, as on a sharded
+  ``transformers`` model (``integrations/hf.py``);
 - ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
   parameters, not this rank's pieces.
 
@@ -25,12 +27,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..engine import extensions
 from ..engine.root import Root
 from ..engine.sharded_module import ShardedModule
-from .hf import is_transformers_model
+from .hf import any_rank_decoding, is_transformers_model
 
 __all__ = ["PeftHabits", "is_peft_model"]
 
@@ -181,6 +184,42 @@ class PeftHabits:
             total += n
             trainable += n if p.requires_grad else 0
         return trainable, total
+
+    def generate(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
+        """``generate`` with every rank decoding until all are done, its units gathered once
+        for the whole call where memory allows, as a sharded ``transformers`` model's.
+
+        The ``transformers`` model inside decodes: its check of whether any rank still
+        decodes asks this model's ranks.
+
+        Raises:
+            ValueError: ``synced_gpus=False`` on more than one rank (see ``HuggingFaceHabits``).
+        """
+        root = self._shardwrap_root
+        if root.mesh.world_size > 1:
+            if synced_gpus is False:
+                raise ValueError(
+                    "generate(synced_gpus=False) on a sharded model: every decoding step "
+                    "gathers parameters, so all ranks must take the same number of steps. "
+                    "Leave synced_gpus unset (it defaults to True on a sharded model)."
+                )
+            synced_gpus = True
+        base = self.get_base_model()  # type: ignore[attr-defined]
+        own = getattr(super(), "generate", None) or base.generate
+
+        def unfinished(this_peer_finished: bool, synced: bool, device: torch.device) -> bool:
+            if not synced:
+                return type(base)._has_unfinished_sequences(
+                    base, this_peer_finished, synced, device
+                )
+            return any_rank_decoding(root, this_peer_finished)
+
+        base._has_unfinished_sequences = unfinished
+        try:
+            with self.keep_gathered():  # type: ignore[attr-defined]
+                return own(*args, synced_gpus=synced_gpus, **kwargs)
+        finally:
+            del base._has_unfinished_sequences
 
 
 extensions.register_class_habits(_habits)

@@ -1,4 +1,4 @@
-"""PEFT LoRA on a sharded Llama.
+"""PEFT LoRA on a sharded Llama: training, saving, merging, counting and generating.
 
 Proves, on Llama from a tiny config at 2 ranks, wrapped as ``ShardedModule(get_peft_model(model,
 config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
@@ -11,6 +11,9 @@ config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
   loads onto the base model as the trained adapter (same weights, same logits);
 - ``merge_and_unload()`` returns the unwrapped model's merged model (same weights, logits),
   and is refused before any collective for a base model it cannot build again;
+- ``generate()`` with prompts that end at different steps on the two ranks gives each rank
+  the unwrapped model's output (no rank left waiting); ``synced_gpus=False`` is refused
+  before any collective;
 - adding adapters to a model that is already sharded is refused, naming the order to use.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
@@ -35,10 +38,10 @@ from torch.distributed import ProcessGroup
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from shardwrap import ShardedModule
-from tests.support.models import hf_ids, tiny_llama_config
+from tests.support.models import HF_VOCAB, hf_ids, tiny_llama_config
 from tests.support.ranks import run_ranks
 
-WORLD, STEPS, GLOBAL_BATCH, LENGTH = 2, 3, 4, 10
+WORLD, STEPS, GLOBAL_BATCH, LENGTH, NEW_TOKENS = 2, 3, 4, 10, 8
 
 T = TypeVar("T")
 
@@ -165,6 +168,54 @@ def test_merge_and_unload_of_a_base_model_without_a_config_is_refused() -> None:
         return sum(m.comm_stats.calls.values()) - before
 
     assert run_ranks(WORLD, fn) == [0, 0]
+
+
+def _generate(model: nn.Module, prompt: Tensor, eos: int | None = None) -> Tensor:
+    with torch.no_grad():
+        return model.generate(
+            input_ids=prompt,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=eos,
+        )
+
+
+def _uneven(model: nn.Module) -> tuple[list[Tensor], int]:
+    """Two prompts and an end token that the first one's greedy continuation meets early and
+    the second one's never does."""
+    for seed in range(100):
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(2, HF_VOCAB, (1, 5), generator=g) for _ in range(WORLD)]
+        first, second = (_generate(model, p)[0, -NEW_TOKENS:].tolist() for p in prompts)
+        early = [t for t in first[: NEW_TOKENS // 2] if t not in second and t > 1]
+        if early:
+            return prompts, early[0]
+    raise AssertionError("no pair of prompts ends at different steps")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_generate_with_ranks_finishing_at_different_steps_matches_the_plain_model(
+    stage: int,
+) -> None:
+    _, peft_model = _models()
+    peft_model.eval()
+    prompts, eos = _uneven(peft_model)
+    want = [_generate(peft_model, p, eos) for p in prompts]
+    assert want[0].shape[1] < want[1].shape[1]
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[Tensor, int]:
+        m = ShardedModule(
+            copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage
+        )
+        with pytest.raises(ValueError, match="Leave synced_gpus unset"):
+            m.generate(input_ids=prompts[rank], synced_gpus=False)
+        refused_calls = sum(m.comm_stats.calls.values())
+        return _generate(m, prompts[rank], eos), refused_calls
+
+    for rank, (got, refused_calls) in enumerate(run_ranks(WORLD, fn, timeout=30.0)):
+        assert torch.equal(got, want[rank])
+        assert refused_calls == 0
 
 
 def test_adapters_added_to_a_sharded_model_are_refused() -> None:
