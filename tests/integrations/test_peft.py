@@ -14,6 +14,9 @@ config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
 - ``generate()`` with prompts that end at different steps on the two ranks gives each rank
   the unwrapped model's output (no rank left waiting); ``synced_gpus=False`` is refused
   before any collective;
+- at stage 2, the frozen base weights are not kept whole between steps: memory between steps
+  and at peak stays within a quarter of one layer's frozen weights of stage 3's (tracked
+  allocations);
 - adding adapters to a model that is already sharded is refused, naming the order to use.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
@@ -23,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,13 +41,23 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from shardwrap import ShardedModule
+from shardwrap import ShardedModule, track_allocations
 from tests.support.models import HF_VOCAB, hf_ids, tiny_llama_config
 from tests.support.ranks import run_ranks
 
 WORLD, STEPS, GLOBAL_BATCH, LENGTH, NEW_TOKENS = 2, 3, 4, 10, 8
 
 T = TypeVar("T")
+
+
+@pytest.fixture(autouse=True)
+def _collect_sharded_models() -> Iterator[None]:
+    """Free each test's sharded models before the next test: a sharded PEFT model is garbage
+    that one collection leaves half-freed (a second one frees it), and tests that check the
+    process-wide optimizer hooks are gone with the last sharded model run after these."""
+    yield
+    gc.collect()
+    gc.collect()
 
 
 def _lora() -> LoraConfig:
@@ -216,6 +230,34 @@ def test_generate_with_ranks_finishing_at_different_steps_matches_the_plain_mode
     for rank, (got, refused_calls) in enumerate(run_ranks(WORLD, fn, timeout=30.0)):
         assert torch.equal(got, want[rank])
         assert refused_calls == 0
+
+
+def _tracked(peft_model: nn.Module, stage: int) -> list[tuple[int, int]]:
+    """Each rank's tracked peak and the bytes alive after two steps, from wrapping on."""
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[int, int]:
+        model = copy.deepcopy(peft_model)
+        with track_allocations() as tracked:
+            m = ShardedModule(model, auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage)
+            _train(m, rank, WORLD)
+            between = tracked.live()
+        return tracked.peak, between
+
+    return run_ranks(WORLD, fn, timeout=60.0)
+
+
+def test_stage_2_keeps_no_full_copy_of_the_frozen_base_weights() -> None:
+    _, peft_model = _models()
+    frozen_layer = 4 * sum(
+        p.numel() for n, p in peft_model.named_parameters() if ".layers.0." in n and "lora" not in n
+    )
+    for (peak2, between2), (peak3, between3) in zip(
+        _tracked(peft_model, 2), _tracked(peft_model, 3)
+    ):
+        # Before, stage 2 kept both layers' frozen weights whole between steps; now only
+        # their LoRA weights.
+        assert between2 - between3 < frozen_layer / 4, (between2, between3, frozen_layer)
+        assert peak2 - peak3 < frozen_layer / 4, (peak2, peak3, frozen_layer)
 
 
 def test_adapters_added_to_a_sharded_model_are_refused() -> None:
