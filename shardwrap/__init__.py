@@ -15,6 +15,7 @@ from .engine.sharded_module import ShardedModule
 from .engine.whole_params import declare_optimizer
 from .integrations import hf as _hf  # noqa: F401  (registers its habits with the engine)
 from .integrations import hf_accelerate as _hf_accelerate  # noqa: F401  (its prepare check)
+from .integrations import peft as _peft  # noqa: F401  (registers its habits with the engine)
 from .options import MixedPrecision, Offload
 from .planning.allocations import AllocationTracker, track_allocations
 from .planning.planner import estimate_memory

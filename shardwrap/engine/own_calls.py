@@ -82,9 +82,9 @@ class OwnCalls:
                 return
             if module is root.saved.owner:
                 root.saved.stop()
-            release = root.strategy.release_after_forward(grad_enabled=torch.is_grad_enabled())
+            grad = torch.is_grad_enabled()
             for unit in gathered:
-                if unit is not root.root and release and root.idle:
+                if unit is not root.root and root.release_after_forward(unit, grad) and root.idle:
                     unit.reshard()
 
         return hook

@@ -209,20 +209,20 @@ class Root:
         if unit is self.saved.owner:
             self.saved.stop()
         grad = torch.is_grad_enabled()
-        # inside keep_gathered(), a forward without a graph leaves its units gathered
-        release = self.strategy.release_after_forward(grad_enabled=grad) and not (
-            self.keeping and not grad
-        )
         # The unit that ran last in forward runs first in backward: keep it gathered.
         last = self._forward_last if grad else None
-        if unit is not self.root and unit is not last and release:
+        if unit is not self.root and unit is not last and self.release_after_forward(unit, grad):
             unit.reshard()
         if grad:
             self._hook_outputs(unit, output)
         if unit is self.root:
             last = self._recording[-1] if grad else None
             for u in self.units[1:]:
-                if u.state is not ShardState.SHARDED and u is not last and release:
+                if (
+                    u.state is not ShardState.SHARDED
+                    and u is not last
+                    and self.release_after_forward(u, grad)
+                ):
                     u.reshard()
             self.schedule.end_forward()
             if last is not None:  # backward starts with it: stage the unit it gathers next
@@ -231,6 +231,13 @@ class Root:
             self._forward_next = _successors(self._recording, _unit_index)
             self.phase = Phase.IDLE
         return output
+
+    def release_after_forward(self, unit: Unit, grad: bool) -> bool:
+        """Whether ``unit``'s gathered parameters go once its forward returns (a unit with
+        stage 3's lifetime goes at every stage); inside ``keep_gathered()``, a forward without
+        a graph leaves its units gathered."""
+        release = self.strategy.release_after_forward(grad_enabled=grad) or unit.stage3_lifetime
+        return release and not (self.keeping and not grad)
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
         leaves, _ = tree_flatten(output)
@@ -304,7 +311,7 @@ class Root:
 
     def _release_after_backward(self, group: FlatGroup) -> None:
         """Backward no longer reads ``group``: drop its views (and buffer, if the strategy says)."""
-        if self.strategy.release_after_backward:
+        if self.strategy.release_after_backward or self._unit_of[id(group)].stage3_lifetime:
             group.release()
         else:
             group.drop_views()
@@ -319,7 +326,7 @@ class Root:
             self._release_unit_after_backward(unit)
 
     def _release_unit_after_backward(self, unit: Unit) -> None:
-        if self.strategy.release_after_backward:
+        if self.strategy.release_after_backward or unit.stage3_lifetime:
             unit.reshard()
         else:
             unit.drop_views()
@@ -448,8 +455,8 @@ class Root:
             self.keeping -= 1
             if not self.keeping and self.phase is Phase.IDLE:
                 for unit in self.units:
-                    if unit.state is not ShardState.SHARDED and self.strategy.release_after_forward(
-                        grad_enabled=False
+                    if unit.state is not ShardState.SHARDED and self.release_after_forward(
+                        unit, grad=False
                     ):
                         unit.reshard()
 

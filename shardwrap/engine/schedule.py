@@ -56,6 +56,7 @@ CALLS = (
     "full_state_dict",
     "gathered",
     "a gradient norm (clip_grad_norm_)",
+    "save_pretrained",
 )
 
 

@@ -512,6 +512,9 @@ def _wrap(
         by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
         for entry in params:
             by_key.setdefault(group_key(entry[1]), []).append(entry)
+        frozen = sum(p.numel() for _, p, _ in params if not p.requires_grad)
+        trainable = sum(p.numel() for _, p, _ in params) - frozen
+        stage3 = strategy.stage3_lifetime(frozen_numel=frozen, trainable_numel=trainable)
         flat_groups = []
         for entries in by_key.values():
             names = [n for n, _, _ in entries]
@@ -525,7 +528,7 @@ def _wrap(
                 pool,
                 precision.compute_dtype(dtype) if precision else None,
                 precision.gradient_dtype(dtype) if precision else None,
-                resident=strategy.keeps_params,
+                resident=strategy.keeps_params and (not stage3 or originals[0].requires_grad),
                 home=home,
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
@@ -535,7 +538,7 @@ def _wrap(
                     owner._parameters[attr] = shard_param
                 retire(p, name)
             flat_groups.append(fg)
-        units.append(Unit(unit_module, index, flat_groups, stats))
+        units.append(Unit(unit_module, index, flat_groups, stats, stage3))
     buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():

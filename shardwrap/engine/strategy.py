@@ -23,6 +23,11 @@ stage  gathered parameters               gradients               reductions
        backward
 =====  ================================  ======================  ===========================
 
+At stages 1 and 2 a unit whose parameters are mostly frozen (a PEFT model's base layers, with
+their adapters) follows stage 3's lifetime instead: frozen weights have no gradient to shard
+and never change, yet kept in full they would cost their whole size on every rank. Its trainable
+groups keep their full buffers; its frozen groups are gathered for its forward and its backward.
+
 Kept parameters are refreshed lazily: after an optimizer step (or a load) changes a shard,
 the unit is gathered again before it is next read. The root unit and the unit that ran last
 in forward are kept after forward whatever the strategy: backward starts with them.
@@ -69,6 +74,12 @@ class Strategy:
         """Whether full parameters persist between steps (stages 1 and 2): a group that computes
         in its shards' dtype then keeps its full buffer for good, the shard a slice of it."""
         return self.stage in (1, 2)
+
+    def stage3_lifetime(self, *, frozen_numel: int, trainable_numel: int) -> bool:
+        """Whether a unit is released after forward and after backward as at stage 3 whatever
+        the stage: at stages 1 and 2, a unit whose parameters are mostly frozen (see the note
+        above)."""
+        return self.keeps_params and frozen_numel > trainable_numel
 
     @property
     def release_after_backward(self) -> bool:

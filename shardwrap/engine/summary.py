@@ -55,7 +55,13 @@ def summarize(model: nn.Module, root: Root) -> str:
         f"  per rank: shards {_mb(shard_bytes)}, their gradients {_mb(grad_bytes)}",
     ]
     if strategy.keeps_params:
-        lines.append(f"  full parameters kept between steps: {_mb(sum(gathered))}")
+        kept = sum(
+            g.layout.padded_numel * g.compute_dtype.itemsize
+            for u in root.units
+            for g in u.groups
+            if g.requires_grad or not u.stage3_lifetime
+        )
+        lines.append(f"  full parameters kept between steps: {_mb(kept)}")
     else:
         lines.append(
             f"  while a unit runs: its gathered parameters, up to {_mb(max(gathered))} "

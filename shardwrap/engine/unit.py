@@ -34,12 +34,20 @@ class Unit:
             collectives by it, identically on every rank.
         groups: the unit's flat groups (possibly none).
         stats: collective counters shared by the whole model.
+        stage3_lifetime: released after forward and after backward whatever the stage
+            (``Strategy.stage3_lifetime``).
     """
 
     def __init__(
-        self, module: nn.Module, index: int, groups: list[FlatGroup], stats: CommStats
+        self,
+        module: nn.Module,
+        index: int,
+        groups: list[FlatGroup],
+        stats: CommStats,
+        stage3_lifetime: bool = False,
     ) -> None:
         self.module = module
+        self.stage3_lifetime = stage3_lifetime
         self.index = index
         self.groups = groups
         self.stats = stats

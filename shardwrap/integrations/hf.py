@@ -38,6 +38,7 @@ from ..engine.unit import Unit
 
 __all__ = [
     "HuggingFaceHabits",
+    "any_rank_decoding",
     "checkpoint_hf_layer",
     "is_transformers_model",
     "refuse_stock_trainer",
@@ -190,6 +191,15 @@ def checkpoint_hf_layer(root: Root, unit: Unit) -> bool:
     return True
 
 
+def any_rank_decoding(root: Root, this_peer_finished: bool) -> bool:
+    """Whether any rank of the model still decodes: one small all-reduce over the model's own
+    ranks (not the default group, which may hold other models' ranks)."""
+    mesh = root.mesh
+    unfinished = torch.tensor([0.0 if this_peer_finished else 1.0], device=mesh.control_device)
+    all_reduce(unfinished, mesh.control, dist.ReduceOp.SUM, root.stats).wait()
+    return unfinished.item() > 0
+
+
 class HuggingFaceHabits:
     """Methods of a wrapped ``transformers`` model that differ from the unwrapped model's."""
 
@@ -279,17 +289,12 @@ class HuggingFaceHabits:
     def _has_unfinished_sequences(
         self, this_peer_finished: bool, synced_gpus: bool, device: torch.device
     ) -> bool:
-        """Whether any rank of the model still decodes: one small all-reduce over the
-        model's own ranks (not the default group, which may hold other models' ranks)."""
+        """Whether any rank of the model still decodes (see :func:`any_rank_decoding`)."""
         if not synced_gpus:
             return super()._has_unfinished_sequences(  # type: ignore[misc]
                 this_peer_finished, synced_gpus, device
             )
-        root = self._shardwrap_root
-        mesh = root.mesh
-        unfinished = torch.tensor([0.0 if this_peer_finished else 1.0], device=mesh.control_device)
-        all_reduce(unfinished, mesh.control, dist.ReduceOp.SUM, root.stats).wait()
-        return unfinished.item() > 0
+        return any_rank_decoding(self._shardwrap_root, this_peer_finished)
 
     def _set_gradient_checkpointing(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face's switch for its activation checkpointing, then the guards."""

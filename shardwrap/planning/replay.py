@@ -92,10 +92,30 @@ class _Replay:
             [i for i, g in enumerate(groups) if g.unit == u] for u in range(self.units)
         ]
         keeps = strategy.keeps_params
-        # Stages 1 and 2 keep full buffers: the shard is a slice of one in its own dtype (not
-        # staged), else the full buffer is a pooled one, kept for good.
-        self.resident = [keeps and g.compute_dtype == g.dtype and not tier.staged for g in groups]
-        self.kept = {i for i, g in enumerate(groups) if keeps and not self.resident[i]}
+        self.stage3 = [
+            strategy.stage3_lifetime(
+                frozen_numel=sum(
+                    groups[i].layout.numel for i in ids if not groups[i].requires_grad
+                ),
+                trainable_numel=sum(groups[i].layout.numel for i in ids if groups[i].requires_grad),
+            )
+            for ids in self.unit_groups
+        ]
+        # Stages 1 and 2 keep full buffers (a mostly frozen unit, its trainable ones): the shard
+        # is a slice of one in its own dtype (not staged), else the full buffer is a pooled one,
+        # kept for good.
+        self.resident = [
+            keeps
+            and (not self.stage3[g.unit] or g.requires_grad)
+            and g.compute_dtype == g.dtype
+            and not tier.staged
+            for g in groups
+        ]
+        self.kept = {
+            i
+            for i, g in enumerate(groups)
+            if keeps and not self.stage3[g.unit] and not self.resident[i]
+        }
         shards = sum(g.shard for i, g in enumerate(groups) if not self.resident[i])
         trainable = [g for g in groups if g.requires_grad]
         home_grads = sum(g.shard for g in trainable) if tier.staged else 0
@@ -253,7 +273,7 @@ class _Replay:
             release = strategy.release_after_backward
         else:
             release = strategy.release_after_forward(grad_enabled=True)
-        if release and u in self.gathered:
+        if (release or self.stage3[u]) and u in self.gathered:
             self.finish(u)
             for g in self.unit_groups[u]:
                 self.release(g)
@@ -291,7 +311,7 @@ class _Replay:
     def views_done(self, g: int, live: int) -> None:
         """Backward has made every gradient of ``g``'s parameters (alive in ``live``): the
         buffer goes, the reduction in flight lands, the flat gradient is made from them."""
-        if self.strategy.release_after_backward:
+        if self.strategy.release_after_backward or self.stage3[self.tr.groups[g].unit]:
             self.release(g)
         self.drain()
         self.pool.pop(self.grad_key(g))

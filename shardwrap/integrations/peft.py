@@ -1,0 +1,225 @@
+"""What users of ``peft`` call on a sharded PEFT model (LoRA and the other adapter methods).
+
+The order of wrapping is ``get_peft_model(model, config)`` first, then
+``ShardedModule(peft_model, auto_wrap=...)``: adapters and the frozen base weights then sit in
+separate flat groups of each unit (groups are keyed by dtype and ``requires_grad``), so only the
+adapters get gradients and optimizer state. The reverse order would graft unsharded adapters
+into a sharded model, whose gradients no rank would average; it is refused.
+
+A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
+
+- ``save_pretrained(dir)`` gathers only what the adapter file holds (rank 0 writes), so
+  ``PeftModel.from_pretrained(base, dir)`` loads it;
+- ``merge_and_unload()`` returns the whole base model with the adapters merged, unsharded;
+- ``generate()`` keeps every rank decoding until all are done, as on a sharded
+  ``transformers`` model (``integrations/hf.py``);
+- ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
+  parameters, not this rank's pieces.
+
+The engine does not import this module (nor ``peft``): ``shardwrap/__init__.py`` imports it,
+and it registers the habits with the engine (``engine/extensions.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..engine import extensions
+from ..engine.root import Root
+from ..engine.sharded_module import ShardedModule
+from .hf import any_rank_decoding, is_transformers_model
+
+__all__ = ["PeftHabits", "is_peft_model"]
+
+
+def is_peft_model(cls: type) -> bool:
+    """Whether ``cls`` is a ``peft`` ``PeftModel`` (without importing ``peft``)."""
+    return any(c.__name__ == "PeftModel" and c.__module__ == "peft.peft_model" for c in cls.__mro__)
+
+
+def _habits(cls: type) -> tuple[type, ...]:
+    return (PeftHabits,) if is_peft_model(cls) else (RefusesAdapters,)
+
+
+def _full_params(root: Root, wanted: set[int]) -> dict[int, Tensor]:
+    """The whole value (CPU) of each shard parameter in ``wanted``, on rank 0 (others: empty).
+
+    Gathers only the flat groups that hold one of them, one at a time. Every rank calls it
+    with the same ``wanted`` (the same parameters, by name).
+    """
+    root.settle()
+    root.check_state()
+    root.schedule.enter("save_pretrained")
+    keep = root.mesh.rank == 0
+    full: dict[int, Tensor] = {}
+    for unit in root.units:
+        for g in unit.groups:
+            if not any(id(p) in wanted for p in g.shard_params):
+                continue
+            with unit.readable(g) as views:
+                if keep:
+                    for p, view in zip(g.shard_params, views):
+                        if id(p) in wanted:
+                            full[id(p)] = view.to("cpu", copy=True)
+    return full
+
+
+def _original_class(cls: type) -> type:
+    """The ``peft`` class a sharded model's class was made from."""
+    return next(c for c in cls.__mro__ if is_peft_model(c) and not issubclass(c, ShardedModule))
+
+
+class RefusesAdapters:
+    """Refuses adapters grafted into a model that is already sharded.
+
+    ``peft`` (``get_peft_model``, ``inject_adapter_in_model``, ``transformers``'
+    ``add_adapter``) records its configuration on the model it changed as it finishes.
+    """
+
+    @property
+    def peft_config(self) -> Any:
+        raise AttributeError("peft_config")
+
+    @peft_config.setter
+    def peft_config(self, value: Any) -> None:
+        raise TypeError(
+            "peft added adapters to a model that is already sharded: their parameters are "
+            "not sharded, and no rank would average their gradients. Build the PEFT model "
+            "first and shard it: ShardedModule(get_peft_model(model, config), auto_wrap=...) "
+            "(this model now holds the unsharded adapters: build it again)."
+        )
+
+
+class PeftHabits:
+    """Methods of a wrapped ``PeftModel`` that differ from the unwrapped model's."""
+
+    _shardwrap_root: Root
+
+    def save_pretrained(
+        self, save_directory: str | Path, is_main_process: bool = True, **kwargs: Any
+    ) -> None:
+        """Write the adapters as ``PeftModel.from_pretrained`` reads them. Call on every rank.
+
+        Gathers only the parameters the adapter file holds (the adapters, and any
+        ``modules_to_save``), one flat group at a time; rank 0 writes. Every other option is
+        ``PeftModel.save_pretrained``'s. A ``state_dict`` passed in is written as it is (it
+        must hold whole tensors: ``full_state_dict(rank0_only=True)``).
+        """
+        root = self._shardwrap_root
+        if "state_dict" in kwargs:
+            return super().save_pretrained(  # type: ignore[misc]
+                save_directory, is_main_process=is_main_process, **kwargs
+            )
+        from peft.utils import get_peft_model_state_dict
+
+        own = nn.Module.state_dict(self, keep_vars=True)  # type: ignore[arg-type]
+        names = kwargs.get("selected_adapters") or list(self.peft_config)  # type: ignore[attr-defined]
+        wanted = {
+            id(v)
+            for name in names
+            for v in get_peft_model_state_dict(self, state_dict=own, adapter_name=name).values()
+            if id(v) in root.param_of
+        }
+        full = _full_params(root, wanted)
+        rank0 = root.mesh.rank == 0
+        state = {
+            k: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
+            for k, v in own.items()
+            if id(v) in wanted or id(v) not in root.param_of
+        }
+        return super().save_pretrained(  # type: ignore[misc]
+            save_directory, is_main_process=is_main_process and rank0, state_dict=state, **kwargs
+        )
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """The base model with the adapters merged in: whole, unsharded, on the CPU, on every
+        rank. Call on every rank.
+
+        The sharded model stays as it was, adapters apart and training-ready: merging into
+        the shards would leave a sharded model whose adapter groups no module holds. The
+        result is the unwrapped PEFT model, built on the CPU and given :meth:`full_state_dict`,
+        whose own ``merge_and_unload(*args, **kwargs)`` then merges: CPU memory of the whole
+        model per rank.
+        ``merged.save_pretrained(dir)`` on rank 0 writes it.
+
+        Raises:
+            TypeError: a base model that is not a ``transformers`` model (it cannot be built
+                again from its configuration); naming what to do instead.
+        """
+        base = self.get_base_model()  # type: ignore[attr-defined]
+        if not is_transformers_model(type(base)):
+            raise TypeError(
+                f"merge_and_unload on a sharded model rebuilds the base model from its "
+                f"configuration, which {type(base).__name__} (not a transformers model) has "
+                "not. Save the adapters (model.save_pretrained(dir), every rank), load them "
+                "onto the unwrapped base model and merge there."
+            )
+        full = self.full_state_dict()  # type: ignore[attr-defined]
+        configs = self.peft_config  # type: ignore[attr-defined]
+        first, *others = list(configs)
+        # Built for real on the CPU (its initial weights replaced below): a model built on the
+        # meta device would leave the tensors it computes at init, rotary tables say, unbuilt.
+        plain = _original_class(type(self))(
+            type(base)(copy.deepcopy(base.config)), copy.deepcopy(configs[first]), first
+        )
+        for name in others:
+            plain.add_adapter(name, copy.deepcopy(configs[name]))
+        plain.load_state_dict(full, strict=True, assign=True)
+        plain.get_base_model().tie_weights()
+        plain.set_adapter(self.active_adapter)  # type: ignore[attr-defined]
+        return plain.merge_and_unload(*args, **kwargs)
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """Trainable and all parameters, counted whole (not this rank's pieces)."""
+        index = self._shardwrap_root.param_of
+        trainable = total = 0
+        for p in nn.Module.parameters(self):  # type: ignore[arg-type]
+            n = math.prod(index[id(p)].shape) if id(p) in index else p.numel()
+            total += n
+            trainable += n if p.requires_grad else 0
+        return trainable, total
+
+    def generate(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
+        """``generate`` with every rank decoding until all are done, its units gathered once
+        for the whole call where memory allows, as a sharded ``transformers`` model's.
+
+        The ``transformers`` model inside decodes: its check of whether any rank still
+        decodes asks this model's ranks.
+
+        Raises:
+            ValueError: ``synced_gpus=False`` on more than one rank (see ``HuggingFaceHabits``).
+        """
+        root = self._shardwrap_root
+        if root.mesh.world_size > 1:
+            if synced_gpus is False:
+                raise ValueError(
+                    "generate(synced_gpus=False) on a sharded model: every decoding step "
+                    "gathers parameters, so all ranks must take the same number of steps. "
+                    "Leave synced_gpus unset (it defaults to True on a sharded model)."
+                )
+            synced_gpus = True
+        base = self.get_base_model()  # type: ignore[attr-defined]
+        own = getattr(super(), "generate", None) or base.generate
+
+        def unfinished(this_peer_finished: bool, synced: bool, device: torch.device) -> bool:
+            if not synced:
+                return type(base)._has_unfinished_sequences(
+                    base, this_peer_finished, synced, device
+                )
+            return any_rank_decoding(root, this_peer_finished)
+
+        base._has_unfinished_sequences = unfinished
+        try:
+            with self.keep_gathered():  # type: ignore[attr-defined]
+                return own(*args, synced_gpus=synced_gpus, **kwargs)
+        finally:
+            del base._has_unfinished_sequences
+
+
+extensions.register_class_habits(_habits)

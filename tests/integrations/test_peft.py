@@ -1,0 +1,271 @@
+"""PEFT LoRA on a sharded Llama: training, saving, merging, counting and generating.
+
+Proves, on Llama from a tiny config at 2 ranks, wrapped as ``ShardedModule(get_peft_model(model,
+config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
+
+- AdamW steps on the per-rank halves of each global batch leave the LoRA weights of the
+  unwrapped PEFT model trained on the whole batch, the base weights untouched, and optimizer
+  state only for LoRA weights;
+- ``print_trainable_parameters()`` reports the unwrapped model's counts;
+- ``save_pretrained(dir)`` on every rank writes an adapter that ``PeftModel.from_pretrained``
+  loads onto the base model as the trained adapter (same weights, same logits);
+- ``merge_and_unload()`` returns the unwrapped model's merged model (same weights, logits),
+  and is refused before any collective for a base model it cannot build again;
+- ``generate()`` with prompts that end at different steps on the two ranks gives each rank
+  the unwrapped model's output (no rank left waiting); ``synced_gpus=False`` is refused
+  before any collective;
+- at stage 2, the frozen base weights are not kept whole between steps: memory between steps
+  and at peak stays within a quarter of one layer's frozen weights of stage 3's (tracked
+  allocations);
+- adding adapters to a model that is already sharded is refused, naming the order to use.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import io
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from shardwrap import ShardedModule, track_allocations
+from tests.support.models import HF_VOCAB, hf_ids, tiny_llama_config
+from tests.support.ranks import run_ranks
+
+WORLD, STEPS, GLOBAL_BATCH, LENGTH, NEW_TOKENS = 2, 3, 4, 10, 8
+
+T = TypeVar("T")
+
+
+@pytest.fixture(autouse=True)
+def _collect_sharded_models() -> Iterator[None]:
+    """Free each test's sharded models before the next test: a sharded PEFT model is garbage
+    that one collection leaves half-freed (a second one frees it), and tests that check the
+    process-wide optimizer hooks are gone with the last sharded model run after these."""
+    yield
+    gc.collect()
+    gc.collect()
+
+
+def _lora() -> LoraConfig:
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+    )
+
+
+def _models() -> tuple[nn.Module, nn.Module]:
+    """The base model and a PEFT model of a copy of it (same base weights)."""
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(tiny_llama_config())
+    return base, get_peft_model(copy.deepcopy(base), _lora())
+
+
+def _train(model: nn.Module, rank: int, world: int) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        ids = hf_ids(step, GLOBAL_BATCH, LENGTH).chunk(world)[rank]
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _printed(model: Any) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.print_trainable_parameters()
+    return out.getvalue()
+
+
+def _logits(model: nn.Module) -> Tensor:
+    with torch.no_grad():
+        return model(input_ids=hf_ids(99, 2, LENGTH)).logits
+
+
+def _sharded_and_trained(
+    stage: int, after: Callable[[nn.Module, int], T]
+) -> tuple[nn.Module, nn.Module, list[T]]:
+    """The base model, the unwrapped PEFT model trained on the global batches, and what
+    ``after(model, rank)`` returns on each rank once the sharded PEFT model took the same steps."""
+    base, peft_model = _models()
+    ref = copy.deepcopy(peft_model)
+    _train(ref, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> T:
+        m = ShardedModule(
+            copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage
+        )
+        _train(m, rank, WORLD)
+        return after(m, rank)
+
+    return base, ref.eval(), run_ranks(WORLD, fn, timeout=60.0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_training_matches_the_plain_peft_model(stage: int) -> None:
+    _, peft_model = _models()
+    ref = copy.deepcopy(peft_model)
+    _train(ref, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], int, list[str]]:
+        m = ShardedModule(
+            copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage
+        )
+        opt = _train(m, rank, WORLD)
+        names = {id(p): n for n, p in m.named_parameters()}
+        return m.full_state_dict(), len(opt.state), sorted(names[id(p)] for p in opt.state)
+
+    lora = sorted(n for n, p in peft_model.named_parameters() if p.requires_grad)
+    assert len(lora) == 8  # lora_A and lora_B of q_proj and v_proj, 2 layers
+    start = peft_model.state_dict()
+    for full, states, with_state in run_ranks(WORLD, fn, timeout=60.0):
+        torch.testing.assert_close(full, ref.state_dict(), atol=1e-5, rtol=0)
+        assert states == 8 and with_state == lora
+        changed = {k for k, v in full.items() if not torch.equal(v, start[k])}
+        assert changed == {k for k in start if ".lora_" in k}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_print_trainable_parameters_counts_whole_parameters(stage: int) -> None:
+    _, ref, printed = _sharded_and_trained(stage, lambda m, rank: _printed(m))
+    assert printed == [_printed(ref)] * WORLD
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_pretrained_writes_the_adapter_as_from_pretrained_loads_it(
+    stage: int, tmp_path: Path
+) -> None:
+    folder = tmp_path / "adapter"
+    base, ref, _ = _sharded_and_trained(stage, lambda m, rank: m.save_pretrained(folder))
+    assert len(load_file(folder / "adapter_model.safetensors")) == 8  # the LoRA weights alone
+    loaded = PeftModel.from_pretrained(base, folder).eval()
+    torch.testing.assert_close(loaded.state_dict(), ref.state_dict(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(_logits(loaded), _logits(ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_merge_and_unload_gives_the_plain_models_merged_model(stage: int) -> None:
+    _, ref, merged = _sharded_and_trained(stage, lambda m, rank: m.merge_and_unload())
+    want = ref.merge_and_unload()
+    for got in merged:
+        assert type(got) is type(want)
+        torch.testing.assert_close(got.state_dict(), want.state_dict(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(_logits(got.eval()), _logits(want), atol=1e-4, rtol=0)
+
+
+def test_merge_and_unload_of_a_base_model_without_a_config_is_refused() -> None:
+    torch.manual_seed(0)
+    model = get_peft_model(nn.Sequential(nn.Linear(8, 8)), LoraConfig(target_modules=["0"]))
+
+    def fn(rank: int, pg: ProcessGroup) -> int:
+        m = ShardedModule(copy.deepcopy(model), process_group=pg)
+        before = sum(m.comm_stats.calls.values())
+        with pytest.raises(TypeError, match="merge there"):
+            m.merge_and_unload()
+        return sum(m.comm_stats.calls.values()) - before
+
+    assert run_ranks(WORLD, fn) == [0, 0]
+
+
+def _generate(model: nn.Module, prompt: Tensor, eos: int | None = None) -> Tensor:
+    with torch.no_grad():
+        return model.generate(
+            input_ids=prompt,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=eos,
+        )
+
+
+def _uneven(model: nn.Module) -> tuple[list[Tensor], int]:
+    """Two prompts and an end token that the first one's greedy continuation meets early and
+    the second one's never does."""
+    for seed in range(100):
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(2, HF_VOCAB, (1, 5), generator=g) for _ in range(WORLD)]
+        first, second = (_generate(model, p)[0, -NEW_TOKENS:].tolist() for p in prompts)
+        early = [t for t in first[: NEW_TOKENS // 2] if t not in second and t > 1]
+        if early:
+            return prompts, early[0]
+    raise AssertionError("no pair of prompts ends at different steps")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_generate_with_ranks_finishing_at_different_steps_matches_the_plain_model(
+    stage: int,
+) -> None:
+    _, peft_model = _models()
+    peft_model.eval()
+    prompts, eos = _uneven(peft_model)
+    want = [_generate(peft_model, p, eos) for p in prompts]
+    assert want[0].shape[1] < want[1].shape[1]
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[Tensor, int]:
+        m = ShardedModule(
+            copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage
+        )
+        with pytest.raises(ValueError, match="Leave synced_gpus unset"):
+            m.generate(input_ids=prompts[rank], synced_gpus=False)
+        refused_calls = sum(m.comm_stats.calls.values())
+        return _generate(m, prompts[rank], eos), refused_calls
+
+    for rank, (got, refused_calls) in enumerate(run_ranks(WORLD, fn, timeout=30.0)):
+        assert torch.equal(got, want[rank])
+        assert refused_calls == 0
+
+
+def _tracked(peft_model: nn.Module, stage: int) -> list[tuple[int, int]]:
+    """Each rank's tracked peak and the bytes alive after two steps, from wrapping on."""
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[int, int]:
+        model = copy.deepcopy(peft_model)
+        with track_allocations() as tracked:
+            m = ShardedModule(model, auto_wrap=LlamaDecoderLayer, process_group=pg, stage=stage)
+            _train(m, rank, WORLD)
+            between = tracked.live()
+        return tracked.peak, between
+
+    return run_ranks(WORLD, fn, timeout=60.0)
+
+
+def test_stage_2_keeps_no_full_copy_of_the_frozen_base_weights() -> None:
+    _, peft_model = _models()
+    frozen_layer = 4 * sum(
+        p.numel() for n, p in peft_model.named_parameters() if ".layers.0." in n and "lora" not in n
+    )
+    for (peak2, between2), (peak3, between3) in zip(
+        _tracked(peft_model, 2), _tracked(peft_model, 3)
+    ):
+        # Before, stage 2 kept both layers' frozen weights whole between steps; now only
+        # their LoRA weights.
+        assert between2 - between3 < frozen_layer / 4, (between2, between3, frozen_layer)
+        assert peak2 - peak3 < frozen_layer / 4, (peak2, peak3, frozen_layer)
+
+
+def test_adapters_added_to_a_sharded_model_are_refused() -> None:
+    base, _ = _models()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=LlamaDecoderLayer, process_group=pg)
+        with pytest.raises(TypeError, match=r"ShardedModule\(get_peft_model\(model, config\)"):
+            get_peft_model(m, _lora())
+
+    run_ranks(WORLD, fn)
