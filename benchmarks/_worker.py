@@ -410,14 +410,15 @@ class _TimedWait:
 
 def count_owner_exchange() -> CommStats:
     """Count the bytes each rank sends in the all-to-alls that step shape-aware optimizers
-    (``shardwrap.engine.whole_params``), which the model's ``comm_stats`` does not record, and
-    time them (issue to end of ``wait()``; the copies around them are not in it)."""
+    (``shardwrap.engine.whole_params``) on a statistics object of their own (the model's
+    ``comm_stats`` counts them too, among its other collectives), and time them (issue to end
+    of ``wait()``; the copies around them are not in it)."""
     from shardwrap.engine import whole_params
 
     stats = CommStats()
     original = whole_params.all_to_all
 
-    def counted(outs: list[Tensor], ins: list[Tensor], group: Any) -> _TimedWait:
+    def counted(outs: list[Tensor], ins: list[Tensor], group: Any, *_: Any) -> _TimedWait:
         issued = time.perf_counter()
         return _TimedWait(original(outs, ins, group, stats), issued)
 
