@@ -284,14 +284,7 @@ def _exchange_all_gather(out: Tensor, shard: Tensor, group: dist.ProcessGroup) -
     peers = _peers(rank, world)
     sends = [(peer, group.send([shard], peer, tag)) for peer in peers]
     recvs = [(peer, group.recv([out[peer * n : (peer + 1) * n]], peer, tag)) for peer in peers]
-
-    def finish() -> None:
-        for i, (peer, work) in enumerate(recvs):
-            _wait(work, peer, recvs[i + 1 :], group, "all-gather")
-        for peer, work in sends:
-            _wait(work, peer, [], group, "all-gather")
-
-    return Pending(None, finish, what="all-gather", group=group)
+    return Pending(None, _finisher(recvs, sends, group, "all-gather"), "all-gather", group)
 
 
 def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> Pending:
@@ -351,14 +344,24 @@ def all_to_all(
         recvs = [(q, group.recv([outs[q]], q, tag)) for q in peers if outs[q].numel()]
     except RuntimeError as e:
         raise failed("all-to-all", e, group) from e
+    return Pending(None, _finisher(recvs, sends, group, "all-to-all"), "all-to-all", group)
+
+
+def _finisher(
+    recvs: list[tuple[int, dist.Work]],
+    sends: list[tuple[int, dist.Work]],
+    group: dist.ProcessGroup,
+    what: str,
+) -> Callable[[], None]:
+    """The end of a point-to-point exchange: wait for every receive, then every send."""
 
     def finish() -> None:
         for i, (peer, work) in enumerate(recvs):
-            _wait(work, peer, recvs[i + 1 :], group, "all-to-all")
+            _wait(work, peer, recvs[i + 1 :], group, what)
         for peer, work in sends:
-            _wait(work, peer, [], group, "all-to-all")
+            _wait(work, peer, [], group, what)
 
-    return Pending(None, finish, what="all-to-all", group=group)
+    return finish
 
 
 def _peers(rank: int, world: int) -> list[int]:
