@@ -42,6 +42,7 @@ __all__ = [
     "checkpoint_hf_layer",
     "is_transformers_model",
     "refuse_stock_trainer",
+    "synced_decoding",
 ]
 
 _TRAINER_MODULE = "transformers.trainer"
@@ -200,6 +201,24 @@ def any_rank_decoding(root: Root, this_peer_finished: bool) -> bool:
     return unfinished.item() > 0
 
 
+def synced_decoding(root: Root, synced_gpus: bool | None) -> bool | None:
+    """``generate``'s ``synced_gpus`` on a sharded model: true on more than one rank.
+
+    Raises:
+        ValueError: ``synced_gpus=False`` on more than one rank: a rank that stopped early
+            would leave the others waiting in the next gather for good.
+    """
+    if root.mesh.world_size == 1:
+        return synced_gpus
+    if synced_gpus is False:
+        raise ValueError(
+            "generate(synced_gpus=False) on a sharded model: every decoding step "
+            "gathers parameters, so all ranks must take the same number of steps. "
+            "Leave synced_gpus unset (it defaults to True on a sharded model)."
+        )
+    return True
+
+
 class HuggingFaceHabits:
     """Methods of a wrapped ``transformers`` model that differ from the unwrapped model's."""
 
@@ -275,14 +294,7 @@ class HuggingFaceHabits:
             ValueError: ``synced_gpus=False`` on more than one rank: a rank that stopped
                 early would leave the others waiting in the next gather for good.
         """
-        if self._shardwrap_root.mesh.world_size > 1:
-            if synced_gpus is False:
-                raise ValueError(
-                    "generate(synced_gpus=False) on a sharded model: every decoding step "
-                    "gathers parameters, so all ranks must take the same number of steps. "
-                    "Leave synced_gpus unset (it defaults to True on a sharded model)."
-                )
-            synced_gpus = True
+        synced_gpus = synced_decoding(self._shardwrap_root, synced_gpus)
         with self.keep_gathered():  # type: ignore[attr-defined]
             return super().generate(*args, synced_gpus=synced_gpus, **kwargs)  # type: ignore[misc]
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..engine import extensions
 from ..engine.root import Root
 from ..engine.sharded_module import ShardedModule
-from .hf import any_rank_decoding, is_transformers_model
+from .hf import any_rank_decoding, is_transformers_model, synced_decoding
 
 __all__ = ["PeftHabits", "is_peft_model"]
 
@@ -196,14 +196,7 @@ class PeftHabits:
             ValueError: ``synced_gpus=False`` on more than one rank (see ``HuggingFaceHabits``).
         """
         root = self._shardwrap_root
-        if root.mesh.world_size > 1:
-            if synced_gpus is False:
-                raise ValueError(
-                    "generate(synced_gpus=False) on a sharded model: every decoding step "
-                    "gathers parameters, so all ranks must take the same number of steps. "
-                    "Leave synced_gpus unset (it defaults to True on a sharded model)."
-                )
-            synced_gpus = True
+        synced_gpus = synced_decoding(root, synced_gpus)
         base = self.get_base_model()  # type: ignore[attr-defined]
         own = getattr(super(), "generate", None) or base.generate
 
