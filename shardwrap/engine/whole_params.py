@@ -275,6 +275,7 @@ class _WholeStep:
         self._optimizer = weakref.ref(optimizer)
         self._params_key: tuple[int, ...] = ()
         self._entries: dict[int, _Entry] = {}
+        self._homed = False  # whether any of them lives in an offload tier
         self._key: tuple[int, ...] = ()
         self._plans: list[_Plan] = []
         # what ``after`` puts back: (param, its piece or None where untouched, its .grad)
@@ -291,9 +292,10 @@ class _WholeStep:
                 "Call the closure yourself, then step(): loss = closure(); opt.step()"
             )
         self._undo()  # a step that raised left its parameters whole
-        if any(hasattr(p, HOME_ATTR) for p in _pieces(optimizer)):
+        entries = self.entries()
+        if self._homed:
             before_step(optimizer, args, kwargs)  # the disk tier's files are checked first
-        stepped = [e for e in self.entries().values() if e.param.grad is not None]
+        stepped = [e for e in entries.values() if e.param.grad is not None]
         key = tuple(id(e) for e in stepped)
         if key != self._key:
             self._plans, self._key = _plan(stepped), key
@@ -310,6 +312,7 @@ class _WholeStep:
         key = tuple(id(p) for p in params)
         if key != self._params_key:
             self._entries, self._params_key = _owners(params), key
+            self._homed = any(hasattr(p, HOME_ATTR) for p in params)
         return self._entries
 
     def owner(self, param: nn.Parameter) -> int:
