@@ -41,9 +41,6 @@ def summarize(model: nn.Module, root: Root) -> str:
         stage += ", gathered parameters kept from forward to backward"
     dtypes = sorted({str(g.dtype).removeprefix("torch.") for g in groups})
     compute = sorted({str(g.compute_dtype).removeprefix("torch.") for g in groups})
-    tier = {"Home": "none", "HostHome": "host memory", "DiskHome": "disk"}.get(
-        type(home).__name__, type(home).__name__
-    )
     full_grads = sum(
         g.layout.padded_numel * g.grad_dtype.itemsize for g in groups if g.requires_grad
     )
@@ -51,7 +48,7 @@ def summarize(model: nn.Module, root: Root) -> str:
         f"shardwrap: {type(model).__name__} over {ranks} on {mesh.device}, {stage}",
         f"  {units} units and the root; {total / 1e6:.2f}M parameters ({_mb(total_bytes)}), "
         f"{trainable / 1e6:.2f}M trainable",
-        f"  stored {'/'.join(dtypes)}, computed in {'/'.join(compute)}; offload: {tier}",
+        f"  stored {'/'.join(dtypes)}, computed in {'/'.join(compute)}; offload: {home.offload}",
         f"  per rank: shards {_mb(shard_bytes)}, their gradients {_mb(grad_bytes)}",
     ]
     if strategy.keeps_params:

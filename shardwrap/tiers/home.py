@@ -80,6 +80,7 @@ class Home:
         device: the compute device.
     """
 
+    offload = "none"  # the tier, as the wrap's summary names it
     staged = False  # whether a gather copies the shard to the compute device first
     hooks_optimizers = False  # whether an optimizer's steps over the shards need a pre-hook
 
@@ -157,6 +158,7 @@ class HostHome(Home):
             one to cover the logic) they are unpinned, and the copies plain.
     """
 
+    offload = "host memory"
     staged = True
     hooks_optimizers = True  # wait for copies, and the fused kernel
 
@@ -256,6 +258,7 @@ class DiskHome(Home):
         RuntimeError: another live model (this run's or another's) holds the rank's folder.
     """
 
+    offload = "disk"
     hooks_optimizers = True  # check the files, and the fused kernel
 
     def __init__(self, device: torch.device, folder: Path, rank: int) -> None:
