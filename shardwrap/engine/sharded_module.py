@@ -28,6 +28,7 @@ from .checks import (
     UNIT_ATTR,
     check_device,
     check_not_wrapped,
+    check_options,
     check_same_model,
     checkpoint_policy,
     describe,
@@ -160,12 +161,7 @@ class ShardedModule(nn.Module):
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
-        _check_offload(offload, stage, device)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
-                "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
-            )
+        check_options(stage, device, mixed_precision, offload)
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
         placement = place_parameters(module, policy)
@@ -559,27 +555,6 @@ def _wrap(
     object.__setattr__(module, ROOT_ATTR, root)
     for unit in units[1:]:
         object.__setattr__(unit.module, UNIT_ATTR, unit)
-
-
-def _check_offload(offload: Offload | None, stage: int, device: torch.device) -> None:
-    if offload is None:
-        return
-    if not isinstance(offload, Offload):
-        raise TypeError(
-            f"offload takes a shardwrap.Offload, got {offload!r}; e.g. "
-            'offload=Offload(device="disk", path="/nvme/run1").'
-        )
-    if offload.device == "disk" and stage != 3:
-        raise ValueError(
-            f'Offload(device="disk") needs stage=3: stage {stage} keeps the full parameters '
-            "in memory between steps, the opposite of keeping the state on disk."
-        )
-    if offload.device == "disk" and device.type != "cpu":
-        raise ValueError(
-            f'Offload(device="disk") runs on a CPU compute device, got {device}: its files are '
-            "mapped into host memory and gathered from there. With a GPU use "
-            'Offload(device="cpu") (shards, gradients and optimizer state in pinned host memory).'
-        )
 
 
 def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:
