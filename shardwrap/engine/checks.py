@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import Group, all_reduce, group_size
-from ..options import MixedPrecision, Offload
+from ..options import Compression, MixedPrecision, Offload
 from .wrap import AutoWrap, Placement, group_key, resolve_policy
 
 __all__ = [
@@ -308,17 +308,23 @@ def check_options(
     device: torch.device,
     mixed_precision: MixedPrecision | None,
     offload: Offload | None,
+    compression: Compression | None = None,
 ) -> None:
     """Check the option objects' types and the combinations they allow.
 
     Raises:
-        TypeError: ``mixed_precision`` or ``offload`` of another type.
+        TypeError: ``mixed_precision``, ``offload`` or ``compression`` of another type.
         ValueError: the disk tier below stage 3 or off a CPU compute device.
     """
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(
             f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
             "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
+        )
+    if compression is not None and not isinstance(compression, Compression):
+        raise TypeError(
+            f"compression takes a shardwrap.Compression, got {compression!r}; e.g. "
+            'compression=Compression(params="int8", grads="int8").'
         )
     if offload is None:
         return

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from ..comm.collectives import CommStats
 from ..comm.mesh import Mesh, resolve_mesh
-from ..options import MixedPrecision, Offload
+from ..comm.quantize import Codec
+from ..options import Compression, MixedPrecision, Offload
 from ..tiers.home import Home, make_home
 from .agree_values import check_same_values, copy_from_rank0
 from .checks import (
@@ -116,6 +117,9 @@ class ShardedModule(nn.Module):
             rank 0 only). ``False``: neither, for weights loaded after wrapping
             (``load_pretrained``, ``load_full_state_dict``, ``load_checkpoint``). A
             meta-device model is built alike on every rank and needs neither.
+        compression: quantize the gathers for compute and the gradient reductions on the
+            wire (see :class:`Compression`); shards, optimizer state and checkpoints stay
+            exact. ``None`` (default): every collective sends its tensors as they are.
 
     Raises:
         RuntimeError: no process group while a launcher started several processes (each
@@ -152,6 +156,7 @@ class ShardedModule(nn.Module):
         param_init_fn: ParamInitFn | None = None,
         sync_module_states: bool | None = None,
         offload: Offload | None = None,
+        compression: Compression | None = None,
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
@@ -161,7 +166,7 @@ class ShardedModule(nn.Module):
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
-        check_options(stage, device, mixed_precision, offload)
+        check_options(stage, device, mixed_precision, offload, compression)
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
         placement = place_parameters(module, policy)
@@ -176,6 +181,7 @@ class ShardedModule(nn.Module):
             "param_init_fn": param_init_fn,
             "sync_module_states": sync_module_states,
             "offload": offload and f"Offload(device={offload.device!r})",  # paths may differ
+            "compression": compression,
             "device": device.type,  # its index may differ: a GPU per rank
             "process_group": f"{mesh.shard_size} shard x {mesh.replicate_size} replicate ranks",
             "model built on the meta device": is_meta(module),
@@ -189,7 +195,15 @@ class ShardedModule(nn.Module):
             check_same_values(module, mesh.control, mesh.control_device)
         home = make_home(offload, device, mesh.rank)
         _wrap(
-            module, placement, mesh, strategy, mixed_precision, param_init_fn, home, compile_options
+            module,
+            placement,
+            mesh,
+            strategy,
+            mixed_precision,
+            param_init_fn,
+            home,
+            compile_options,
+            compression,
         )
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
@@ -491,8 +505,12 @@ def _wrap(
     param_init_fn: ParamInitFn | None = None,
     home: Home | None = None,
     compile_options: dict[str, Any] | None = None,
+    compression: Compression | None = None,
 ) -> None:
     device = mesh.device
+    param_codec = (
+        compression and compression.params and Codec(compression.params, compression.block)
+    )
     materialize = None
     if is_meta(module):
         seed = agree_seed(mesh.control, mesh.control_device)
@@ -526,6 +544,7 @@ def _wrap(
                 precision.gradient_dtype(dtype) if precision else None,
                 resident=strategy.keeps_params and (not stage3 or originals[0].requires_grad),
                 home=home,
+                codec=param_codec if dtype.is_floating_point else None,
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
                 setattr(shard_param, SHARD_ATTR, True)
@@ -543,7 +562,7 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options)
+    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options, compression)
     install()  # the step hooks that give shape-aware optimizers whole parameters
     weakref.finalize(root, release)
 
