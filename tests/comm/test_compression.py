@@ -36,6 +36,8 @@ from shardwrap.comm.compressed import (
 from shardwrap.comm.quantize import Codec
 from tests.support.ranks import run_ranks
 
+pytestmark = pytest.mark.stage3  # collectives alone: no stage involved
+
 EPS = 1e-6  # float32 rounding of the scale and the product, relative to the block's magnitude
 HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14}
 
