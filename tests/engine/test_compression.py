@@ -14,8 +14,8 @@ checked against what the formats promise, not against a loosened tolerance:
   shard is its value before minus ``lr`` times the gradient it was given, and
   ``full_state_dict()`` reads those exact values, never decoded ones;
 - with mixed precision, with hybrid sharding (replicas stay identical), under ``no_sync``
-  (nothing is reduced inside; the accumulated gradient is reduced once, within its bound) and
-  with the disk tier;
+  (nothing is reduced inside; the accumulated gradient is reduced once, within its bound),
+  with the disk tier and with the host tier (a ``HostHome`` on the CPU);
 - without the option, and with ``Compression()``, training is bit for bit what it was;
 - ``comm_stats`` counts the packed bytes: exactly ``nbytes / (4 n)`` of a float32 run's;
 - bad options are refused with errors that name the fix, before any collective, on every rank.
@@ -36,6 +36,8 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import Compression, MixedPrecision, Offload, ShardedModule
 from shardwrap.comm.quantize import Codec
+from shardwrap.engine import sharded_module
+from shardwrap.tiers.home import Home, HostHome
 from tests.support.compression import block_bound, flat, groups, train_checked
 from tests.support.hybrid import hybrid_mesh
 from tests.support.models import GPT, Block, make_batch
@@ -134,6 +136,25 @@ def test_disk_tier(tmp_path: Path) -> None:
         ),
         timeout=30.0,
     )
+
+
+def test_host_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Offload(device="cpu") on the CPU gets the host tier, which the library keeps for GPUs:
+    # shards and landed gradients in host memory, gathers from a staged copy
+    made: list[HostHome] = []
+
+    def staged(offload: Offload | None, device: torch.device, rank: int) -> Home:
+        made.append(HostHome(device))
+        return made[-1]
+
+    monkeypatch.setattr(sharded_module, "make_home", staged)
+    cpu = Offload(device="cpu")
+    run_ranks(
+        2,
+        lambda rank, pg: _train(rank, 2, pg, INT8, check_grads="first", offload=cpu),
+        timeout=30.0,
+    )
+    assert len(made) == 2
 
 
 def _plain_run(rank: int, pg: ProcessGroup, **wrap: Any) -> tuple[list[Tensor], Any, Any]:
