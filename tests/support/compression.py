@@ -84,23 +84,38 @@ def check_grads_within_bound(
     m: nn.Module, plain: nn.Module, decoded: dict[str, Tensor], slices: list[Any], codec: Codec
 ) -> None:
     """This rank's reduced shard gradient against the exact average of the ranks' gradients,
-    each made by ``plain`` with the decoded weights on its rank's slice."""
+    each made by ``plain`` with the decoded weights on its rank's slice.
+
+    With hybrid sharding (shard groups of consecutive ranks, ``tests/support/hybrid.py``) the
+    bound has two terms per replica: its shard group's reduce-scatter (the peers' bounds), and
+    the all-reduce across replicas, which quantizes each replica's average, own included, whose
+    magnitude is at most the exact average's plus the first term."""
     plain.load_state_dict({k: decoded.get(k, v) for k, v in plain.state_dict().items()})
     per_rank = []
     for x, y in slices:
         plain.zero_grad()
         plain(x, y).backward()
         per_rank.append({k: p.grad.clone() for k, p in plain.named_parameters()})
-    world = len(slices)
     for g in groups(m):
         if not g.requires_grad:
             continue
         fulls = [flat(grads, g) for grads in per_rank]
         n, rank = g.shard.numel(), g.mesh.shard_rank
+        shards, replicas = g.mesh.shard_size, g.mesh.replicate_size
         own = slice(rank * n, (rank + 1) * n)
-        exact = torch.stack([f[own] for f in fulls]).mean(0)
-        limit = sum(block_bound(f[own], codec) for q, f in enumerate(fulls) if q != rank)
-        limit = limit / world + 1e-6 * exact.abs() + 1e-7
+        averages, errors = [], []
+        for j in range(replicas):
+            members = [f[own] for f in fulls[j * shards : (j + 1) * shards]]
+            averages.append(torch.stack(members).mean(0))
+            peers = [block_bound(x, codec) for q, x in enumerate(members) if q != rank]
+            errors.append(torch.stack(peers).sum(0) / shards if peers else torch.zeros(n))
+        exact = torch.stack(averages).mean(0)
+        if replicas == 1:
+            limit = errors[0]
+        else:
+            limit = sum(e + block_bound(a.abs() + e, codec) for a, e in zip(averages, errors))
+            limit = limit / replicas
+        limit = limit + 1e-6 * exact.abs() + 1e-7
         for pc, p in zip(g.pieces, g.shard_params):
             got = p.grad.reshape(-1)
             want = exact[pc.shard_offset : pc.shard_offset + pc.numel]
