@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from shardwrap import Compression, MixedPrecision, Offload, ShardedModule
+from shardwrap import Compression, MixedPrecision, Offload, ShardedGradScaler, ShardedModule
 from shardwrap.comm.quantize import Codec
 from shardwrap.engine import sharded_module
 from shardwrap.tiers.home import Home, HostHome
@@ -88,6 +88,38 @@ def test_hybrid_gradients_within_both_collectives_bounds_and_replicas_identical(
         assert masters.keys() == results[0].keys()
         for k, v in masters.items():
             assert torch.equal(v, results[0][k]), k
+
+
+def test_an_fp16_overflow_reaches_the_scaler_and_leaves_the_residuals_finite() -> None:
+    fp16 = MixedPrecision(param_dtype=torch.float16)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[float]:
+        m = ShardedModule(
+            copy.deepcopy(MODEL),
+            process_group=pg,
+            auto_wrap=Block,
+            mixed_precision=fp16,
+            compression=Compression(grads="int8"),
+        )
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**40, process_group=pg)
+        x, y = make_batch(seed=0, batch=4)
+        scales = []
+        for _ in range(2):  # an overflowing scale, then (backed off) one that fits
+            before = [p.detach().clone() for p in m.parameters()]
+            scaler.scale(m(x.chunk(2)[rank], y.chunk(2)[rank])).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            changed = not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+            assert changed == bool(scales)  # the first step skipped, the second taken
+            residuals = m._shardwrap_root.reductions.residuals
+            assert all(r is not None and torch.isfinite(r).all() for r in residuals)
+            scales.append(scaler.get_scale())
+            scaler.update(2.0**10)
+        return scales
+
+    assert run_ranks(2, fn, timeout=30.0) == [[2.0**39, 2.0**10]] * 2
 
 
 def test_no_sync_reduces_the_accumulated_gradient_once() -> None:
