@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from ..engine.param_index import Param
 from ..engine.root import Phase, Root
 from .checksum import buffer_checksum
+from .extra import extra_bytes_of
 from .files import (
     LATEST,
     LOGBOOK,
@@ -298,7 +299,7 @@ def save_checkpoint(
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
         nonlocal plans, extra_bytes, needed
         _refuse_to_replace(target)
-        extra_bytes = _extra_bytes(extra)
+        extra_bytes = extra_bytes_of(extra)
         plans = plan_optimizers(model, optimizers)
         for p in params if mesh.writes else ():
             if p.shard.numel() == 0:
@@ -390,56 +391,6 @@ def save_checkpoint(
             raise
         raise full from e
     return target
-
-
-def _extra_bytes(extra: dict[str, Any]) -> bytes:
-    """``extra`` serialised, once checked that ``load_checkpoint`` will read it back.
-
-    Raises:
-        TypeError: naming each key whose value ``torch.load(weights_only=True)`` refuses.
-    """
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    if not _loads_back(buffer.getvalue()):
-        refused = []
-        for key, value in extra.items():
-            leaf = _refused_leaf(value)
-            if leaf is not None:
-                refused.append(
-                    f"'{key}' (holds a {type(leaf).__module__}.{type(leaf).__qualname__})"
-                )
-        raise TypeError(
-            f"save_checkpoint: extra {', '.join(refused)} would not load back: "
-            "load_checkpoint reads with torch.load(weights_only=True), which takes tensors, "
-            "numbers, strings, and lists, tuples and dicts of them. Convert first, e.g. "
-            "vars(args) for an argparse.Namespace, torch.from_numpy(a) or a.tolist() for a "
-            "numpy array, and for numpy's RNG state its tuple with the array as a list."
-        ) from None
-    return buffer.getvalue()
-
-
-def _loads_back(data: bytes) -> bool:
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception:  # any refusal: what is refused is found by _refused_leaf
-        return False
-    return True
-
-
-def _refused_leaf(value: Any) -> Any | None:
-    """The first value inside ``value`` that ``torch.load(weights_only=True)`` refuses."""
-    children: Any = ()
-    if isinstance(value, dict):
-        children = [*value.keys(), *value.values()]
-    elif isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        children = value
-    for child in children:
-        leaf = _refused_leaf(child)
-        if leaf is not None:
-            return leaf
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return None if _loads_back(buffer.getvalue()) else value
 
 
 def _metadata(
