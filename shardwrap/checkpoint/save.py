@@ -36,14 +36,16 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
 from ..engine.param_index import Param
 from ..engine.root import Phase, Root
+from .background import PendingSave, settle, snapshot, snapshot_plans, writer_group
 from .checksum import buffer_checksum
 from .extra import extra_bytes_of
 from .files import (
@@ -75,7 +77,7 @@ from .optimizer_state import (
     plan_optimizers,
 )
 
-__all__ = ["latest_checkpoint", "save_checkpoint"]
+__all__ = ["PendingSave", "latest_checkpoint", "save_checkpoint"]
 
 FORMAT = "shardwrap.checkpoint"
 VERSION = 3  # 2: content checksums of every stored tensor and file; 3: whole-stepped state
@@ -232,14 +234,39 @@ def _refuse_to_replace(target: Path) -> None:
 # save --------------------------------------------------------------------------------
 
 
+@overload
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
     optimizer: Optimizers = None,
     *,
     keep_last: int | None = None,
+    blocking: Literal[True] = True,
     **extra: Any,
-) -> Path:
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    keep_last: int | None = None,
+    blocking: Literal[False],
+    **extra: Any,
+) -> PendingSave: ...
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    keep_last: int | None = None,
+    blocking: bool = True,
+    **extra: Any,
+) -> Path | PendingSave:
     """Save a sharded checkpoint that loads at any world size and ``auto_wrap`` policy.
 
     Every rank writes its own pieces of the parameters and of the optimizer state, in
@@ -258,11 +285,18 @@ def save_checkpoint(
             (``step``) and ``param_groups`` hyperparameters are saved by parameter name.
         keep_last: once the new checkpoint is complete, delete all but the newest
             ``keep_last`` checkpoints in ``path.parent`` (and leftovers of killed saves).
+        blocking: ``False`` returns once this rank's state is copied to host memory and
+            writes the checkpoint in a background thread, with the same files, checks and
+            atomic commit, while training goes on; what is saved is the state at the call.
+            Costs one host copy of this rank's shards and optimizer state. A save of a model
+            still writing waits for it first. See :mod:`shardwrap.checkpoint.background`.
         **extra: anything ``torch.load(weights_only=True)`` reads back (step, scheduler and
             data-loader state dicts, RNG states), saved per rank; see :func:`load_checkpoint`.
 
     Returns:
-        ``path``, as a ``Path``.
+        ``path``, as a ``Path``; with ``blocking=False`` a :class:`PendingSave` whose
+        ``wait()`` returns it once the checkpoint is complete, and ``done()`` says whether
+        the write has ended.
 
     Raises:
         TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
@@ -276,8 +310,12 @@ def save_checkpoint(
         OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
             naming the checkpoint, the bytes it needs and those free, once its temporary
             files are deleted.
+        Exception: with ``blocking=False``, errors met while writing are raised on every rank
+            by the handle's ``wait()``, or else by the next save of the model, which then
+            saves nothing; the checks above still raise at the call.
     """
     root = wrapped_root(model, "save_checkpoint")
+    settle(root)  # the previous save of this model, if still writing; raises its error
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now
@@ -294,10 +332,12 @@ def save_checkpoint(
     tensors: list[Tensor] = []
     needed = 0  # bytes of the whole checkpoint's tensor and extra files, once known
     staged: Path | None = None
+    buffers: dict[str, Tensor] = {}  # rank 0's
+    copied: Callable[[], None] = _filled  # waits until a snapshot is filled
 
     def prepare() -> int:
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
-        nonlocal plans, extra_bytes, needed
+        nonlocal plans, extra_bytes, needed, buffers, tensors, copied
         _refuse_to_replace(target)
         extra_bytes = extra_bytes_of(extra)
         plans = plan_optimizers(model, optimizers)
@@ -322,6 +362,11 @@ def save_checkpoint(
             needed += safetensors_nbytes(
                 [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()], {"format": "pt"}
             )
+        if not blocking:  # the state as of now, whatever training does next
+            copies, copied = snapshot(root, [*tensors, *buffers.values()])
+            tensors, plans = copies[: len(tensors)], snapshot_plans(plans)
+            buffers = dict(zip(buffers, copies[len(tensors) :]))
+        if mesh.rank == 0:
             begin_folder(target)
         return needed
 
@@ -355,7 +400,7 @@ def save_checkpoint(
             sequence = 1 + max((n for n, _, _ in _completed(target.parent)), default=0)
             listed = isinstance(optimizer, (list, tuple))
             metadata = _metadata(
-                model, params, plans, listed, sizes, mesh.world_size, sequence, tmp
+                buffers, params, plans, listed, sizes, mesh.world_size, sequence, tmp
             )
             write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
             staged = stage_latest(target.parent, target.name)  # the last bytes written
@@ -372,12 +417,8 @@ def save_checkpoint(
             if staged is not None:
                 staged.unlink(missing_ok=True)
 
-    control, device = mesh.control, mesh.control_device
-    try:
-        needed = sum(agree(control, device, "save_checkpoint", prepare, undo))
-        codes = agree(control, device, "save_checkpoint", write_rank_files, undo)
-        agree(control, device, "save_checkpoint", lambda: finish(codes), undo)
-    except Exception as e:
+    def retold(e: Exception) -> Exception:
+        """``e``, or for a full disk the error naming the bytes needed and free."""
         full = full_disk_error(
             e,
             "save_checkpoint",
@@ -387,14 +428,49 @@ def save_checkpoint(
             "they were. Free space there (keep_last deletes older checkpoints once a save "
             "completes), or save to another disk.",
         )
-        if full is None:
+        return e if full is None else full
+
+    def write(group: Any, device: torch.device | None) -> None:
+        """Write every rank's files, then commit (rank 0), agreeing over ``group``."""
+        try:
+            codes = agree(group, device, "save_checkpoint", write_rank_files, undo)
+            agree(group, device, "save_checkpoint", lambda: finish(codes), undo)
+        except Exception as e:
+            raised = retold(e)
+            if raised is e:
+                raise
+            raise raised from e
+
+    control, device = mesh.control, mesh.control_device
+    try:
+        needed = sum(agree(control, device, "save_checkpoint", prepare, undo))
+    except Exception as e:
+        raised = retold(e)
+        if raised is e:
             raise
-        raise full from e
-    return target
+        raise raised from e
+    if blocking:
+        write(control, device)
+        return target
+    # NOTE: the writer thread agrees over a group of its own: on the control group its
+    # collectives would interleave with the training loop's (see background.py).
+    group = writer_group(control)
+
+    def write_in_background() -> None:
+        copied()
+        write(group, torch.device("cpu"))
+
+    pending = PendingSave(target, write_in_background)
+    settle(root, pending)
+    return pending
+
+
+def _filled() -> None:
+    """A blocking save's snapshot: nothing to wait for."""
 
 
 def _metadata(
-    model: nn.Module,
+    buffers: dict[str, Tensor],
     params: list[Param],
     plans: list[OptimizerPlan],
     listed: bool,
@@ -405,7 +481,8 @@ def _metadata(
 ) -> dict[str, Any]:
     """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0).
 
-    ``plans``: one per optimizer passed (none: ``[]``); ``listed``: passed as a list.
+    ``buffers``: the model's persistent buffers, as saved; ``plans``: one per optimizer passed
+    (none: ``[]``); ``listed``: passed as a list.
 
     Gathers the checksums: every rank file's (left by its writer, then removed), the
     buffers', and those of the whole ``.pt`` files.
@@ -430,7 +507,6 @@ def _metadata(
             "dtype": _dtype_name(p.group.dtype),
             "pieces": pieces,
         }
-    buffers = persistent_buffers(model, params)
     with SafetensorsWriter(
         tmp / BUFFERS, [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()], {"format": "pt"}
     ) as w:
