@@ -258,6 +258,18 @@ def save_checkpoint(
 ) -> PendingSave: ...
 
 
+@overload
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    keep_last: int | None = None,
+    blocking: bool,
+    **extra: Any,
+) -> Path | PendingSave: ...
+
+
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
