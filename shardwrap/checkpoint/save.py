@@ -300,8 +300,9 @@ def save_checkpoint(
         blocking: ``False`` returns once this rank's state is copied to host memory and
             writes the checkpoint in a background thread, with the same files, checks and
             atomic commit, while training goes on; what is saved is the state at the call.
-            Costs one host copy of this rank's shards and optimizer state. A save of a model
-            still writing waits for it first. See :mod:`shardwrap.checkpoint.background`.
+            Costs one host copy of this rank's shards and optimizer state. A save started
+            while one is being written (on the same ranks) waits for it first. See
+            :mod:`shardwrap.checkpoint.background`.
         **extra: anything ``torch.load(weights_only=True)`` reads back (step, scheduler and
             data-loader state dicts, RNG states), saved per rank; see :func:`load_checkpoint`.
 
@@ -323,11 +324,13 @@ def save_checkpoint(
             naming the checkpoint, the bytes it needs and those free, once its temporary
             files are deleted.
         Exception: with ``blocking=False``, errors met while writing are raised on every rank
-            by the handle's ``wait()``, or else by the next save of the model, which then
+            by the handle's ``wait()``, or else by the next save on those ranks, which then
             saves nothing; the checks above still raise at the call.
     """
     root = wrapped_root(model, "save_checkpoint")
-    settle(root)  # the previous save of this model, if still writing; raises its error
+    # one save in flight per control group (the writers share its writer group), else per model
+    writers = root.mesh.control if root.mesh.control is not None else root
+    settle(writers)  # the previous save, if still writing; raises its error
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now
@@ -388,10 +391,13 @@ def save_checkpoint(
         Returns ``1 + size * world + shard rank`` for a writer, ``0`` for anyone else, so one
         agreement tells rank 0 every shard file's size.
         """
+        copied()  # a snapshot on a GPU is filled by now
         write_file(tmp / extra_file(mesh.rank), extra_bytes)
         if not mesh.writes:
             return 0
-        with SafetensorsWriter(tmp / rank_file(rank, world), entries, {"format": "pt"}) as w:
+        # a snapshot is the save's own memory: written from it, not through copies
+        file = tmp / rank_file(rank, world)
+        with SafetensorsWriter(file, entries, {"format": "pt"}, in_place=not blocking) as w:
             for t in tensors:
                 w.write(t)
             size = w.close()
@@ -468,12 +474,8 @@ def save_checkpoint(
     # collectives would interleave with the training loop's (see background.py).
     group = writer_group(control)
 
-    def write_in_background() -> None:
-        copied()
-        write(group, torch.device("cpu"))
-
-    pending = PendingSave(target, write_in_background)
-    settle(root, pending)
+    pending = PendingSave(target, lambda: write(group, torch.device("cpu")))
+    settle(writers, pending)
     return pending
 
 

@@ -28,7 +28,7 @@ from tests.support.launch import ROOT
 pytestmark = pytest.mark.stage3  # no stage of the tests' own is involved: once is enough
 
 TINY = {"width": 32, "depth": 2, "heads": 2, "context": 16, "warmup": 1}
-MODES = ("blocking", "non-blocking")
+MODES = ("blocking", "non-blocking, first", "non-blocking")
 
 
 @pytest.mark.process
