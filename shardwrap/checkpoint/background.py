@@ -5,8 +5,8 @@ Design note. ``save_checkpoint(..., blocking=False)`` splits a save in two:
 1. On the calling thread, at the call: the checks and the first agreement of the blocking save
    (so a bad path or optimizer raises on every rank before anything is written), then a
    snapshot of everything the checkpoint holds: this rank's shards and optimizer state copied
-   to host memory (on a GPU into pinned memory on a side stream, which the compute stream then
-   waits for before it may change them; on a CPU a plain clone), the optimizer's scalars and
+   into a host buffer kept for the model's next save (on a GPU pinned, filled on a side stream
+   that the compute stream then waits for before it may change them), the optimizer's scalars and
    hyperparameters, the buffers (rank 0) and ``extra``, already serialised. From then on
    training changes nothing of what is saved.
 2. On a background thread: the same files, checksums, agreements and atomic commit as the

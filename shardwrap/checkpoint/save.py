@@ -300,7 +300,8 @@ def save_checkpoint(
         blocking: ``False`` returns once this rank's state is copied to host memory and
             writes the checkpoint in a background thread, with the same files, checks and
             atomic commit, while training goes on; what is saved is the state at the call.
-            Costs one host copy of this rank's shards and optimizer state. A save started
+            Costs one host copy of this rank's shards and optimizer state, kept for the
+            model's next non-blocking save. A save started
             while one is being written (on the same ranks) waits for it first. See
             :mod:`shardwrap.checkpoint.background`.
         **extra: anything ``torch.load(weights_only=True)`` reads back (step, scheduler and

@@ -75,9 +75,10 @@ class MemoryEstimate:
     """Bytes in the disk tier's files (shards, gradient buffers, optimizer state)."""
     checkpoint: int = 0
     """Host bytes of the copy a non-blocking save (``save_checkpoint(blocking=False)``, the
-    Logbook's default) takes of this rank's shards and optimizer state, while it writes them;
-    planned with ``nonblocking_saves=True``, else 0. Not in ``peak`` or ``host``: it is host
-    memory beside them (on a CPU, where host memory is the process's, add it to ``peak``)."""
+    Logbook's default) takes of this rank's shards and optimizer state, kept from the first
+    such save on and reused by the next; planned with ``nonblocking_saves=True``, else 0. Not
+    in ``peak`` or ``host``: it is host memory beside them (on a CPU, where host memory is the
+    process's, add it to ``peak``)."""
 
     @property
     def peak(self) -> int:

@@ -85,8 +85,9 @@ class Logbook:
             scheduler, say) saved in every checkpoint and restored by resume and rollback.
         blocking_saves: ``False`` (default) saves with ``save_checkpoint(blocking=False)``:
             training goes on while a checkpoint is written, at the cost of one host copy of
-            this rank's shards and optimizer state; the next save, a rollback and the end of
-            :meth:`steps` wait for it first. ``True``: every rank waits for each save.
+            this rank's shards and optimizer state (kept between saves); the next save, a
+            rollback and the end of :meth:`steps` wait for it first. ``True``: every rank
+            waits for each save.
 
     Raises:
         ValueError: an option out of range, on every rank before any collective.
