@@ -1,6 +1,7 @@
 """A checkpoint save SIGKILLed half-way, in a process of its own, leaves the previous checkpoint
 whole and loadable: the atomic save of ``tests/checkpoint/test_checkpoint.py`` under a real kill
-(``tests/e2e/scripts/checkpoint_killed.py``).
+(``tests/e2e/scripts/checkpoint_killed.py``). An interpreter that exits while a non-blocking save
+writes completes it first (``tests/e2e/scripts/checkpoint_at_exit.py``).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m process tests/e2e/test_checkpoint.py``
 """
