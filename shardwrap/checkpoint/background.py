@@ -10,7 +10,8 @@ Design note. ``save_checkpoint(..., blocking=False)`` splits a save in two:
    hyperparameters, the buffers (rank 0) and ``extra``, already serialised. From then on
    training changes nothing of what is saved.
 2. On a background thread: the same files, checksums, agreements and atomic commit as the
-   blocking save, from the snapshot.
+   blocking save, from the snapshot, at a lower CPU priority (nice 10 on Linux) so that it
+   takes the cores training leaves idle rather than turns with the training thread.
 
 The agreements of step 2 cannot use the model's control group: gloo (and NCCL) match
 collectives by their order on a group, so an all-reduce issued from the writer thread while
