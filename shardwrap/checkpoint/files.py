@@ -133,6 +133,8 @@ class SafetensorsWriter:
         path: the file to create.
         entries: ``(key, shape, dtype)`` of every tensor, in the order :meth:`write` gets them.
         metadata: the header's string-to-string ``__metadata__``.
+        in_place: CPU tensors are written from their own memory, without bounded copies; only
+            for tensors whose storage may be pinned to its size (a save's own snapshot).
 
     Raises:
         ValueError: a written tensor that differs from its declared shape or dtype, or
@@ -146,8 +148,10 @@ class SafetensorsWriter:
         path: Path,
         entries: list[Entry],
         metadata: dict[str, str] | None = None,
+        in_place: bool = False,
     ) -> None:
         self.path = path
+        self.in_place = in_place
         self._entries = entries
         self._next = 0
         self.checksums: dict[str, list[str]] = {}
@@ -168,7 +172,9 @@ class SafetensorsWriter:
         # NOTE: .numpy() pins a storage's size for good, so never on the caller's storage
         # (a unit's gathered buffer must stay resizable): copy bounded chunks instead.
         for at in range(0, data.numel(), _CHUNK):
-            chunk = data[at : at + _CHUNK].to("cpu", copy=True)
+            chunk = data[at : at + _CHUNK]
+            if not (self.in_place and chunk.device.type == "cpu"):
+                chunk = chunk.to("cpu", copy=True)
             digest.add(chunk)
             self._file.write(chunk.numpy().data)
         self.checksums[key] = [DTYPES[dtype], digest.hexdigest()]

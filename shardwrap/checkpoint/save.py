@@ -36,15 +36,18 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
 from ..engine.param_index import Param
 from ..engine.root import Phase, Root
+from .background import PendingSave, settle, snapshot, snapshot_plans, writer_group
 from .checksum import buffer_checksum
+from .extra import extra_bytes_of
 from .files import (
     LATEST,
     LOGBOOK,
@@ -74,7 +77,7 @@ from .optimizer_state import (
     plan_optimizers,
 )
 
-__all__ = ["latest_checkpoint", "save_checkpoint"]
+__all__ = ["PendingSave", "latest_checkpoint", "save_checkpoint"]
 
 FORMAT = "shardwrap.checkpoint"
 VERSION = 3  # 2: content checksums of every stored tensor and file; 3: whole-stepped state
@@ -231,14 +234,51 @@ def _refuse_to_replace(target: Path) -> None:
 # save --------------------------------------------------------------------------------
 
 
+@overload
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
     optimizer: Optimizers = None,
     *,
     keep_last: int | None = None,
+    blocking: Literal[True] = True,
     **extra: Any,
-) -> Path:
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    keep_last: int | None = None,
+    blocking: Literal[False],
+    **extra: Any,
+) -> PendingSave: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    keep_last: int | None = None,
+    blocking: bool,
+    **extra: Any,
+) -> Path | PendingSave: ...
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    keep_last: int | None = None,
+    blocking: bool = True,
+    **extra: Any,
+) -> Path | PendingSave:
     """Save a sharded checkpoint that loads at any world size and ``auto_wrap`` policy.
 
     Every rank writes its own pieces of the parameters and of the optimizer state, in
@@ -257,11 +297,20 @@ def save_checkpoint(
             (``step``) and ``param_groups`` hyperparameters are saved by parameter name.
         keep_last: once the new checkpoint is complete, delete all but the newest
             ``keep_last`` checkpoints in ``path.parent`` (and leftovers of killed saves).
+        blocking: ``False`` returns once this rank's state is copied to host memory and
+            writes the checkpoint in a background thread, with the same files, checks and
+            atomic commit, while training goes on; what is saved is the state at the call.
+            Costs one host copy of this rank's shards and optimizer state, kept for the
+            model's next non-blocking save. A save started
+            while one is being written (on the same ranks) waits for it first. See
+            :mod:`shardwrap.checkpoint.background`.
         **extra: anything ``torch.load(weights_only=True)`` reads back (step, scheduler and
             data-loader state dicts, RNG states), saved per rank; see :func:`load_checkpoint`.
 
     Returns:
-        ``path``, as a ``Path``.
+        ``path``, as a ``Path``; with ``blocking=False`` a :class:`PendingSave` whose
+        ``wait()`` returns it once the checkpoint is complete, and ``done()`` says whether
+        the write has ended.
 
     Raises:
         TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
@@ -275,8 +324,14 @@ def save_checkpoint(
         OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
             naming the checkpoint, the bytes it needs and those free, once its temporary
             files are deleted.
+        Exception: with ``blocking=False``, errors met while writing are raised on every rank
+            by the handle's ``wait()``, or else by the next save on those ranks, which then
+            saves nothing; the checks above still raise at the call.
     """
     root = wrapped_root(model, "save_checkpoint")
+    # one save in flight per control group (the writers share its writer group), else per model
+    writers = root.mesh.control if root.mesh.control is not None else root
+    settle(writers)  # the previous save, if still writing; raises its error
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now
@@ -293,12 +348,14 @@ def save_checkpoint(
     tensors: list[Tensor] = []
     needed = 0  # bytes of the whole checkpoint's tensor and extra files, once known
     staged: Path | None = None
+    buffers: dict[str, Tensor] = {}  # rank 0's
+    copied: Callable[[], None] = _filled  # waits until a snapshot is filled
 
     def prepare() -> int:
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
-        nonlocal plans, extra_bytes, needed
+        nonlocal plans, extra_bytes, needed, buffers, tensors, copied
         _refuse_to_replace(target)
-        extra_bytes = _extra_bytes(extra)
+        extra_bytes = extra_bytes_of(extra)
         plans = plan_optimizers(model, optimizers)
         for p in params if mesh.writes else ():
             if p.shard.numel() == 0:
@@ -321,6 +378,11 @@ def save_checkpoint(
             needed += safetensors_nbytes(
                 [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()], {"format": "pt"}
             )
+        if not blocking:  # the state as of now, whatever training does next
+            copies, copied = snapshot(root, [*tensors, *buffers.values()])
+            tensors, plans = copies[: len(tensors)], snapshot_plans(plans)
+            buffers = dict(zip(buffers, copies[len(tensors) :]))
+        if mesh.rank == 0:
             begin_folder(target)
         return needed
 
@@ -330,10 +392,13 @@ def save_checkpoint(
         Returns ``1 + size * world + shard rank`` for a writer, ``0`` for anyone else, so one
         agreement tells rank 0 every shard file's size.
         """
+        copied()  # a snapshot on a GPU is filled by now
         write_file(tmp / extra_file(mesh.rank), extra_bytes)
         if not mesh.writes:
             return 0
-        with SafetensorsWriter(tmp / rank_file(rank, world), entries, {"format": "pt"}) as w:
+        # a snapshot is the save's own memory: written from it, not through copies
+        file = tmp / rank_file(rank, world)
+        with SafetensorsWriter(file, entries, {"format": "pt"}, in_place=not blocking) as w:
             for t in tensors:
                 w.write(t)
             size = w.close()
@@ -354,7 +419,7 @@ def save_checkpoint(
             sequence = 1 + max((n for n, _, _ in _completed(target.parent)), default=0)
             listed = isinstance(optimizer, (list, tuple))
             metadata = _metadata(
-                model, params, plans, listed, sizes, mesh.world_size, sequence, tmp
+                buffers, params, plans, listed, sizes, mesh.world_size, sequence, tmp
             )
             write_file(tmp / METADATA, json.dumps(metadata, indent=1).encode())
             staged = stage_latest(target.parent, target.name)  # the last bytes written
@@ -371,12 +436,8 @@ def save_checkpoint(
             if staged is not None:
                 staged.unlink(missing_ok=True)
 
-    control, device = mesh.control, mesh.control_device
-    try:
-        needed = sum(agree(control, device, "save_checkpoint", prepare, undo))
-        codes = agree(control, device, "save_checkpoint", write_rank_files, undo)
-        agree(control, device, "save_checkpoint", lambda: finish(codes), undo)
-    except Exception as e:
+    def retold(e: Exception) -> Exception:
+        """``e``, or for a full disk the error naming the bytes needed and free."""
         full = full_disk_error(
             e,
             "save_checkpoint",
@@ -386,64 +447,45 @@ def save_checkpoint(
             "they were. Free space there (keep_last deletes older checkpoints once a save "
             "completes), or save to another disk.",
         )
-        if full is None:
-            raise
-        raise full from e
-    return target
+        return e if full is None else full
 
+    def write(group: Any, device: torch.device | None) -> None:
+        """Write every rank's files, then commit (rank 0), agreeing over ``group``."""
+        try:
+            codes = agree(group, device, "save_checkpoint", write_rank_files, undo)
+            agree(group, device, "save_checkpoint", lambda: finish(codes), undo)
+        except Exception as e:
+            raised = retold(e)
+            if raised is e:
+                raise
+            raise raised from e
 
-def _extra_bytes(extra: dict[str, Any]) -> bytes:
-    """``extra`` serialised, once checked that ``load_checkpoint`` will read it back.
-
-    Raises:
-        TypeError: naming each key whose value ``torch.load(weights_only=True)`` refuses.
-    """
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    if not _loads_back(buffer.getvalue()):
-        refused = []
-        for key, value in extra.items():
-            leaf = _refused_leaf(value)
-            if leaf is not None:
-                refused.append(
-                    f"'{key}' (holds a {type(leaf).__module__}.{type(leaf).__qualname__})"
-                )
-        raise TypeError(
-            f"save_checkpoint: extra {', '.join(refused)} would not load back: "
-            "load_checkpoint reads with torch.load(weights_only=True), which takes tensors, "
-            "numbers, strings, and lists, tuples and dicts of them. Convert first, e.g. "
-            "vars(args) for an argparse.Namespace, torch.from_numpy(a) or a.tolist() for a "
-            "numpy array, and for numpy's RNG state its tuple with the array as a list."
-        ) from None
-    return buffer.getvalue()
-
-
-def _loads_back(data: bytes) -> bool:
+    control, device = mesh.control, mesh.control_device
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception:  # any refusal: what is refused is found by _refused_leaf
-        return False
-    return True
+        needed = sum(agree(control, device, "save_checkpoint", prepare, undo))
+    except Exception as e:
+        raised = retold(e)
+        if raised is e:
+            raise
+        raise raised from e
+    if blocking:
+        write(control, device)
+        return target
+    # NOTE: the writer thread agrees over a group of its own: on the control group its
+    # collectives would interleave with the training loop's (see background.py).
+    group = writer_group(control)
+
+    pending = PendingSave(target, lambda: write(group, torch.device("cpu")))
+    settle(writers, pending)
+    return pending
 
 
-def _refused_leaf(value: Any) -> Any | None:
-    """The first value inside ``value`` that ``torch.load(weights_only=True)`` refuses."""
-    children: Any = ()
-    if isinstance(value, dict):
-        children = [*value.keys(), *value.values()]
-    elif isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        children = value
-    for child in children:
-        leaf = _refused_leaf(child)
-        if leaf is not None:
-            return leaf
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return None if _loads_back(buffer.getvalue()) else value
+def _filled() -> None:
+    """A blocking save's snapshot: nothing to wait for."""
 
 
 def _metadata(
-    model: nn.Module,
+    buffers: dict[str, Tensor],
     params: list[Param],
     plans: list[OptimizerPlan],
     listed: bool,
@@ -454,7 +496,8 @@ def _metadata(
 ) -> dict[str, Any]:
     """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0).
 
-    ``plans``: one per optimizer passed (none: ``[]``); ``listed``: passed as a list.
+    ``buffers``: the model's persistent buffers, as saved; ``plans``: one per optimizer passed
+    (none: ``[]``); ``listed``: passed as a list.
 
     Gathers the checksums: every rank file's (left by its writer, then removed), the
     buffers', and those of the whole ``.pt`` files.
@@ -479,7 +522,6 @@ def _metadata(
             "dtype": _dtype_name(p.group.dtype),
             "pieces": pieces,
         }
-    buffers = persistent_buffers(model, params)
     with SafetensorsWriter(
         tmp / BUFFERS, [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()], {"format": "pt"}
     ) as w:

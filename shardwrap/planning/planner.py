@@ -74,6 +74,12 @@ class MemoryEstimate:
     their gradient buffers, the optimizer's state and step."""
     disk: int = 0
     """Bytes in the disk tier's files (shards, gradient buffers, optimizer state)."""
+    checkpoint: int = 0
+    """Host bytes of the copy a non-blocking save (``save_checkpoint(blocking=False)``, the
+    Logbook's default) takes of this rank's shards and optimizer state, kept from the first
+    such save on and reused by the next; planned with ``nonblocking_saves=True``, else 0. Not
+    in ``peak`` or ``host``: it is host memory beside them (on a CPU, where host memory is the
+    process's, add it to ``peak``)."""
 
     @property
     def peak(self) -> int:
@@ -113,13 +119,15 @@ class MemoryPlan:
         )
         cols = ["stage", "offload", "params", "grads", "optimizer", "working set"]
         cols += ["activations", "peak", "at"]
-        extra = any(r.host for r in self.rows), any(r.disk for r in self.rows)
-        cols += ["host"] * extra[0] + ["disk"] * extra[1]
+        extra = [any(r.host for r in self.rows), any(r.disk for r in self.rows)]
+        extra.append(any(r.checkpoint for r in self.rows))
+        cols += ["host"] * extra[0] + ["disk"] * extra[1] + ["save copy"] * extra[2]
         lines = [cols]
         for r in self.rows:
             sizes = [r.params, r.grads, r.optimizer, r.working_set, r.activations, r.peak]
             line = [str(r.stage), r.offload or "-", *map(_size, sizes), r.phase]
             line += [_size(r.host)] * extra[0] + [_size(r.disk)] * extra[1]
+            line += [_size(r.checkpoint)] * extra[2]
             lines.append(line)
         widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
         table = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
@@ -150,6 +158,7 @@ def estimate_memory(
     device: str = "cpu",
     kwargs: dict[str, Any] | None = None,
     compression: Compression | None = None,
+    nonblocking_saves: bool = False,
 ) -> MemoryPlan:
     """Estimate what each rank holds while training, without allocating the model.
 
@@ -189,6 +198,9 @@ def estimate_memory(
         compression: as given to ``ShardedModule``: error feedback's residuals count among
             the gradients, and quantized gathers keep the full parameters apart from the
             shards at stages 1 and 2.
+        nonblocking_saves: checkpoints are saved with ``save_checkpoint(blocking=False)`` (as
+            the Logbook does by default): count the host copy each such save takes of a rank's
+            shards and optimizer state (``MemoryEstimate.checkpoint``).
 
     Returns:
         One :class:`MemoryEstimate` per stage and offload tier; ``print`` it for a table.
@@ -232,6 +244,9 @@ def estimate_memory(
             optimizer_bytes(tr, make_optimizer, device, fuse, rank, disk=where.disk)
             for rank in ranks
         }
+        # a non-blocking save's host copy: every shard, and the largest rank's optimizer state
+        shards = sum(g.shard for g in tr.groups)
+        snapshot = shards + max(step.state for step in steps) if nonblocking_saves else 0
         for s in stages:
             if tier != "disk" or s == 3:
                 # the rank that holds the most (ranks differ only in their optimizer step)
@@ -242,7 +257,9 @@ def estimate_memory(
                     ),
                     key=_peak,
                 )
-                rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts)))
+                rows.append(
+                    MemoryEstimate(s, tier, *dataclasses.astuple(parts), checkpoint=snapshot)
+                )
     rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
     precision = "fp32"
     if mixed_precision is not None and mixed_precision.param_dtype is not None:

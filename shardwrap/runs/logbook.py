@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..checkpoint.background import PendingSave
 from ..checkpoint.files import LOGBOOK, remove_folder
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import latest_checkpoint, save_checkpoint
@@ -82,6 +83,11 @@ class Logbook:
         resume: continue from the latest checkpoint in ``folder/checkpoints`` if there is one.
         stateful: more objects with ``state_dict()``/``load_state_dict()`` (a learning-rate
             scheduler, say) saved in every checkpoint and restored by resume and rollback.
+        blocking_saves: ``False`` (default) saves with ``save_checkpoint(blocking=False)``:
+            training goes on while a checkpoint is written, at the cost of one host copy of
+            this rank's shards and optimizer state (kept between saves); the next save, a
+            rollback and the end of :meth:`steps` wait for it first. ``True``: every rank
+            waits for each save.
 
     Raises:
         ValueError: an option out of range, on every rank before any collective.
@@ -102,6 +108,7 @@ class Logbook:
         print_every: int | None = None,
         resume: bool = True,
         stateful: Mapping[str, Any] | None = None,
+        blocking_saves: bool = False,
     ) -> None:
         if save_every < 0:
             raise ValueError(f"Logbook: save_every must be 0 (never) or more, got {save_every}")
@@ -127,6 +134,8 @@ class Logbook:
         self.detect = spikes is not None
         self.plot_every, self.print_every = plot_every, print_every
         self.stateful = dict(stateful or {})
+        self.blocking_saves = blocking_saves
+        self._pending: PendingSave | None = None  # the save being written in the background
         self._root = getattr(model, "_shardwrap_root", None)
         if not isinstance(self._root, Root):
             raise TypeError(
@@ -201,6 +210,7 @@ class Logbook:
                 )
         if self.save_every and self._saved_at != self.done:
             self._save()
+        self._settle()
         self.plot()
 
     def step(self, loss: Tensor, *, tokens: int = 0, samples: Sequence[int] | None = None) -> bool:
@@ -309,12 +319,17 @@ class Logbook:
     def __enter__(self) -> Logbook:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if kind is None:  # an error on its way out is the one to see; exit waits anyway
+                self._settle()
+        finally:
+            self.close()
 
     # rollback ----------------------------------------------------------------------------
 
     def _roll_back(self, loss: float, grad_norm: float, why: str) -> None:
+        self._settle()  # the checkpoints to choose from are complete ones
         spike = self.done + 1  # the step that was not applied, numbered as its line would be
         self.event("spike", step=spike, loss=loss, grad_norm=grad_norm, reason=why)
         spikes = self.spikes
@@ -389,15 +404,32 @@ class Logbook:
             self._trusted = book["trusted"]
 
     def _save(self, replace: Path | None = None) -> None:
+        self._settle()
         path = replace or self.checkpoints / f"step-{self.done:08d}"
-        save_checkpoint(
+        saved = save_checkpoint(
             path,
             self.model,
             self.optimizer,
+            blocking=self.blocking_saves,
             logbook=self._state(),
             stateful={name: obj.state_dict() for name, obj in self.stateful.items()},
         )
         self._saved_at = self.done
+        if isinstance(saved, PendingSave):
+            self._pending = saved
+        else:
+            self._prune(path)
+        if replace is None:
+            self.event("checkpoint", checkpoint=path.name)
+
+    def _settle(self) -> None:
+        """Wait for the save being written, then prune; raises its error on every rank."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._prune(pending.wait())
+
+    def _prune(self, path: Path) -> None:
+        """Delete checkpoints beyond ``keep_last`` and the rollback target, but ``path``."""
         if self._mesh.rank == 0:
             saved = [p for _, p in _saved(self.checkpoints)]
             keep = set(saved[-self.keep_last :])
@@ -406,8 +438,6 @@ class Logbook:
             for old in saved:
                 if old not in keep and old != path:
                     remove_folder(old)
-        if replace is None:
-            self.event("checkpoint", checkpoint=path.name)
 
     # communication and files -------------------------------------------------------------
 

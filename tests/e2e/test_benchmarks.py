@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from tests.support.launch import ROOT
 pytestmark = pytest.mark.stage3  # no stage of the tests' own is involved: once is enough
 
 TINY = {"width": 32, "depth": 2, "heads": 2, "context": 16, "warmup": 1}
+MODES = ("blocking", "non-blocking, first", "non-blocking")
 
 
 @pytest.mark.process
@@ -159,3 +161,27 @@ def test_optimizers_runs_shape_aware_optimizers_like_ddp_and_counts_the_owner_ex
     assert "| 2 | shardwrap-s3 | muon | " in table
     assert "- 2 ranks, shardwrap-s3: muon step time " in table and "(goal <= 1.15x: " in table
     assert "- 2 ranks, muon: shardwrap stage 3 vs DDP: step time " in table
+
+
+@pytest.mark.process
+def test_async_checkpoint_times_every_save_and_judges_the_goals(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "benchmarks/async_checkpoint.py",
+        *("--steps", "1", "--during", "1", "--config", json.dumps(TINY)),
+        *("--theme", "smoke", "--out-dir", str(tmp_path)),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("smoke_*.md")
+    (js,) = tmp_path.glob("smoke_*.json")
+    report = json.loads(js.read_text())
+    rows = report["results"]
+    assert set(rows) == {f"{lib} {mode}" for lib in ("shardwrap", "fsdp2") for mode in MODES}
+    for name, row in rows.items():
+        assert 0 < row["hold_s"] <= row["complete_s"], name
+        assert len(row["steps_during_s"]) == (0 if name.endswith(" blocking") else 1), name
+    assert {"hold_ratio", "hold_met", "step_ratio", "step_met"} <= set(report["goals"])
+    assert "FSDP2 + DCP `async_save`" in md.read_text()
+    assert not list(Path(tempfile.gettempdir()).glob("async_checkpoint_*"))  # cleaned up

@@ -1,6 +1,7 @@
 """A checkpoint save SIGKILLed half-way, in a process of its own, leaves the previous checkpoint
 whole and loadable: the atomic save of ``tests/checkpoint/test_checkpoint.py`` under a real kill
-(``tests/e2e/scripts/checkpoint_killed.py``).
+(``tests/e2e/scripts/checkpoint_killed.py``). An interpreter that exits while a non-blocking save
+writes completes it first (``tests/e2e/scripts/checkpoint_at_exit.py``).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m process tests/e2e/test_checkpoint.py``
 """
@@ -68,3 +69,24 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path: Pat
     m = ShardedModule(GPT(width=96, depth=4), auto_wrap=Block)
     assert load_checkpoint(tmp_path, m, _sgd(m.parameters())) == {"step": 1}
     _assert_close(m.full_state_dict(), expected)
+
+
+@pytest.mark.process
+def test_interpreter_exit_waits_for_a_background_save(tmp_path: Path) -> None:
+    """The main thread ends while a non-blocking save still writes: the exit completes it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    script = ROOT / "tests" / "e2e" / "scripts" / "checkpoint_at_exit.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "pending", proc.stdout + proc.stderr
+    assert shardwrap.latest_checkpoint(tmp_path) == tmp_path / "step-1"
+    torch.manual_seed(0)
+    m = ShardedModule(GPT(width=48, depth=2), auto_wrap=Block)
+    assert load_checkpoint(tmp_path, m) == {"step": 1}
+    _assert_close(m.full_state_dict(), torch.load(tmp_path / "expected.pt", weights_only=True))

@@ -64,6 +64,22 @@ def test_a_killed_rank_ends_the_run_and_loses_nothing(case: str, tmp_path: Path)
 
 
 @pytest.mark.faults
+@pytest.mark.parametrize(
+    ("case", "killed"), [("kill-background-write", 1), ("kill-background-commit", 0)]
+)
+def test_a_rank_killed_during_a_background_save_loses_nothing(
+    case: str, killed: int, tmp_path: Path
+) -> None:
+    """Killed in its writer thread while training goes on, mid-file or just before the commit:
+    no half-written checkpoint is left complete, ``latest`` and the one before stay."""
+    code, took, output = _launch(case, tmp_path)
+    assert code != 0 and took < LIMIT_S, output[-3000:]
+    assert killed not in _endings(output)  # killed: it said nothing
+    assert not (tmp_path / "ckpt" / "step-3").exists()
+    _assert_checkpoint_intact(tmp_path)
+
+
+@pytest.mark.faults
 def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(tmp_path: Path) -> None:
     code, took, output = _launch("stall", tmp_path)
     assert code != 0 and took < LIMIT_S, output[-3000:]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import mmap
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,7 +39,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from examples.train_gpt import GPT, Block
-from shardwrap import MixedPrecision, declare_optimizer, estimate_memory, track_allocations
+from shardwrap import (
+    MixedPrecision,
+    ShardedModule,
+    declare_optimizer,
+    estimate_memory,
+    save_checkpoint,
+    track_allocations,
+)
 from shardwrap.engine.pool import Spares
 from shardwrap.engine.strategy import Strategy
 from shardwrap.estimate import MemoryEstimate, main
@@ -409,3 +417,23 @@ def test_tracked_allocations_can_count_one_device() -> None:
     with track_allocations(device="cuda") as on_gpu, track_allocations(device="cpu") as on_cpu:
         kept = torch.zeros(256)
     assert on_gpu.peak == 0 and on_cpu.peak == 1024 and kept.numel() == 256
+
+
+@pytest.mark.stage3  # names its stage itself: once is enough
+def test_a_nonblocking_save_takes_the_host_copy_the_plan_counts(tmp_path: Path) -> None:
+    """Only with ``nonblocking_saves``: the plan's ``checkpoint`` equals what the save copies
+    on the calling thread (every shard and the AdamW state), measured at world size 1."""
+    kwargs = dict(world_size=1, stage=3, batch=BATCH, seq=CONFIG["context"], kwargs=CONFIG)
+    assert estimate_memory("examples.train_gpt:GPT", **kwargs).row(3).checkpoint == 0
+    plan = estimate_memory("examples.train_gpt:GPT", nonblocking_saves=True, **kwargs)
+    assert "save copy" in str(plan)
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(**CONFIG), auto_wrap=Block, stage=3)
+    opt = torch.optim.AdamW(model.parameters())
+    (tokens,) = gpt_batches(BATCH, CONFIG["context"], 1)(0, model)
+    gpt_loss(model, tokens)[0].backward()
+    opt.step()
+    with track_allocations() as tracked:
+        pending = save_checkpoint(tmp_path / "ckpt", model, opt, blocking=False)
+    pending.wait()
+    assert plan.row(3).checkpoint == pytest.approx(tracked.peak, rel=0.001), str(plan)

@@ -7,6 +7,7 @@ trains is exactly plain training on the batches and learning rates its logbook r
 the steps that survived (SGD with momentum, parameters within 1e-5). Also: a spike the run
 cannot get past stops it with a clear error; a resumed run continues the same logbook; the
 summary and plots are drawn from the file; bad options are refused before any collective.
+Checkpoints are saved in the background (the default) except where ``blocking_saves=True``.
 The end-to-end run under torchrun, against the same run without bad batches, is in
 ``tests/e2e/test_logbook_torchrun.py``.
 
@@ -142,7 +143,8 @@ def test_a_spike_it_cannot_get_past_stops_the_run(tmp_path: Path, base: nn.Modul
 
 @pytest.mark.stage3
 def test_resume_continues_the_logbook(tmp_path: Path, base: nn.Module) -> None:
-    train(base, tmp_path, 25, bad=frozenset({18}))
+    """The first run saves blocking, the resumed one in the background (the default)."""
+    train(base, tmp_path, 25, bad=frozenset({18}), blocking_saves=True)
     with open(tmp_path / "logbook.jsonl", "a") as f:
         f.write('{"step": 26, "loss"')  # the line being written when the run was killed
     states = train(base, tmp_path, 45, bad=frozenset({18}))

@@ -10,6 +10,10 @@ a checkpoint ``WORKDIR/ckpt/step-2`` and, from rank 0, its full state dict in
 
 - ``kill-forward`` / ``kill-backward``: SIGKILL itself inside a block's forward / backward;
 - ``kill-save``: SIGKILL itself half-way through re-saving ``ckpt/step-2`` (the same path);
+- ``kill-background-write``: every rank starts a non-blocking save of ``ckpt/step-3`` and trains
+  on; rank 1 SIGKILLs itself in its writer thread, half-way through its rank file;
+- ``kill-background-commit``: the same, but rank 0 SIGKILLs itself in its writer thread once
+  every file and the metadata are written, just before the folder is committed;
 - ``stall``: sleep far past the timeout before step 3, while rank 0 waits for it;
 - ``freeze``: stop itself (``SIGSTOP``, a hung node: no thread of it runs) before step 3's
   backward; a shell it started first resumes it three timeouts later, so that it then takes
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import shardwrap.checkpoint.save
 from shardwrap import ShardedModule, save_checkpoint
 from shardwrap.checkpoint.files import SafetensorsWriter
 from tests.support.models import GPT, Block, make_batch
@@ -67,7 +72,7 @@ def run(case: str, work: Path, rank: int, timeout: datetime.timedelta) -> None:
     if rank == 0:
         torch.save(full, work / "expected.pt")
     block = model.blocks[1]
-    faulty = rank == (0 if case == "skip-batch" else 1)
+    faulty = rank == (0 if case in ("skip-batch", "kill-background-commit") else 1)
     if faulty and case == "kill-forward":
         block.register_forward_pre_hook(lambda m, a: _die())
     elif faulty and case == "kill-backward":
@@ -86,6 +91,18 @@ def run(case: str, work: Path, rank: int, timeout: datetime.timedelta) -> None:
 
         SafetensorsWriter.write = write_then_die  # type: ignore[method-assign]
         save_checkpoint(work / "ckpt" / "step-2", model, opt, step=2)
+    elif faulty and case == "kill-background-write":
+        write = SafetensorsWriter.write
+
+        def write_in_background_then_die(self: SafetensorsWriter, tensor: torch.Tensor) -> None:
+            write(self, tensor)
+            if self.path.name.startswith("rank-"):
+                self._file.flush()
+                _die()
+
+        SafetensorsWriter.write = write_in_background_then_die  # type: ignore[method-assign]
+    elif faulty and case == "kill-background-commit":
+        shardwrap.checkpoint.save.commit_folder = lambda tmp, target: _die()
     elif faulty and case == "stall":
         time.sleep(600)
     elif faulty and case == "freeze":
@@ -114,6 +131,8 @@ def run(case: str, work: Path, rank: int, timeout: datetime.timedelta) -> None:
         handle.remove()
     if case == "kill-save":
         save_checkpoint(work / "ckpt" / "step-2", model, opt, step=2)
+    if case.startswith("kill-background"):
+        save_checkpoint(work / "ckpt" / "step-3", model, opt, blocking=False, step=3)
     for step in range(2, 5):
         _step(model, opt, step, rank, clip=case == "desync-clip")
 

@@ -1,0 +1,269 @@
+"""Non-blocking saves: a snapshot in host memory, written by a thread while training goes on.
+
+Design note. ``save_checkpoint(..., blocking=False)`` splits a save in two:
+
+1. On the calling thread, at the call: the checks and the first agreement of the blocking save
+   (so a bad path or optimizer raises on every rank before anything is written), then a
+   snapshot of everything the checkpoint holds: this rank's shards and optimizer state copied
+   into a host buffer kept for the model's next save (on a GPU pinned, filled on a side stream
+   that the compute stream then waits for before it may change them), the optimizer's scalars and
+   hyperparameters, the buffers (rank 0) and ``extra``, already serialised. From then on
+   training changes nothing of what is saved.
+2. On a background thread: the same files, checksums, agreements and atomic commit as the
+   blocking save, from the snapshot, at a lower CPU priority (nice 10 on Linux) so that it
+   takes the cores training leaves idle rather than turns with the training thread.
+
+The agreements of step 2 cannot use the model's control group: gloo (and NCCL) match
+collectives by their order on a group, so an all-reduce issued from the writer thread while
+the training loop issues its own on the same group would pair with the wrong peer call, or
+hang. They run on a **writer group** of their own, a gloo group over the control group's ranks
+(:func:`writer_group`), created once per control group on the calling thread at the first
+non-blocking save, where every rank is. This was chosen over agreeing at the next save or
+``wait()`` on the main thread because the checkpoint is then complete, and ``latest`` points
+at it, as soon as every rank has written it: a run that crashes between two saves still has
+the last one. The cost is one more gloo group (a few sockets per rank, no memory to speak of).
+
+Every rank's writer reaches the same outcome (the agreement makes a failure anywhere a failure
+everywhere), and a failure is raised on every rank by :meth:`PendingSave.wait`, or else by the
+next save. One save per control group is in flight at a time (the writer group serves one at a
+time, in the order every rank started them): the next, of any model on those ranks, waits. At
+interpreter exit, pending writes are waited for; a process killed meanwhile leaves at most a
+hidden ``.NAME.partial`` folder, never a checkpoint marked complete or pointed at by ``latest``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from contextlib import suppress
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.collectives import Group, group_rank, group_size, group_timeout
+from .optimizer_state import OptimizerPlan
+
+__all__ = ["PendingSave", "settle", "snapshot", "snapshot_plans", "writer_group"]
+
+_ALIGN = 64  # bytes: every piece of a host snapshot starts aligned for any dtype
+_WRITER_TIMEOUT = timedelta(minutes=30)  # where the control group's timeout cannot be read
+_WRITER_NICE = 10  # the writer thread's nice value on Linux (training's is usually 0)
+
+
+class PendingSave:
+    """A checkpoint being written in the background by ``save_checkpoint(..., blocking=False)``.
+
+    Attributes:
+        path: the checkpoint folder the save creates.
+    """
+
+    def __init__(self, path: Path, write: Callable[[], None]) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+        self._raised = False
+        self._thread = threading.Thread(
+            target=self._run, args=(write,), name=f"shardwrap save {path.name}", daemon=True
+        )
+        _PENDING.add(self)
+        self._thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            _yield_to_training()
+            write()
+        except BaseException as e:  # kept for wait() or the next save, on the caller's thread
+            self._error = e
+        finally:
+            _PENDING.discard(self)
+
+    def done(self) -> bool:
+        """Whether the write has ended, successfully or not (:meth:`wait` says which)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the checkpoint is complete and ``latest`` points at it.
+
+        Args:
+            timeout: seconds to wait at most; ``None``: until the write ends.
+
+        Returns:
+            ``path``, the complete checkpoint.
+
+        Raises:
+            TimeoutError: the write is still running after ``timeout`` seconds.
+            Exception: the write's error, on every rank alike (every rank's writer agrees on
+                the outcome): what the blocking save would have raised, e.g. ``OSError`` for a
+                full disk. Nothing of the failed checkpoint is kept; ``latest`` and the
+                checkpoints before it are as they were.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"save_checkpoint: {self.path} is still being written")
+        if self._error is not None:
+            self._raised = True
+            raise self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        state = "writing" if not self.done() else "failed" if self._error else "complete"
+        return f"PendingSave({str(self.path)!r}, {state})"
+
+
+def _yield_to_training() -> None:
+    """Lower this writer thread's CPU priority (Linux, where a thread's id takes a nice value):
+    it then runs on the cores training leaves idle (waiting for collectives, for the GPU)
+    rather than taking turns with the training thread. Elsewhere it keeps its priority."""
+    if sys.platform == "linux":
+        with suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
+
+
+# one save in flight per writer group ---------------------------------------------------
+
+_IN_FLIGHT: weakref.WeakKeyDictionary[object, PendingSave] = weakref.WeakKeyDictionary()
+_PENDING: set[PendingSave] = set()
+
+
+def settle(writers: object, pending: PendingSave | None = None) -> None:
+    """Wait for the save still in flight over ``writers`` (a control group, whose writer group
+    one save at a time uses; a model's root at world size 1), then make ``pending``, if
+    given, the one in flight.
+
+    Raises:
+        Exception: the error of that save, unless :meth:`PendingSave.wait` already raised it.
+    """
+    previous = _IN_FLIGHT.pop(writers, None)
+    if previous is not None:
+        previous._thread.join()
+        if previous._error is not None and not previous._raised:
+            previous._raised = True
+            raise previous._error
+    if pending is not None:
+        _IN_FLIGHT[writers] = pending
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """Let every pending write end (commit or clean up) before the interpreter goes; then drop
+    the writer groups while Python is whole (see ``comm/mesh.py``'s note on groups at exit)."""
+    for pending in list(_PENDING):
+        pending._thread.join()
+        if pending._error is not None and not pending._raised:
+            print(
+                f"shardwrap: the checkpoint save to {pending.path} failed while the program "
+                f"ended: {pending._error!r}. The previous checkpoint and 'latest' are intact.",
+                file=sys.stderr,
+                flush=True,
+            )
+    _WRITERS.clear()
+
+
+# the writer group --------------------------------------------------------------------
+
+_WRITERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def writer_group(control: Group) -> Group:
+    """A gloo group over ``control``'s ranks for the writer threads' agreements (``None`` for
+    world size 1), made once per control group. Call on every rank at the same point.
+
+    It rendezvouses through ``control``'s own store under a key of its own, so it needs no
+    registration with ``torch.distributed`` and takes ``control``'s timeout.
+    """
+    if control is None:
+        return None
+    group = _WRITERS.get(control)
+    if group is not None:
+        return group
+    store = dist.PrefixStore("shardwrap/checkpoint-writer", control.get_group_store())
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = group_timeout(control) or _WRITER_TIMEOUT
+    try:  # the interfaces the control group's gloo backend uses, if it has one
+        options._devices = control._get_backend(torch.device("cpu")).options._devices
+    except (RuntimeError, AttributeError):
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    rank, size = group_rank(control), group_size(control)
+    backend = dist.ProcessGroupGloo(store, rank, size, options)
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    _WRITERS[control] = group
+    return group
+
+
+# snapshots ---------------------------------------------------------------------------
+
+_HOST: weakref.WeakKeyDictionary[object, Tensor] = weakref.WeakKeyDictionary()
+
+
+def snapshot(root: object, tensors: list[Tensor]) -> tuple[list[Tensor], Callable[[], None]]:
+    """Copies of ``tensors`` in host memory, and a function that waits until they are filled.
+
+    The copies are views of one host buffer kept per model (``root``) and reused by its next
+    save while large enough: a fresh buffer would cost its page faults at every save (about
+    a third of the copy's time on a CPU), and on a GPU a pinned allocation.
+
+    1. All on the CPU: copied at once.
+    2. Any on a GPU: the buffer is pinned; the copies run on a side stream after the work
+       queued so far, and the current stream waits for them before anything queued later
+       (the optimizer's next step) may change the originals. The caller's thread does not wait.
+    """
+    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
+    host = _HOST.get(root)
+    if host is None or host.numel() < sum(sizes) or host.is_pinned() != (cuda is not None):
+        _HOST.pop(root, None)
+        host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=cuda is not None)
+        _HOST[root] = host
+    views, at = [], 0
+    for t, size in zip(tensors, sizes):
+        views.append(host[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+        at += size
+    if cuda is None:
+        for view, t in zip(views, tensors):
+            view.copy_(t.detach())
+        return views, _filled
+    compute = torch.cuda.current_stream(cuda)
+    side = torch.cuda.Stream(cuda)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        for view, t in zip(views, tensors):
+            view.copy_(t.detach(), non_blocking=True)
+    filled = side.record_event()
+    compute.wait_event(filled)
+    return views, filled.synchronize
+
+
+def _filled() -> None:
+    """A snapshot on the CPU: filled already."""
+
+
+def snapshot_plans(plans: list[OptimizerPlan]) -> list[OptimizerPlan]:
+    """``plans`` with their scalars (``step``) and hyperparameters copied, as of now: the
+    optimizer updates its ``step`` tensors in place and a scheduler rewrites ``lr``. Their
+    tensors are not copied: the caller snapshots those with :func:`snapshot`."""
+    return [
+        OptimizerPlan(
+            plan.cls,
+            plan.sharded,
+            {name: _copied(state) for name, state in plan.scalars.items()},
+            copy.deepcopy(plan.groups),
+            plan.whole,
+            plan.owned,
+        )
+        for plan in plans
+    ]
+
+
+def _copied(state: dict[str, object]) -> dict[str, object]:
+    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in state.items()}
