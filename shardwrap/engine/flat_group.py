@@ -189,6 +189,15 @@ class FlatGroup:
         self.mark_gathered()
         return all_gather(self._buffer, self.home.gather_input(self.shard), self.mesh.shard, stats)
 
+    def gather_apart(self, stats: CommStats | None) -> None:
+        """Take part in a peer's gather of this group while this rank holds it gathered: into a
+        spare buffer, leaving the gathered one (autograd may hold views of it) untouched."""
+        buffer = self.take_buffer(self.compute_dtype)
+        try:
+            all_gather(buffer, self.home.gather_input(self.shard), self.mesh.shard, stats).wait()
+        finally:
+            self.pool.give(buffer)
+
     def make_views(self, track_grad: bool) -> None:
         """Shape the gathered buffer into the parameters and shadow the shard params with them."""
         track_grad = track_grad and self.requires_grad

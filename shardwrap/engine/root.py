@@ -192,7 +192,7 @@ class Root:
         if unit is self.root:
             self.check_state()
             self.phase = Phase.FORWARD
-            self.schedule.passes += 1
+            self.schedule.begin_forward()
             self._recording = []
             self.saved.stop()  # left over from a forward that raised
             self.pool.holding = True
