@@ -41,6 +41,14 @@ exchanges in the same order and peers still following the plan are never left wa
 asks as above. The pass count and the call are still checked at the first handshake and at the
 end of every forward.
 
+A backward that gathers nothing (stage 2, and stage 3 kept after forward: every unit that ran is
+held gathered and current at the end of forward) needs no handshake to order its collectives:
+its only exchanges on the group are the reductions, in the canonical order. When every rank says
+so at the end-of-forward handshake, each rank issues its reductions as its gradients complete
+and makes one handshake, at the end of backward, after issuing the rest (zeros where unused).
+A rank whose backward raised issues the rest as well before it goes on, so peers waiting on a
+reduction are not left waiting.
+
 With world size 1 there is nobody to agree with: gathers and reductions go straight out.
 """
 
@@ -108,6 +116,7 @@ class Schedule:
         self._last: list[int] = []
         self._proposing = False
         self._slots = 2 * n
+        self._alone = False  # this backward reduces without handshakes (see the note above)
         self._no_proposal = [-1] * (1 + self._slots) + [1] * (1 + self._slots)
 
     @property
@@ -144,15 +153,17 @@ class Schedule:
         unit.start_gather()
 
     def offer_reductions(self) -> None:
-        """Issue the reductions every rank has ready, gathering nothing (one handshake)."""
-        if self.world > 1:
+        """Issue the reductions every rank has ready, gathering nothing (one handshake; none
+        where this backward reduces without them)."""
+        if self.world > 1 and not self._alone:
             self._negotiate(self.reduce_only_priority)
 
-    def end_forward(self) -> None:
+    def end_forward(self, gathers_nothing_after: bool = False) -> None:
         """Serve peers' remaining gathers of this forward before moving on; its gathers are
-        the next pass's proposal."""
+        the next pass's proposal. With ``gathers_nothing_after`` on every rank (the backward
+        to come gathers nothing), that backward reduces without handshakes."""
         if self.world > 1:
-            self._negotiate(self.end_forward_priority)
+            self._negotiate(self.end_forward_priority, alone=gathers_nothing_after)
             self._last, self._recorded = self._recorded or [], None
 
     def enter(self, call: str) -> None:
@@ -180,23 +191,24 @@ class Schedule:
             return f"before the first forward pass{since}"
         return f"after forward pass {self.passes}, outside forward and backward{since}"
 
-    def _negotiate(self, want: int, call: int = 0) -> None:
+    def _negotiate(self, want: int, call: int = 0, alone: bool = False) -> None:
         reductions = self.reductions
         self._serve_plan()
         groups = len(reductions.used)
         while True:
             ready = reductions.ready_prefix()
             used = [-int(u) for u in reductions.used]
-            header = [want, ready, self.passes, -self.passes, call, -call]
+            header = [want, ready, self.passes, -self.passes, call, -call, int(alone)]
             proposal = self._proposal(want, call)
             t = torch.tensor(header + used + proposal, dtype=torch.int64)
             t = t.to(self.mesh.control_device)
             all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
-            agreed, ready, fewest, neg_most, low_call, neg_high_call, *rest = t.tolist()
+            agreed, ready, fewest, neg_most, low_call, neg_high_call, all_alone, *rest = t.tolist()
             if fewest != -neg_most or low_call != -neg_high_call:
                 self._desynchronized(want, call, -neg_most)
             reductions.issue(ready)
             if agreed == want:
+                self._alone = all_alone == 1
                 self._used_anywhere = [u < 0 for u in rest[:groups]]
                 self._accept(proposal, rest[groups:])
                 return
@@ -291,7 +303,7 @@ class Schedule:
     def grad_ready(self, group: FlatGroup) -> None:
         """Note that ``group``'s flat gradient is complete; reduce what every rank has ready."""
         self.reductions.grad_ready(group)
-        if self.world == 1:
+        if self.world == 1 or self._alone:
             self.reductions.issue(self.reductions.ready_prefix())
 
     def finish_backward(self) -> None:
@@ -299,7 +311,16 @@ class Schedule:
         reductions = self.reductions
         self._used_anywhere = reductions.close()
         if self.world > 1:
+            self.abandon_backward()  # without handshakes: the rest goes out before the last
             self._negotiate(self.end_backward_priority)
         else:
             reductions.issue(reductions.ready_prefix())
         reductions.finish(self._used_anywhere)
+
+    def abandon_backward(self) -> None:
+        """Where this backward reduces without handshakes, issue every reduction not issued yet
+        (peers wait on them, not on a handshake); then reduce with handshakes again."""
+        if self._alone:
+            self.reductions.close()
+            self.reductions.issue(self.reductions.ready_prefix())
+            self._alone = False
