@@ -61,7 +61,9 @@ GPU, ``max_memory_allocated``.
 step: where it equals ``peak_mb_per_rank``, building the unsharded model and wrapping it set the
 peak, not training. Bytes per step count the buffers handed to collectives (all-gather output,
 reduce-scatter input, all-reduce, reduce and broadcast tensor), the same convention for every
-method.
+method. ``step_times`` are each timed step's wall time on the slowest rank; ``cpu_step_times``
+its CPU time on the busiest rank (``time.process_time``: every thread of the process, the
+backend's included), which other work on a shared machine disturbs less than wall time.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ from examples.train_gpt import GPT, Block  # noqa: E402
 from shardwrap import CommStats, MixedPrecision, ShardedModule  # noqa: E402
 
 MODELS = ("gpt", "t5")
+WRAPS = ("block", "root")
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ class Config:
     """``fp32``, or ``bf16``: bf16 compute on fp32 master weights, gradients reduced in fp32."""
     optimizer: str = "adamw"
     """``adamw``, ``muon`` or ``adafactor`` (see the module docstring)."""
+    wrap: str = "block"
+    """``block``: every block its own unit (shardwrap's ``auto_wrap``, FSDP2's ``fully_shard`` per
+    block); ``root``: the whole model one unit (no ``auto_wrap``, ``fully_shard`` on the root
+    alone). DDP and ``single`` ignore it. ``benchmarks/step_overhead.py`` varies it."""
     track: bool = False
     """Also count every storage created from building the model through the warm-up steps
     (``benchmarks/_memory.py``) and report the peak of live bytes after wrapping: the CPU's
@@ -129,6 +136,8 @@ class Config:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.wrap not in WRAPS:
+            raise ValueError(f"wrap must be one of {WRAPS}, got {self.wrap!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 
@@ -322,7 +331,7 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         wrapped = ShardedModule(
             model.to(device),
-            auto_wrap=block,
+            auto_wrap=block if cfg.wrap == "block" else None,
             mixed_precision=mixed if bf16 else None,
             # Stage 3 without the keyword: A/B runs also benchmark commits from before it.
             **({} if stage == 3 else {"stage": stage}),
@@ -338,7 +347,7 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
             reduce_dtype=torch.float32 if bf16 else None,
         )
         reshard = method == "fsdp2"
-        for module in model.modules():
+        for module in model.modules() if cfg.wrap == "block" else ():
             if isinstance(module, block):
                 fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model.to(device), mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -470,7 +479,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         dtype=torch.bfloat16,
         enabled=cfg.precision == "bf16" and method in ("ddp", "single"),
     )
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
             if tracker is not None:
@@ -482,7 +491,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         tokens = torch.randint(256, (cfg.batch, cfg.context + 1), generator=gen).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with autocast:
             logits = logits_of(model, cfg, tokens[:, :-1])  # (B, T, 256), bf16 under bf16
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -497,18 +506,21 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         PHASES.add("forward_backward", t1 - t0)
         PHASES.add("step", t2 - t1)
         PHASES.end_step(keep=step >= cfg.warmup)
-        elapsed = torch.tensor(t2 - t0)
+        elapsed = torch.tensor([t2 - t0, time.process_time() - cpu0])
         counter.paused = True  # the benchmark's own reduction is not the method's traffic
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
         counter.paused = False
         losses.append(loss.item())
         if step >= cfg.warmup:
-            times.append(elapsed.item())
+            times.append(elapsed[0].item())
+            cpu_times.append(elapsed[1].item())
     by_kind: dict[str, float] = {}
+    calls_by_kind: dict[str, float] = {}
     if method.startswith("shardwrap"):
         comm_bytes = sum(model.comm_stats.bytes.values())
         comm_calls = sum(model.comm_stats.calls.values())
         by_kind = {k: b / cfg.steps for k, b in model.comm_stats.bytes.items()}
+        calls_by_kind = {k: c / cfg.steps for k, c in model.comm_stats.calls.items()}
     else:
         comm_bytes, comm_calls = counter.bytes, counter.calls
     counter.paused = True  # what follows is the benchmark's own traffic
@@ -525,6 +537,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         "params": counter.params,
         "step_s": statistics.median(times),
         "step_times": times,
+        "cpu_step_times": cpu_times,
         "tokens_per_s_per_rank": cfg.batch * cfg.context / statistics.median(times),
         "peak_mb_per_rank": peak[0].item(),
         "build_peak_mb_per_rank": peak[1].item(),
@@ -532,6 +545,7 @@ def run(method: str, cfg: Config) -> dict[str, Any]:
         "comm_bytes_per_step": comm_bytes / cfg.steps,
         "comm_calls_per_step": comm_calls / cfg.steps,
         "comm_bytes_per_step_by_kind": by_kind,
+        "comm_calls_per_step_by_kind": calls_by_kind,
         "owner_exchange_bytes_per_step_per_rank": [e for _, e in per_rank],
         "phases_s_per_rank": [p for p, _ in per_rank],
         "losses": losses,

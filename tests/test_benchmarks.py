@@ -9,6 +9,8 @@ a made-up result set judges every cell's allocated peak against it.
 the exact edge of the budget (or none, or its limit), and ``--time-steps`` times the largest
 batch in one more launch whose step time is the one the report uses.
 
+``benchmarks/step_overhead.py``: its fit recovers the cost of a unit per step from made-up runs.
+
 ``benchmarks/optimizers.py``: it runs DeepSpeed only with the optimizers it has (its own Muon,
 AdamW), and its report judges shardwrap's Muon against AdamW by the goal and sets every method
 against DDP and DeepSpeed per optimizer.
@@ -283,3 +285,46 @@ def test_scaling_report_judges_every_cell_by_its_allocated_peak(
     assert "- 64x2x2, stage 1, N=2: timed out after 9 s" in report
     scaling.plot(rows, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_step_overhead_fits_the_cost_of_a_unit_from_block_and_root_wraps() -> None:
+    """Made-up runs where a step costs ``10 * depth + 3 * units`` ms (and CPU half that): the fit
+    finds 3 ms (1.5 ms) per unit at every depth, and the ratios compare like with like."""
+    step_overhead = load_benchmark("step_overhead")
+
+    def result(method: str, wrap: str, depth: int) -> dict:
+        units = step_overhead.units_of(method, wrap, depth)
+        ms = 10 * depth + 3 * units + (5 if method == "fsdp2" else 0)
+        return {
+            "step_times": [ms / 1e3] * 3,
+            "cpu_step_times": [ms / 2e3] * 3,
+            "comm_calls_per_step": units,
+            "comm_calls_per_step_by_kind": {"handshake": 2.0} if "shardwrap" in method else {},
+            "final_loss": 1.0,
+            "losses": [2.0, 1.0],
+        }
+
+    runs = {
+        f"{depth}/{method}/{wrap}": [result(method, wrap, depth)]
+        for depth in (2, 4)
+        for method, wrap in [("ddp", "block")]
+        + [(m, w) for m in step_overhead.SHARDED for w in ("block", "root")]
+    }
+    summary = step_overhead.summarize(runs)
+    for method in step_overhead.SHARDED:
+        fit = summary["per_unit"][method]
+        assert fit["wall_ms_per_unit"] == pytest.approx(3.0)
+        assert fit["cpu_ms_per_unit"] == pytest.approx(1.5)
+        assert fit["by_depth_wall_ms_per_unit"] == {2: pytest.approx(3.0), 4: pytest.approx(3.0)}
+    s3 = summary["rows"]["4/shardwrap-s3/block"]
+    assert s3["units"] == 9 and s3["handshakes_per_step"] == 2.0
+    assert s3["time_vs_ddp"] == pytest.approx((40 + 27) / (40 + 3))
+    assert s3["time_vs_fsdp2"] == pytest.approx((40 + 27) / (40 + 27 + 5))
+    root = summary["rows"]["4/shardwrap-s3/root"]
+    assert root["time_vs_fsdp2"] == pytest.approx((40 + 3) / (40 + 3 + 5))  # FSDP2's root wrap
+    args = argparse.Namespace(
+        theme="t", width=64, heads=4, batch=8, context=64, warmup=1, steps=3, rounds=1, nproc=2
+    )
+    report = step_overhead.markdown(summary, args, {2: 247_000, 4: 477_000})
+    assert "| shardwrap-s3 | 3.00 | 1.50 | 2: 3.00, 4: 3.00 |" in report
+    assert "| 4 | shardwrap-s3 | block | 9 | 67.0 | 33.5 | 1.56 | 0.93 |" in report

@@ -200,6 +200,15 @@ class FlatGroup:
             return all_gather_quantized(self._buffer, shard, group, self.codec, stats)
         return all_gather(self._buffer, shard, group, stats)
 
+    def gather_apart(self, stats: CommStats | None) -> None:
+        """Take part in a peer's gather of this group while this rank holds it gathered: into a
+        spare buffer, leaving the gathered one (autograd may hold views of it) untouched."""
+        buffer = self.take_buffer(self.compute_dtype)
+        try:
+            all_gather(buffer, self.home.gather_input(self.shard), self.mesh.shard, stats).wait()
+        finally:
+            self.pool.give(buffer)
+
     def make_views(self, track_grad: bool) -> None:
         """Shape the gathered buffer into the parameters and shadow the shard params with them."""
         track_grad = track_grad and self.requires_grad

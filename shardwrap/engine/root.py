@@ -199,7 +199,7 @@ class Root:
         if unit is self.root:
             self.check_state()
             self.phase = Phase.FORWARD
-            self.schedule.passes += 1
+            self.schedule.begin_forward()
             self._recording = []
             self.saved.stop()  # left over from a forward that raised
             self.pool.holding = True
@@ -231,13 +231,22 @@ class Root:
                     and self.release_after_forward(u, grad)
                 ):
                     u.reshard()
-            self.schedule.end_forward()
+            self.schedule.end_forward(grad and self._backward_gathers_nothing())
             if last is not None:  # backward starts with it: stage the unit it gathers next
                 self._stage_after(last, backward=True)
             self._forward_last = self._recording[-1] if len(self._recording) > 1 else None
             self._forward_next = _successors(self._recording, _unit_index)
             self.phase = Phase.IDLE
         return output
+
+    def _backward_gathers_nothing(self) -> bool:
+        """Whether the backward of the forward just ended cannot need a gather: no reductions
+        are deferred, and every unit that ran is gathered, current, and kept until its
+        backward."""
+        return self.strategy.offers_reductions_in_backward and all(
+            u.state is ShardState.GATHERED and not u.is_stale and not u.stage3_lifetime
+            for u in self._recording
+        )
 
     def release_after_forward(self, unit: Unit, grad: bool) -> bool:
         """Whether ``unit``'s gathered parameters go once its forward returns (a unit with
@@ -374,6 +383,7 @@ class Root:
         """
         if self.phase is not Phase.BACKWARD or torch._C._current_graph_task_id() != -1:
             return
+        self.schedule.abandon_backward()
         self.reductions.drain()
         self.reductions.reset()
         for unit in self.units:

@@ -29,6 +29,26 @@ ready. The reductions themselves, their canonical order and how many are in flig
 the reduction pipeline (``engine/reduce.py``). A rank that never used a unit sends zeros for it at
 the end of backward.
 
+A forward pass agrees once, not once per unit. The all-gathers of a forward are recorded (every
+rank's list is the same: agreed collectives are). The first handshake of the next pass carries
+that list as a proposal; when every rank proposes the same list and wants its first gather, the
+rest of the list is the pass's plan: each rank issues the planned gathers in order as it needs
+them, without a handshake. A rank that needs a gather other than the next planned one, leaves
+the pass part-way or reaches any handshake (the end of forward at the latest) first issues the
+rest of the plan (as for a peer's request: a unit it holds gathered is exchanged into a spare
+buffer, one it does not is gathered and released), so that every rank issues the same
+exchanges in the same order and peers still following the plan are never left waiting; then it
+asks as above. The pass count and the call are still checked at the first handshake and at the
+end of every forward.
+
+A backward that gathers nothing (stage 2, and stage 3 kept after forward: every unit that ran is
+held gathered and current at the end of forward) needs no handshake to order its collectives:
+its only exchanges on the group are the reductions, in the canonical order. When every rank says
+so at the end-of-forward handshake, each rank issues its reductions as its gradients complete
+and makes one handshake, at the end of backward, after issuing the rest (zeros where unused).
+A rank whose backward raised issues the rest as well before it goes on, so peers waiting on a
+reduction are not left waiting.
+
 With world size 1 there is nobody to agree with: gathers and reductions go straight out.
 """
 
@@ -86,6 +106,18 @@ class Schedule:
         self._used_anywhere: list[bool] = []
         self.passes = 0  # forward passes of the whole model begun on this rank
         self._entered = (-1, 0)  # (passes, index in CALLS) of the last call entered
+        # The forward plan (see the note above): unit indices of the gathers agreed at this
+        # pass's first handshake, the next one at ``_plan_at``; this pass's gathers so far
+        # (``None`` outside a forward pass); the last complete pass's; whether this pass has
+        # yet to make its first handshake. A proposal fills ``_slots`` entries.
+        self._plan: list[int] = []
+        self._plan_at = 0
+        self._recorded: list[int] | None = None
+        self._last: list[int] = []
+        self._proposing = False
+        self._slots = 2 * n
+        self._alone = False  # this backward reduces without handshakes (see the note above)
+        self._no_proposal = [-1] * (1 + self._slots) + [1] * (1 + self._slots)
 
     @property
     def world(self) -> int:
@@ -93,22 +125,46 @@ class Schedule:
 
     # gathers -------------------------------------------------------------------------
 
+    def begin_forward(self) -> None:
+        """A forward pass of the whole model begins on this rank.
+
+        What a pass left part-way had still planned is issued first: peers that went on with
+        that pass wait for it.
+        """
+        self._serve_plan()
+        if self._recorded is not None:  # the last pass did not end: propose nothing
+            self._last = []
+        self._recorded = []
+        self._proposing = True
+        self.passes += 1
+
     def gather(self, unit: Unit, backward: bool) -> None:
-        """Start gathering ``unit`` once every rank has agreed to."""
+        """Start gathering ``unit`` once every rank has agreed to (at this pass's first
+        handshake, where ``unit`` is the next gather of the forward plan)."""
         if self.world > 1:
-            n = len(self.units)
-            self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
+            planned = self._plan_at < len(self._plan) and self._plan[self._plan_at] == unit.index
+            if planned and not backward:
+                self._plan_at += 1
+            else:
+                n = len(self.units)
+                self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
+            if not backward and self._recorded is not None:
+                self._recorded.append(unit.index)
         unit.start_gather()
 
     def offer_reductions(self) -> None:
-        """Issue the reductions every rank has ready, gathering nothing (one handshake)."""
-        if self.world > 1:
+        """Issue the reductions every rank has ready, gathering nothing (one handshake; none
+        where this backward reduces without them)."""
+        if self.world > 1 and not self._alone:
             self._negotiate(self.reduce_only_priority)
 
-    def end_forward(self) -> None:
-        """Serve peers' remaining gathers of this forward before moving on."""
+    def end_forward(self, gathers_nothing_after: bool = False) -> None:
+        """Serve peers' remaining gathers of this forward before moving on; its gathers are
+        the next pass's proposal. With ``gathers_nothing_after`` on every rank (the backward
+        to come gathers nothing), that backward reduces without handshakes."""
         if self.world > 1:
-            self._negotiate(self.end_forward_priority)
+            self._negotiate(self.end_forward_priority, alone=gathers_nothing_after)
+            self._last, self._recorded = self._recorded or [], None
 
     def enter(self, call: str) -> None:
         """Before ``call``, made by every rank together outside training: one handshake that
@@ -135,20 +191,26 @@ class Schedule:
             return f"before the first forward pass{since}"
         return f"after forward pass {self.passes}, outside forward and backward{since}"
 
-    def _negotiate(self, want: int, call: int = 0) -> None:
+    def _negotiate(self, want: int, call: int = 0, alone: bool = False) -> None:
         reductions = self.reductions
+        self._serve_plan()
+        groups = len(reductions.used)
         while True:
             ready = reductions.ready_prefix()
             used = [-int(u) for u in reductions.used]
-            header = [want, ready, self.passes, -self.passes, call, -call]
-            t = torch.tensor(header + used, dtype=torch.int64).to(self.mesh.control_device)
+            header = [want, ready, self.passes, -self.passes, call, -call, int(alone)]
+            proposal = self._proposal(want, call)
+            t = torch.tensor(header + used + proposal, dtype=torch.int64)
+            t = t.to(self.mesh.control_device)
             all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
-            agreed, ready, fewest, neg_most, low_call, neg_high_call, *neg_used = t.tolist()
+            agreed, ready, fewest, neg_most, low_call, neg_high_call, all_alone, *rest = t.tolist()
             if fewest != -neg_most or low_call != -neg_high_call:
                 self._desynchronized(want, call, -neg_most)
             reductions.issue(ready)
             if agreed == want:
-                self._used_anywhere = [u < 0 for u in neg_used]
+                self._alone = all_alone == 1
+                self._used_anywhere = [u < 0 for u in rest[:groups]]
+                self._accept(proposal, rest[groups:])
                 return
             if agreed >= self.end_forward_priority:
                 raise RuntimeError(
@@ -195,12 +257,42 @@ class Schedule:
             self.end_backward_priority: "ending backward",
         }[want]
 
+    def _proposal(self, want: int, call: int) -> list[int]:
+        """This handshake's part of the forward plan: at a pass's first handshake, for a gather
+        that the last complete pass began with, that pass's gathers (each entry, then each
+        negated, so that one MIN tells whether every rank sent the same); else no proposal."""
+        last, proposing = self._last, self._proposing
+        self._proposing = False
+        if not proposing or call or not last or last[0] != want or len(last) > self._slots:
+            return self._no_proposal
+        entries = [len(last), *last, *[-1] * (self._slots - len(last))]
+        return entries + [-e for e in entries]
+
+    def _accept(self, proposal: list[int], agreed: list[int]) -> None:
+        """Adopt the plan when every rank proposed the same gathers (see the note above)."""
+        half = 1 + self._slots
+        if proposal is self._no_proposal or agreed[:half] != [-e for e in agreed[half:]]:
+            return
+        self._plan, self._plan_at = self._last[1:], 0
+
+    def _serve_plan(self) -> None:
+        """Issue the rest of the forward plan (peers following it wait for these gathers)."""
+        plan, self._plan = self._plan, []
+        for index in plan[self._plan_at :]:
+            self._serve(index)
+        self._plan_at = 0
+
     def _serve(self, priority: int) -> None:
         if priority == self.reduce_only_priority:
             return
         n = len(self.units)
+        if priority < n and self._recorded is not None:
+            self._recorded.append(priority)
         unit = self.units[priority if priority < n else 2 * n - 1 - priority]
         was_sharded = unit.state is ShardState.SHARDED
+        if not was_sharded and not unit.is_stale:  # held as the gather would leave it
+            unit.gather_apart()
+            return
         unit.start_gather()
         unit.finish_gather()
         if was_sharded:
@@ -211,7 +303,7 @@ class Schedule:
     def grad_ready(self, group: FlatGroup) -> None:
         """Note that ``group``'s flat gradient is complete; reduce what every rank has ready."""
         self.reductions.grad_ready(group)
-        if self.world == 1:
+        if self.world == 1 or self._alone:
             self.reductions.issue(self.reductions.ready_prefix())
 
     def finish_backward(self) -> None:
@@ -219,7 +311,16 @@ class Schedule:
         reductions = self.reductions
         self._used_anywhere = reductions.close()
         if self.world > 1:
+            self.abandon_backward()  # without handshakes: the rest goes out before the last
             self._negotiate(self.end_backward_priority)
         else:
             reductions.issue(reductions.ready_prefix())
         reductions.finish(self._used_anywhere)
+
+    def abandon_backward(self) -> None:
+        """Where this backward reduces without handshakes, issue every reduction not issued yet
+        (peers wait on them, not on a handshake); then reduce with handshakes again."""
+        if self._alone:
+            self.reductions.close()
+            self.reductions.issue(self.reductions.ready_prefix())
+            self._alone = False

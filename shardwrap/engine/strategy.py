@@ -93,9 +93,11 @@ class Strategy:
 
     @property
     def offers_reductions_in_backward(self) -> bool:
-        """Whether each unit's backward begins with a handshake of its own that issues the
-        reductions every rank has ready: none are deferred, and no gather in backward carries
-        them (stage 2, and stage 3 kept after forward), so they still overlap backward."""
+        """Whether backward issues reductions of its own accord, as gradients complete: none are
+        deferred, and no gather in backward carries them (stage 2, and stage 3 kept after
+        forward), so they still overlap backward. Where every rank's backward gathers nothing
+        they go out without handshakes; otherwise each unit's backward begins with one that
+        issues those every rank has ready (``engine/schedule.py``)."""
         return not self.gathers_in_backward and not self.defer_reductions
 
     @property

@@ -79,6 +79,14 @@ class Unit:
             g.mark_gathered()
         self.state = ShardState.GATHERED
 
+    def gather_apart(self) -> None:
+        """Take part in a peer's gather of this unit while holding it gathered (its buffers
+        stay as they are: see :meth:`FlatGroup.gather_apart`)."""
+        if self.state is ShardState.GATHERING:
+            self.finish_gather()
+        for g in self.groups:
+            g.gather_apart(self.stats)
+
     def use_full(self, track_grad: bool) -> None:
         """Make the module's attributes the full parameters (the unit must be gathered)."""
         if self.state is not ShardState.GATHERED:

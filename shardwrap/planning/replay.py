@@ -348,7 +348,7 @@ class _Replay:
         if all(i in self.released for i in self.unit_groups[u] if self.tr.groups[i].requires_grad):
             self.reshard(u, backward=True)
         self.ready[g] = True
-        if self.world == 1:
+        if self.world == 1 or self.alone:
             self.issue(live)
 
     # the step -------------------------------------------------------------------------
@@ -359,6 +359,10 @@ class _Replay:
         tr, kept = self.tr, self.tr.kept
         self.fwd_next, self.bwd_next = ({}, {}) if first else self.learned
         self.keep_last = None if first else self.last
+        # Backward reduces without handshakes where it gathers nothing (engine/schedule.py).
+        self.alone = (
+            self.world > 1 and self.strategy.offers_reductions_in_backward and not any(self.stage3)
+        )
         self.phase = "forward"
         self.fresh.clear()  # the optimizer step changed every shard
         self.staged = {g: (n, False) for g, (n, _) in self.staged.items()}
@@ -390,7 +394,7 @@ class _Replay:
             elif kind == "bwd_pre" and i not in seen_bwd:
                 seen_bwd.add(i)
                 self.phase = "backward"
-                if self.strategy.offers_reductions_in_backward:
+                if self.strategy.offers_reductions_in_backward and not self.alone:
                     self.handshake(live)
                 self.ensure_gathered(i, True, live)
                 if i in self.bwd_next:
