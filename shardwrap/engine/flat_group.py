@@ -195,17 +195,20 @@ class FlatGroup:
         """
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.mark_gathered()
+        return self._gather_into(self._buffer, stats, exact)
+
+    def _gather_into(self, buffer: Tensor, stats: CommStats | None, exact: bool) -> Pending:
         shard, group = self.home.gather_input(self.shard), self.mesh.shard
         if self.codec is not None and not exact:
-            return all_gather_quantized(self._buffer, shard, group, self.codec, stats)
-        return all_gather(self._buffer, shard, group, stats)
+            return all_gather_quantized(buffer, shard, group, self.codec, stats)
+        return all_gather(buffer, shard, group, stats)
 
     def gather_apart(self, stats: CommStats | None) -> None:
         """Take part in a peer's gather of this group while this rank holds it gathered: into a
         spare buffer, leaving the gathered one (autograd may hold views of it) untouched."""
         buffer = self.take_buffer(self.compute_dtype)
         try:
-            all_gather(buffer, self.home.gather_input(self.shard), self.mesh.shard, stats).wait()
+            self._gather_into(buffer, stats, exact=False).wait()
         finally:
             self.pool.give(buffer)
 

@@ -37,10 +37,11 @@ from torch.distributed import ProcessGroup
 from shardwrap import Compression, MixedPrecision, Offload, ShardedGradScaler, ShardedModule
 from shardwrap.comm.quantize import Codec
 from shardwrap.engine import sharded_module
+from shardwrap.engine.flat_group import FlatGroup
 from shardwrap.tiers.home import Home, HostHome
 from tests.support.compression import block_bound, flat, groups, train_checked
 from tests.support.hybrid import hybrid_mesh
-from tests.support.models import GPT, Block, make_batch
+from tests.support.models import GPT, Block, Branch, Branchy, make_batch
 from tests.support.ranks import run_ranks
 
 STEPS = 3
@@ -276,3 +277,41 @@ def test_ranks_that_disagree_are_refused_on_every_rank() -> None:
 
     for message in run_ranks(2, fn, timeout=30.0):
         assert "compression" in message
+
+
+@pytest.mark.stage3  # stages 1 and 2 keep every unit gathered: no rank serves apart
+def test_a_unit_held_gathered_serves_a_peers_gather_in_the_compressed_format(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``shared_block`` runs twice per forward and ``branch`` on one rank only: a rank that
+    holds a unit gathered serves its peer's gather into a spare buffer, on the same wire."""
+    apart = []  # (bytes the served gather counted, two ranks' packed shards)
+    serve = FlatGroup.gather_apart
+
+    def counted(self: FlatGroup, stats: Any) -> None:
+        before = stats.bytes.get("all_gather", 0)
+        serve(self, stats)
+        n = self.shard.numel()
+        apart.append((stats.bytes["all_gather"] - before, self.codec.nbytes(n) * 2))
+
+    monkeypatch.setattr(FlatGroup, "gather_apart", counted)
+    torch.manual_seed(0)
+    model = Branchy()
+    x = torch.randn(2, 3, 11)
+    x[0], x[1] = x[0].abs(), -x[1].abs()  # rank 0 runs the branch, rank 1 skips it
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(
+            copy.deepcopy(model), auto_wrap=Branch, process_group=pg, compression=INT8
+        )
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(STEPS):
+            m(x[rank]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    first, second = run_ranks(2, fn, timeout=30.0)
+    assert apart and all(sent == packed for sent, packed in apart)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
