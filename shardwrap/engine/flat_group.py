@@ -371,11 +371,15 @@ class _FullParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, full: Tensor, buffer: Tensor, group: FlatGroup) -> tuple[Tensor, ...]:
-        ctx.group = group
+        # Weakly: the graph can outlive the model (a hook torch keeps in a cycle through the
+        # graph holds this node until a collection), and must not keep the model alive.
+        ctx.group = weakref.ref(group)
         return tuple(views_of(buffer, group))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
-        group: FlatGroup = ctx.group
+        group: FlatGroup | None = ctx.group()
+        if group is None:
+            raise RuntimeError("backward through a sharded model that has been deleted")
         group.views_backward_done()
         return group.flat_grad(grads), None, None

@@ -52,11 +52,10 @@ T = TypeVar("T")
 
 @pytest.fixture(autouse=True)
 def _collect_sharded_models() -> Iterator[None]:
-    """Free each test's sharded models before the next test: a sharded PEFT model is garbage
-    that one collection leaves half-freed (a second one frees it), and tests that check the
-    process-wide optimizer hooks are gone with the last sharded model run after these."""
+    """Free each test's sharded models before the next test (one collection frees them):
+    tests that check the process-wide optimizer hooks are gone with the last sharded model
+    run after these."""
     yield
-    gc.collect()
     gc.collect()
 
 
