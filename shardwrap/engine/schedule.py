@@ -85,6 +85,9 @@ class Schedule:
         self.enter_priority = 2 * n + 3
         self._used_anywhere: list[bool] = []
         self.passes = 0  # forward passes of the whole model begun on this rank
+        # Every unit is gathered on every rank for a while (engine/inference.py): forwards
+        # need no handshake, and ranks may run different numbers of them.
+        self.alone = False
         self._entered = (-1, 0)  # (passes, index in CALLS) of the last call entered
 
     @property
@@ -106,8 +109,9 @@ class Schedule:
             self._negotiate(self.reduce_only_priority)
 
     def end_forward(self) -> None:
-        """Serve peers' remaining gathers of this forward before moving on."""
-        if self.world > 1:
+        """Serve peers' remaining gathers of this forward before moving on (none to serve
+        while every unit is gathered on every rank)."""
+        if self.world > 1 and not self.alone:
             self._negotiate(self.end_forward_priority)
 
     def enter(self, call: str) -> None:

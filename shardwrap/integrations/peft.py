@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..engine import extensions
+from ..engine.inference import decoding_alone
 from ..engine.root import Root
 from ..engine.sharded_module import ShardedModule
 from .hf import any_rank_decoding, is_transformers_model, synced_decoding
@@ -238,8 +239,9 @@ class PeftHabits:
         return trainable, total
 
     def generate(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
-        """``generate`` with every rank decoding until all are done, its units gathered once
-        for the whole call where memory allows, as a sharded ``transformers`` model's.
+        """``generate`` as a sharded ``transformers`` model's: its units gathered once for the
+        whole call where memory allows, each rank then decoding on its own; otherwise every
+        rank decoding until all are done.
 
         The ``transformers`` model inside decodes: its check of whether any rank still
         decodes asks this model's ranks.
@@ -248,7 +250,7 @@ class PeftHabits:
             ValueError: ``synced_gpus=False`` on more than one rank (see ``HuggingFaceHabits``).
         """
         root = self._shardwrap_root
-        synced_gpus = synced_decoding(root, synced_gpus)
+        synced = synced_decoding(root, synced_gpus)
         base = self.get_base_model()  # type: ignore[attr-defined]
         own = getattr(super(), "generate", None) or base.generate
 
@@ -261,8 +263,9 @@ class PeftHabits:
 
         base._has_unfinished_sequences = unfinished
         try:
-            with self.keep_gathered():  # type: ignore[attr-defined]
-                return own(*args, synced_gpus=synced_gpus, **kwargs)
+            with self.keep_gathered(), decoding_alone(root) as alone:  # type: ignore[attr-defined]
+                synced = False if alone and synced_gpus is None else synced
+                return own(*args, synced_gpus=synced, **kwargs)
         finally:
             del base._has_unfinished_sequences
 
