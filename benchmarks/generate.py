@@ -104,24 +104,26 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
     g = torch.Generator().manual_seed(1 + rank)
     inputs = torch.randint(2, 256, (rows // world, 32), generator=g)
 
-    def call() -> float:
+    def call() -> tuple[float, float]:
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with torch.no_grad():
             if keep is False:
                 with model.keep_gathered(False):
                     _generate(model, inputs, beams, tokens, synced)
             else:
                 _generate(model, inputs, beams, tokens, synced)
-        took = torch.tensor([time.perf_counter() - start])
+        took = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return took.item()
+        return took[0].item(), took[1].item()
 
     call()
     if stats is not None:
         stats.reset()
-    times = [call() for _ in range(repeats)]
+    calls = [call() for _ in range(repeats)]
+    times = [wall for wall, _ in calls]
     result = {"method": method, "seconds": statistics.median(times), "times": times}
+    result["cpu_seconds"] = statistics.median(cpu for _, cpu in calls)
     result["params"] = params
     if stats is not None:
         result["all_gathers"] = stats.calls.get("all_gather", 0) / repeats
@@ -185,6 +187,9 @@ def main() -> None:
 
 def _report(args: argparse.Namespace, results: list[dict]) -> str:
     base = next((r["seconds"] for r in results if r["method"] == "ddp" and "seconds" in r), None)
+    base_cpu = next(
+        (r["cpu_seconds"] for r in results if r["method"] == "ddp" and "seconds" in r), None
+    )
     params = next((r["params"] for r in results if "params" in r), 0)
     lines = [
         f"# Generation: beam search on a sharded T5 ({date.today()})",
@@ -195,19 +200,27 @@ def _report(args: argparse.Namespace, results: list[dict]) -> str:
         "",
         f"T5 of {params / 1e6:.2f}M parameters, {args.rows} rows of 32 bytes over {args.nproc} "
         f"ranks, beam {args.beams}, {args.tokens} new tokens per row; median of {args.repeats} "
-        "calls after one untimed call (the slowest rank's time).",
+        "calls after one untimed call (the slowest rank's time); CPU seconds: the process's "
+        "CPU time over the call, the busiest rank's, median (less sensitive to other jobs "
+        "than wall time on a shared machine).",
         "",
-        "| method | seconds per call | vs ddp | all-gathers per call | MiB gathered per call |",
-        "|---|---|---|---|---|",
+        "| method | seconds per call | vs ddp | CPU seconds per call | vs ddp "
+        "| all-gathers per call | MiB gathered per call |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['method']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['method']} | failed: {r['error']} | | | | | |")
             continue
         ratio = f"{r['seconds'] / base:.2f}x" if base else ""
         gathers = f"{r['all_gathers']:.0f}" if "all_gathers" in r else ""
         mb = f"{r['gather_mb']:.1f}" if "gather_mb" in r else ""
-        lines.append(f"| {r['method']} | {r['seconds']:.3f} | {ratio} | {gathers} | {mb} |")
+        cpu = r.get("cpu_seconds")
+        cpu_ratio = f"{cpu / base_cpu:.2f}x" if cpu and base_cpu else ""
+        lines.append(
+            f"| {r['method']} | {r['seconds']:.3f} | {ratio} | {cpu:.3f} | {cpu_ratio} "
+            f"| {gathers} | {mb} |"
+        )
     return "\n".join(lines) + "\n"
 
 
