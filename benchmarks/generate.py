@@ -13,7 +13,9 @@ rank's time). Methods:
 - ``ddp``: the unwrapped model on every rank (what DDP evaluates with);
 - ``shardwrap-s2``: stage 2 (full parameters kept between steps);
 - ``shardwrap-s3``: stage 3, ``generate()`` as it is (units gathered once per call where the
-  model fits);
+  model fits, then each rank decoding on its own, with no collective per token);
+- ``shardwrap-s3-synced``: the same with ``synced_gpus=True``: every rank steps until all are
+  done, a handshake and an all-reduce per token (what ``generate()`` did before);
 - ``shardwrap-s3-per-forward``: stage 3 inside ``keep_gathered(False)``: every decoding step
   gathers every unit again, as a training forward does;
 - ``fsdp2``: torch's ``fully_shard`` on every T5 block and the root (resharding after forward),
@@ -40,7 +42,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import ROOT, commit, hardware, results_dir, torchrun  # noqa: E402
 
-METHODS = ["ddp", "shardwrap-s2", "shardwrap-s3", "shardwrap-s3-per-forward", "fsdp2"]
+METHODS = [
+    "ddp",
+    "shardwrap-s2",
+    "shardwrap-s3",
+    "shardwrap-s3-synced",
+    "shardwrap-s3-per-forward",
+    "fsdp2",
+]
 
 
 def _model() -> torch.nn.Module:
@@ -73,6 +82,7 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
     params = sum(p.numel() for p in model.parameters())
     stats = None
     keep = None
+    synced = None
     if method.startswith("shardwrap"):
         from shardwrap import ShardedModule
 
@@ -80,6 +90,7 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
         model = ShardedModule(model, auto_wrap=T5Block, stage=stage)
         stats = model.comm_stats
         keep = False if method.endswith("per-forward") else None
+        synced = True if method.endswith("synced") else None
     elif method == "fsdp2":
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
@@ -89,27 +100,30 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
         fully_shard(model)
         # generate() calls the encoder by itself: the root must gather before it (FSDP2's way)
         register_fsdp_forward_method(model, "generate")
+        synced = True  # every decoding step gathers: ranks must step together
     g = torch.Generator().manual_seed(1 + rank)
     inputs = torch.randint(2, 256, (rows // world, 32), generator=g)
 
-    def call() -> float:
+    def call() -> tuple[float, float]:
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with torch.no_grad():
             if keep is False:
                 with model.keep_gathered(False):
-                    _generate(model, inputs, beams, tokens)
+                    _generate(model, inputs, beams, tokens, synced)
             else:
-                _generate(model, inputs, beams, tokens)
-        took = torch.tensor([time.perf_counter() - start])
+                _generate(model, inputs, beams, tokens, synced)
+        took = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return took.item()
+        return took[0].item(), took[1].item()
 
     call()
     if stats is not None:
         stats.reset()
-    times = [call() for _ in range(repeats)]
+    calls = [call() for _ in range(repeats)]
+    times = [wall for wall, _ in calls]
     result = {"method": method, "seconds": statistics.median(times), "times": times}
+    result["cpu_seconds"] = statistics.median(cpu for _, cpu in calls)
     result["params"] = params
     if stats is not None:
         result["all_gathers"] = stats.calls.get("all_gather", 0) / repeats
@@ -119,23 +133,19 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
     dist.destroy_process_group()
 
 
-def _generate(model: torch.nn.Module, inputs: torch.Tensor, beams: int, tokens: int) -> None:
+def _generate(
+    model: torch.nn.Module, inputs: torch.Tensor, beams: int, tokens: int, synced: bool | None
+) -> None:
+    """``synced``: ``None`` leaves it to the model (false for the plain model; shardwrap's
+    choice for a sharded one)."""
     model.generate(
         inputs,
         num_beams=beams,
         max_new_tokens=tokens,
         min_new_tokens=tokens,
         do_sample=False,
-        synced_gpus=isinstance(model, torch.nn.Module) and _sharded(model),
+        synced_gpus=synced,
     )
-
-
-def _sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    from shardwrap import ShardedModule
-
-    return isinstance(model, ShardedModule | FSDPModule)
 
 
 def main() -> None:
@@ -177,6 +187,9 @@ def main() -> None:
 
 def _report(args: argparse.Namespace, results: list[dict]) -> str:
     base = next((r["seconds"] for r in results if r["method"] == "ddp" and "seconds" in r), None)
+    base_cpu = next(
+        (r["cpu_seconds"] for r in results if r["method"] == "ddp" and "seconds" in r), None
+    )
     params = next((r["params"] for r in results if "params" in r), 0)
     lines = [
         f"# Generation: beam search on a sharded T5 ({date.today()})",
@@ -187,19 +200,27 @@ def _report(args: argparse.Namespace, results: list[dict]) -> str:
         "",
         f"T5 of {params / 1e6:.2f}M parameters, {args.rows} rows of 32 bytes over {args.nproc} "
         f"ranks, beam {args.beams}, {args.tokens} new tokens per row; median of {args.repeats} "
-        "calls after one untimed call (the slowest rank's time).",
+        "calls after one untimed call (the slowest rank's time); CPU seconds: the process's "
+        "CPU time over the call, the busiest rank's, median (less sensitive to other jobs "
+        "than wall time on a shared machine).",
         "",
-        "| method | seconds per call | vs ddp | all-gathers per call | MiB gathered per call |",
-        "|---|---|---|---|---|",
+        "| method | seconds per call | vs ddp | CPU seconds per call | vs ddp "
+        "| all-gathers per call | MiB gathered per call |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['method']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['method']} | failed: {r['error']} | | | | | |")
             continue
         ratio = f"{r['seconds'] / base:.2f}x" if base else ""
         gathers = f"{r['all_gathers']:.0f}" if "all_gathers" in r else ""
         mb = f"{r['gather_mb']:.1f}" if "gather_mb" in r else ""
-        lines.append(f"| {r['method']} | {r['seconds']:.3f} | {ratio} | {gathers} | {mb} |")
+        cpu = r.get("cpu_seconds")
+        cpu_ratio = f"{cpu / base_cpu:.2f}x" if cpu and base_cpu else ""
+        lines.append(
+            f"| {r['method']} | {r['seconds']:.3f} | {ratio} | {cpu:.3f} | {cpu_ratio} "
+            f"| {gathers} | {mb} |"
+        )
     return "\n".join(lines) + "\n"
 
 

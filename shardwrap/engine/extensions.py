@@ -24,7 +24,9 @@ __all__ = [
     "check_move",
     "check_prepare",
     "class_habits",
+    "may_train",
     "register_class_habits",
+    "register_may_train",
     "register_move_check",
     "register_prepare_check",
     "register_unit_checkpointer",
@@ -34,6 +36,7 @@ _class_habits: list[Callable[[type], tuple[type, ...]]] = []
 _unit_checkpointers: list[Callable[[Root, Unit], bool]] = []
 _move_checks: list[Callable[[nn.Module], None]] = []
 _prepare_checks: list[Callable[[nn.Module], None]] = []
+_may_train: list[Callable[[nn.Module], set[str]]] = []
 
 
 def register_class_habits(habits: Callable[[type], tuple[type, ...]]) -> None:
@@ -57,6 +60,17 @@ def register_prepare_check(check: Callable[[nn.Module], None]) -> None:
     """``check(model)``: called as a training library reads the mark that has it hand a
     sharded ``model`` back unwrapped (accelerate's ``prepare``); it raises to refuse."""
     _prepare_checks.append(check)
+
+
+def register_may_train(names: Callable[[nn.Module], set[str]]) -> None:
+    """``names(model)``: the parameters (by name) frozen now that ``model`` may make trainable
+    after wrapping; they are sharded with the trainable ones, gradients and all."""
+    _may_train.append(names)
+
+
+def may_train(model: nn.Module) -> set[str]:
+    """Every registered integration's names of parameters ``model`` may train later."""
+    return set().union(*(names(model) for names in _may_train))
 
 
 def class_habits(cls: type) -> tuple[type, ...]:

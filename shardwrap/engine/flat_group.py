@@ -76,6 +76,7 @@ class FlatGroup:
         resident: bool = False,
         home: Home | None = None,
         codec: Codec | None = None,
+        requires_grad: bool | None = None,
     ) -> None:
         self.names = names
         self.codec = codec
@@ -88,7 +89,9 @@ class FlatGroup:
         self.dtype = params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype
         self.grad_dtype = grad_dtype or self.compute_dtype
-        self.requires_grad = params[0].requires_grad
+        # Whether the group gets a flat gradient; each shard param's own flag may be off (a
+        # parameter frozen now that the model may train later gets no ``.grad`` meanwhile).
+        self.requires_grad = params[0].requires_grad if requires_grad is None else requires_grad
         self.layout = FlatLayout(tuple(p.numel() for p in params), mesh.shard_size)
         rank = mesh.shard_rank
         self.pieces: tuple[LocalPiece, ...] = self.layout.local_pieces(rank)
@@ -320,18 +323,21 @@ class FlatGroup:
         """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
 
         The ``.grad`` tensors are views of one flat buffer, typed by ``as_grad``, known here
-        only weakly: once ``zero_grad()`` drops them, their memory is freed.
+        only weakly: once ``zero_grad()`` drops them, their memory is freed. A shard param
+        that does not require grad now gets none, as in plain PyTorch.
         """
         new = new.to(self.dtype)
         params = self.shard_params
         flat = self._grad_flat()
+        every = all(p.requires_grad for p in params)
         if (
-            flat is not None
+            every
+            and flat is not None
             and flat is not new
             and all(p.grad is not None and p.grad is v() for p, v in zip(params, self._grad_views))
         ):
             flat.add_(new)
-        elif all(p.grad is None for p in params):
+        elif every and all(p.grad is None for p in params):
             views = [
                 as_grad(new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
                 for pc, shape in zip(self.pieces, self.piece_shapes)
@@ -342,6 +348,8 @@ class FlatGroup:
             self._grad_views = [weakref.ref(v) for v in views]
         else:
             for p, pc in zip(params, self.pieces):
+                if not p.requires_grad:
+                    continue
                 piece = new[pc.shard_offset : pc.shard_offset + pc.numel].view(p.shape)
                 if p.grad is None:
                     p.grad = as_grad(piece.clone())
@@ -394,11 +402,15 @@ class _FullParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, full: Tensor, buffer: Tensor, group: FlatGroup) -> tuple[Tensor, ...]:
-        ctx.group = group
+        # Weakly: the graph can outlive the model (a hook torch keeps in a cycle through the
+        # graph holds this node until a collection), and must not keep the model alive.
+        ctx.group = weakref.ref(group)
         return tuple(views_of(buffer, group))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
-        group: FlatGroup = ctx.group
+        group: FlatGroup | None = ctx.group()
+        if group is None:
+            raise RuntimeError("backward through a sharded model that has been deleted")
         group.views_backward_done()
         return group.flat_grad(grads), None, None

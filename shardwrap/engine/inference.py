@@ -12,11 +12,19 @@ smallest answer wins, in one small all-reduce), since ranks that decided differe
 gather different units and wait on each other: the units not gathered yet must fit in half the
 memory free now (the other half is left to activations and the generation's caches). Free
 memory is the device's free memory on a GPU and the system's available memory on a CPU.
+
+Generation then goes further (:func:`decoding_alone`): every unit is gathered up front, one
+agreed gather each, after which no forward of the block issues a collective, not even the
+handshake that ends a forward. Each rank then decodes on its own, as the unwrapped model does
+under DDP: no all-reduce per token to ask whether every rank is done, no rank waiting for the
+slowest one at every token, and a rank whose rows end early simply stops.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -25,7 +33,7 @@ from ..comm.collectives import all_reduce
 from .root import Root
 from .unit import ShardState
 
-__all__ = ["fits_gathered", "gathered_bytes"]
+__all__ = ["decoding_alone", "fits_gathered", "gathered_bytes"]
 
 
 def gathered_bytes(root: Root) -> int:
@@ -48,6 +56,31 @@ def fits_gathered(root: Root) -> bool:
     flag = torch.tensor([1.0 if fits else 0.0], device=mesh.control_device)
     all_reduce(flag, mesh.control, dist.ReduceOp.MIN, root.stats).wait()
     return flag.item() > 0
+
+
+@contextmanager
+def decoding_alone(root: Root) -> Iterator[bool]:
+    """Inside a ``keep_gathered()`` block that keeps units gathered: gather every unit now, so
+    that the forwards in this block need no collective and each rank may run as many as it
+    likes. Yields whether it did (not where units are not kept, or on one rank).
+
+    The forwards run here are not counted among the passes the ranks agree on (each rank may
+    run a different number); the count is restored when the block ends. Every rank enters
+    alike; nothing in the block may change the shards (an optimizer step, a load).
+    """
+    schedule = root.schedule
+    if not (root.keeping and root.keep_decided) or schedule.alone or root.mesh.world_size == 1:
+        yield False
+        return
+    for unit in root.units:
+        root.ensure_gathered(unit, backward=False)
+    passes = schedule.passes
+    schedule.alone = True
+    try:
+        yield True
+    finally:
+        schedule.alone = False
+        schedule.passes = passes
 
 
 def _free_bytes(device: torch.device) -> int:

@@ -257,9 +257,16 @@ class Root:
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
         leaves, _ = tree_flatten(output)
+        root, index = weakref.ref(self), unit.index  # weakly: see _hook_inputs
+
+        def pre_backward(grad: Tensor) -> None:
+            live = root()
+            if live is not None:
+                live._pre_backward(live.units[index])
+
         for t in leaves:
             if isinstance(t, Tensor) and t.requires_grad:
-                t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
+                t.register_hook(pre_backward)
 
     def _hook_inputs(self, unit: Unit, inputs: Any) -> None:
         """Count this call's input gradients, so frozen groups are released once they exist.
@@ -271,12 +278,21 @@ class Root:
         if not tensors:
             return
         self._inputs_pending[unit.index] = self._inputs_pending.get(unit.index, 0) + 1
+        # Weakly: torch keeps this hook in a cycle through the autograd graph (the hook holds
+        # the inputs' grad_fns, which hold the hook) that only the garbage collector breaks,
+        # and late; held strongly, the whole model would wait for it.
+        root, index = weakref.ref(self), unit.index
 
-        def on_inputs_done(grads: Any, unit: Unit = unit) -> None:
-            self._inputs_pending[unit.index] -= 1
-            self._maybe_release(unit)
+        def on_inputs_done(grads: Any) -> None:
+            live = root()
+            if live is not None:
+                live._inputs_done(index)
 
         torch.autograd.graph.register_multi_grad_hook(tensors, on_inputs_done, mode="all")
+
+    def _inputs_done(self, index: int) -> None:
+        self._inputs_pending[index] -= 1
+        self._maybe_release(self.units[index])
 
     # backward ------------------------------------------------------------------------
 

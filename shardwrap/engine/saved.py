@@ -10,6 +10,7 @@ gathering it first if it is not.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ __all__ = ["SavedViews"]
 class _SavedView(NamedTuple):
     """A tensor autograd saved that views a gathered buffer: where in the group it lies."""
 
-    group: FlatGroup
+    group: weakref.ReferenceType[FlatGroup]  # weakly: the graph must not keep the model
     offset: int
     shape: torch.Size
     stride: tuple[int, ...]
@@ -49,7 +50,21 @@ class SavedViews:
         """Save views of gathered buffers by address until ``owner``'s call returns, unless an
         enclosing call already does."""
         if self.owner is None:
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            # Weakly: the graph holds these hooks, and a graph nobody runs backward through
+            # may live on in torch's cycles; it must not keep the model alive.
+            ref = weakref.ref(self)
+
+            def pack(t: Tensor) -> Any:
+                live = ref()
+                return t if live is None else live._pack(t)
+
+            def unpack(saved: Any) -> Tensor:
+                live = ref()
+                if live is None and isinstance(saved, _SavedView):
+                    raise RuntimeError("backward through a sharded model that has been deleted")
+                return saved if live is None else live._unpack(saved)
+
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
             self._hooks.__enter__()
             self.owner = owner
 
@@ -65,12 +80,14 @@ class SavedViews:
             return t
         if group is None:
             return t
-        return _SavedView(group, t.storage_offset(), t.shape, t.stride())
+        return _SavedView(weakref.ref(group), t.storage_offset(), t.shape, t.stride())
 
     def _unpack(self, saved: Any) -> Tensor:
         if not isinstance(saved, _SavedView):
             return saved
-        group = saved.group
+        group = saved.group()
+        if group is None:
+            raise RuntimeError("backward through a sharded model that has been deleted")
         if not group.is_allocated:
             self.regather(group)
         return group.full_data.as_strided(saved.shape, saved.stride, saved.offset)

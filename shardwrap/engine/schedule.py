@@ -105,6 +105,9 @@ class Schedule:
         self.enter_priority = 2 * n + 3
         self._used_anywhere: list[bool] = []
         self.passes = 0  # forward passes of the whole model begun on this rank
+        # Every unit is gathered on every rank for a while (engine/inference.py): forwards
+        # need no handshake, and ranks may run different numbers of them.
+        self.alone = False
         self._entered = (-1, 0)  # (passes, index in CALLS) of the last call entered
         # The forward plan (see the note above): unit indices of the gathers agreed at this
         # pass's first handshake, the next one at ``_plan_at``; this pass's gathers so far
@@ -161,8 +164,9 @@ class Schedule:
     def end_forward(self, gathers_nothing_after: bool = False) -> None:
         """Serve peers' remaining gathers of this forward before moving on; its gathers are
         the next pass's proposal. With ``gathers_nothing_after`` on every rank (the backward
-        to come gathers nothing), that backward reduces without handshakes."""
-        if self.world > 1:
+        to come gathers nothing), that backward reduces without handshakes. Nothing to serve
+        while every unit is gathered on every rank (``alone``)."""
+        if self.world > 1 and not self.alone:
             self._negotiate(self.end_forward_priority, alone=gathers_nothing_after)
             self._last, self._recorded = self._recorded or [], None
 

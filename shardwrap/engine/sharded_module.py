@@ -36,7 +36,7 @@ from .checks import (
     resolve_compile,
     unit_plan,
 )
-from .extensions import check_move, check_prepare, checkpoint_unit, class_habits
+from .extensions import check_move, check_prepare, checkpoint_unit, class_habits, may_train
 from .flat_group import FlatGroup
 from .inference import fits_gathered
 from .init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
@@ -518,6 +518,7 @@ def _wrap(
     stats = CommStats()
     pool = BufferPool()
     units: list[Unit] = []
+    trainable_later = may_train(module)
     for index, (unit_module, params) in enumerate(zip(placement.units, placement.params)):
         if materialize is not None:
             meta_params, params = params, materialize(index, params)
@@ -525,12 +526,12 @@ def _wrap(
                 retire(p, name)
         by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
         for entry in params:
-            by_key.setdefault(group_key(entry[1]), []).append(entry)
+            by_key.setdefault(group_key(entry[1], entry[0] in trainable_later), []).append(entry)
         frozen = sum(p.numel() for _, p, _ in params if not p.requires_grad)
         trainable = sum(p.numel() for _, p, _ in params) - frozen
         stage3 = strategy.stage3_lifetime(frozen_numel=frozen, trainable_numel=trainable)
         flat_groups = []
-        for entries in by_key.values():
+        for (_, grad), entries in by_key.items():
             names = [n for n, _, _ in entries]
             originals = [p for _, p, _ in entries]
             dtype = originals[0].dtype
@@ -542,11 +543,13 @@ def _wrap(
                 pool,
                 precision.compute_dtype(dtype) if precision else None,
                 precision.gradient_dtype(dtype) if precision else None,
-                resident=strategy.keeps_params and (not stage3 or originals[0].requires_grad),
+                resident=strategy.keeps_params and (not stage3 or grad),
                 home=home,
                 codec=param_codec if dtype.is_floating_point else None,
+                requires_grad=grad,
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
+                shard_param.requires_grad_(p.requires_grad)
                 setattr(shard_param, SHARD_ATTR, True)
                 setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i, stats))
                 for owner, attr in slots:

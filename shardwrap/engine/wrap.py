@@ -186,6 +186,8 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a[:n]
 
 
-def group_key(p: torch.Tensor) -> tuple[torch.dtype, bool]:
-    """Parameters share a flat buffer when they share dtype and ``requires_grad``."""
-    return p.dtype, p.requires_grad
+def group_key(p: torch.Tensor, may_train: bool = False) -> tuple[torch.dtype, bool]:
+    """Parameters share a flat buffer when they share dtype and ``requires_grad``; a frozen
+    parameter the model may make trainable later (``may_train``: an inactive PEFT adapter)
+    groups with the trainable ones."""
+    return p.dtype, p.requires_grad or may_train

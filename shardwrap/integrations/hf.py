@@ -4,8 +4,10 @@ A wrapped ``transformers`` model's class gains :class:`HuggingFaceHabits` ahead 
 
 - ``save_pretrained(dir)`` writes what :func:`shardwrap.export` writes (every rank calls it,
   rank 0 writes), so ``from_pretrained(dir)`` loads the whole model.
-- ``generate()`` keeps every rank decoding until all are done (``synced_gpus``): each decoding
-  step gathers parameters, so a rank that stopped early would leave the others waiting.
+- ``generate()`` gathers every unit once for the call where the model fits, and each rank
+  then decodes on its own; otherwise it keeps every rank decoding until all are done
+  (``synced_gpus``): each decoding step gathers parameters, so a rank that stopped early
+  would leave the others waiting.
 - Hugging Face's own activation checkpointing (``gradient_checkpointing_enable()``, what
   ``Trainer(gradient_checkpointing=True)`` turns on) recomputes a layer's ``forward`` in
   backward; the recomputation is shown the full parameters, reusing the unit's backward
@@ -32,6 +34,7 @@ from torch import nn
 from ..checkpoint.export import write_export
 from ..comm.collectives import all_reduce
 from ..engine import extensions
+from ..engine.inference import decoding_alone
 from ..engine.recompute import guard_recompute
 from ..engine.root import Root
 from ..engine.unit import Unit
@@ -287,16 +290,20 @@ class HuggingFaceHabits:
             )
 
     def generate(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
-        """``generate`` with every rank decoding until all are done (``synced_gpus=True``),
-        its units gathered once for the whole call where memory allows (``keep_gathered()``).
+        """``generate`` with its units gathered once for the whole call where memory allows
+        (``keep_gathered()``); then each rank decodes on its own, with no collective per
+        token (``engine/inference.py``: ``decoding_alone``). Where the units are not kept
+        gathered, every rank decodes until all are done (``synced_gpus=True``).
 
         Raises:
             ValueError: ``synced_gpus=False`` on more than one rank: a rank that stopped
                 early would leave the others waiting in the next gather for good.
         """
-        synced_gpus = synced_decoding(self._shardwrap_root, synced_gpus)
-        with self.keep_gathered():  # type: ignore[attr-defined]
-            return super().generate(*args, synced_gpus=synced_gpus, **kwargs)  # type: ignore[misc]
+        root = self._shardwrap_root
+        synced = synced_decoding(root, synced_gpus)
+        with self.keep_gathered(), decoding_alone(root) as alone:  # type: ignore[attr-defined]
+            synced = False if alone and synced_gpus is None else synced
+            return super().generate(*args, synced_gpus=synced, **kwargs)  # type: ignore[misc]
 
     def _has_unfinished_sequences(
         self, this_peer_finished: bool, synced_gpus: bool, device: torch.device

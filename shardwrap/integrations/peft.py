@@ -6,6 +6,11 @@ separate flat groups of each unit (groups are keyed by dtype and ``requires_grad
 adapters get gradients and optimizer state. The reverse order would graft unsharded adapters
 into a sharded model, whose gradients no rank would average; it is refused.
 
+Several adapters: every adapter must be added before wrapping. All adapters' parameters are
+sharded with the trainable ones (:func:`adapter_names`), so ``set_adapter(name)`` on the sharded
+model switches the adapter that trains as well as the one that runs; a parameter frozen at the
+moment (an inactive adapter) gets no gradient (``FlatGroup.accumulate``).
+
 A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
 
 - ``save_pretrained(dir)`` gathers only what the adapter file holds (rank 0 writes), so
@@ -14,7 +19,9 @@ A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
 - ``generate()`` keeps every rank decoding until all are done, as on a sharded
   ``transformers`` model (``integrations/hf.py``);
 - ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
-  parameters, not this rank's pieces.
+  parameters, not this rank's pieces;
+- ``add_adapter``, ``load_adapter`` and ``delete_adapter`` are refused (the adapters are
+  sharded when the model is wrapped).
 
 The engine does not import this module (nor ``peft``): ``shardwrap/__init__.py`` imports it,
 and it registers the habits with the engine (``engine/extensions.py``).
@@ -31,11 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from ..engine import extensions
+from ..engine.inference import decoding_alone
 from ..engine.root import Root
 from ..engine.sharded_module import ShardedModule
 from .hf import any_rank_decoding, is_transformers_model, synced_decoding
 
-__all__ = ["PeftHabits", "is_peft_model"]
+__all__ = ["PeftHabits", "adapter_names", "is_peft_model"]
 
 
 def is_peft_model(cls: type) -> bool:
@@ -45,6 +53,24 @@ def is_peft_model(cls: type) -> bool:
 
 def _habits(cls: type) -> tuple[type, ...]:
     return (PeftHabits,) if is_peft_model(cls) else (RefusesAdapters,)
+
+
+def adapter_names(model: nn.Module) -> set[str]:
+    """The parameters of every adapter of a PEFT model, by name: ``set_adapter`` makes the
+    adapter it activates trainable and freezes the others, so each may train after wrapping
+    (the adapters' own layers, and the copies of ``modules_to_save``)."""
+    if not is_peft_model(type(model)):
+        return set()
+    names = set()
+    for prefix, module in model.named_modules():
+        kinds = getattr(type(module), "adapter_layer_names", ())  # peft's tuner layers
+        if type(module).__name__ == "ModulesToSaveWrapper":
+            kinds = ("modules_to_save",)
+        for kind in kinds:
+            part = getattr(module, kind, None)
+            if isinstance(part, nn.Module):
+                names.update(f"{prefix}.{kind}.{n}" for n, _ in part.named_parameters())
+    return names
 
 
 def _full_params(root: Root, wanted: set[int]) -> dict[int, Tensor]:
@@ -137,6 +163,33 @@ class PeftHabits:
             save_directory, is_main_process=is_main_process and rank0, state_dict=state, **kwargs
         )
 
+    def add_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: see :meth:`_refuse_new_adapters`."""
+        self._refuse_new_adapters("add_adapter")
+
+    def load_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: see :meth:`_refuse_new_adapters`."""
+        self._refuse_new_adapters("load_adapter")
+
+    def delete_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: see :meth:`_refuse_new_adapters`."""
+        self._refuse_new_adapters("delete_adapter")
+
+    def _refuse_new_adapters(self, method: str) -> None:
+        """Adapters added to (or removed from) a sharded model would not be sharded (or would
+        leave their pieces in the flat groups).
+
+        Raises:
+            TypeError: naming the order that works.
+        """
+        raise TypeError(
+            f"{method} on a sharded PEFT model: adapters are sharded when the model is "
+            "wrapped, so the set of adapters is fixed then. Add or load every adapter first "
+            "(get_peft_model(model, config, adapter_name=...), then add_adapter or "
+            "load_adapter for the others), then wrap with ShardedModule; set_adapter(name) "
+            "on the sharded model switches the active (and trained) one."
+        )
+
     def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
         """The base model with the adapters merged in: whole, unsharded, on the CPU, on every
         rank. Call on every rank.
@@ -186,8 +239,9 @@ class PeftHabits:
         return trainable, total
 
     def generate(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
-        """``generate`` with every rank decoding until all are done, its units gathered once
-        for the whole call where memory allows, as a sharded ``transformers`` model's.
+        """``generate`` as a sharded ``transformers`` model's: its units gathered once for the
+        whole call where memory allows, each rank then decoding on its own; otherwise every
+        rank decoding until all are done.
 
         The ``transformers`` model inside decodes: its check of whether any rank still
         decodes asks this model's ranks.
@@ -196,7 +250,7 @@ class PeftHabits:
             ValueError: ``synced_gpus=False`` on more than one rank (see ``HuggingFaceHabits``).
         """
         root = self._shardwrap_root
-        synced_gpus = synced_decoding(root, synced_gpus)
+        synced = synced_decoding(root, synced_gpus)
         base = self.get_base_model()  # type: ignore[attr-defined]
         own = getattr(super(), "generate", None) or base.generate
 
@@ -209,10 +263,12 @@ class PeftHabits:
 
         base._has_unfinished_sequences = unfinished
         try:
-            with self.keep_gathered():  # type: ignore[attr-defined]
-                return own(*args, synced_gpus=synced_gpus, **kwargs)
+            with self.keep_gathered(), decoding_alone(root) as alone:  # type: ignore[attr-defined]
+                synced = False if alone and synced_gpus is None else synced
+                return own(*args, synced_gpus=synced, **kwargs)
         finally:
             del base._has_unfinished_sequences
 
 
 extensions.register_class_habits(_habits)
+extensions.register_may_train(adapter_names)

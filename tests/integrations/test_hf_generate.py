@@ -1,14 +1,16 @@
 """``generate()`` on a sharded model when ranks finish decoding at different steps.
 
-Sequences that meet their end-of-sequence token at different steps are the normal case; each
-decoding step gathers parameters, so a rank that stops early would leave the others waiting
-for good. A sharded ``transformers`` model keeps every rank stepping until all are done (one
-small all-reduce over the model's own ranks per step). Proves, on GPT-2 and T5 from tiny
-configs at 2 ranks, each rank with its own prompt whose greedy continuation ends at a different
-step:
+Sequences that meet their end-of-sequence token at different steps are the normal case. Where
+its units are kept gathered for the call, each rank decodes on its own, issuing no collective
+per token; otherwise each decoding step gathers parameters, so a rank that stopped early would
+leave the others waiting for good, and a sharded ``transformers`` model keeps every rank
+stepping until all are done (one small all-reduce over the model's own ranks per step).
+Proves, on GPT-2 and T5 from tiny configs at 2 ranks, each rank with its own prompt whose
+greedy continuation ends at a different step:
 
 - every rank's output equals the unwrapped model's ``generate`` on that prompt, as is (its
-  units gathered once for the whole call: at most one all-gather per flat group), inside
+  units gathered once for the whole call: at most one all-gather per flat group, and no
+  collective per token, only the decision and one handshake per unit), inside
   ``gathered()`` (no gather at all) and with ``keep_gathered(False)`` (gathered per decoding
   step, as training does), with lengths that differ between the ranks (so the case is
   exercised);
@@ -77,7 +79,7 @@ def test_ranks_finishing_at_different_steps_all_match_the_plain_model(
     want = [_generate(model, p, eos_token_id=eos) for p in prompts]
     assert want[0].shape[1] < want[1].shape[1]
 
-    def fn(rank: int, pg: ProcessGroup) -> tuple[list[Tensor], list[int], int]:
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[Tensor], list[int], int, int, int]:
         m = ShardedModule(copy.deepcopy(model), auto_wrap=layer, process_group=pg)
         groups = sum(len(u.groups) for u in m._shardwrap_root.units)
         outs, gathers = [], []
@@ -92,13 +94,19 @@ def test_ranks_finishing_at_different_steps_all_match_the_plain_model(
             with m.keep_gathered(keep):
                 outs.append(_generate(m, prompts[rank], eos_token_id=eos))
             gathers.append(m.comm_stats.calls.get("all_gather", 0))
-        return outs, gathers, groups
+            if keep is None:
+                others = sum(m.comm_stats.calls.values()) - gathers[-1]
+        return outs, gathers, groups, others, len(m._shardwrap_root.units)
 
-    for rank, (outs, gathers, groups) in enumerate(run_ranks(WORLD, fn, timeout=30.0)):
+    results = run_ranks(WORLD, fn, timeout=30.0)
+    for rank, (outs, gathers, groups, others, units) in enumerate(results):
         for out in outs:  # kept gathered, inside gathered(), gathered per forward
             assert torch.equal(out, want[rank])
         kept, inside, per_forward = gathers
         assert kept <= groups and inside == 0, gathers  # at most one gather per group a call
+        # kept: one all-reduce deciding, one handshake per unit gathered up front, and
+        # nothing per token (before: a handshake and an all-reduce at every token)
+        assert others <= 1 + units < NEW_TOKENS, others
         if default_stage == 3:  # stages 1 and 2 keep their parameters anyway
             assert per_forward > 2 * groups, gathers  # what generate() did before
 

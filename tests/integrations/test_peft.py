@@ -17,7 +17,15 @@ config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
 - at stage 2, the frozen base weights are not kept whole between steps: memory between steps
   and at peak stays within a quarter of one layer's frozen weights of stage 3's (tracked
   allocations);
-- adding adapters to a model that is already sharded is refused, naming the order to use.
+- adding adapters to a model that is already sharded is refused, naming the order to use;
+- at the suite's stage, with two adapters added before wrapping, ``set_adapter`` on the sharded
+  model trains the adapter it activates like the unwrapped model (the other keeps its weights
+  and gets no optimizer state), ``save_pretrained`` writes both and they load back to the
+  trained weights and logits, and ``add_adapter`` on the sharded model is refused;
+- at the suite's stage, ``modules_to_save=["lm_head"]``: the head's copy trains like the
+  unwrapped model's, is written into the adapter file and loads back exactly.
+
+``shardwrap.hf.Trainer`` on a PEFT model, under torchrun: ``tests/e2e/test_hf_trainer.py``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_peft.py -q``
 """
@@ -52,11 +60,10 @@ T = TypeVar("T")
 
 @pytest.fixture(autouse=True)
 def _collect_sharded_models() -> Iterator[None]:
-    """Free each test's sharded models before the next test: a sharded PEFT model is garbage
-    that one collection leaves half-freed (a second one frees it), and tests that check the
-    process-wide optimizer hooks are gone with the last sharded model run after these."""
+    """Free each test's sharded models before the next test (one collection frees them):
+    tests that check the process-wide optimizer hooks are gone with the last sharded model
+    run after these."""
     yield
-    gc.collect()
     gc.collect()
 
 
@@ -269,3 +276,86 @@ def test_adapters_added_to_a_sharded_model_are_refused() -> None:
             get_peft_model(m, _lora())
 
     run_ranks(WORLD, fn)
+
+
+def _two_adapters() -> tuple[nn.Module, nn.Module]:
+    """The base model and a PEFT model of a copy of it with adapters ``one`` (q and v) and
+    ``two`` (v alone, rank 2), ``one`` active."""
+    base, _ = _models()
+    model = get_peft_model(copy.deepcopy(base), _lora(), adapter_name="one")
+    model.add_adapter(
+        "two", LoraConfig(task_type="CAUSAL_LM", r=2, lora_dropout=0.0, target_modules=["v_proj"])
+    )
+    return base, model
+
+
+def test_set_adapter_trains_the_active_one_and_save_pretrained_writes_each(
+    tmp_path: Path,
+) -> None:
+    """At the suite's stage: ``set_adapter("two")`` on the sharded model switches which adapter
+    the forward uses and which trains; ``one`` keeps its weights and gets no optimizer state;
+    ``save_pretrained`` writes both adapters, and they load back onto a fresh base model to the
+    trained weights and logits."""
+    base, peft_model = _two_adapters()
+    ref = copy.deepcopy(peft_model)
+    ref.set_adapter("two")
+    _train(ref, 0, 1)
+    ref.eval()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], list[str]]:
+        m = ShardedModule(copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg)
+        m.set_adapter("two")
+        opt = _train(m, rank, WORLD)
+        names = {id(p): n for n, p in m.named_parameters()}
+        m.save_pretrained(folder)
+        with pytest.raises(TypeError, match="Add or load every adapter first"):
+            m.add_adapter("three", _lora())
+        return m.full_state_dict(), sorted(names[id(p)] for p in opt.state)
+
+    folder = tmp_path / "adapters"
+    two = sorted(n for n, _ in ref.named_parameters() if ".two." in n)
+    start = peft_model.state_dict()
+    for full, with_state in run_ranks(WORLD, fn, timeout=60.0):
+        torch.testing.assert_close(full, ref.state_dict(), atol=1e-5, rtol=0)
+        assert with_state == two
+        changed = {k for k, v in full.items() if not torch.equal(v, start[k])}
+        assert changed == {k for k in start if ".two." in k}
+    # one folder per adapter (peft's layout for adapters not named "default")
+    assert len(load_file(folder / "one" / "adapter_model.safetensors")) == 8
+    assert len(load_file(folder / "two" / "adapter_model.safetensors")) == 4
+    loaded = PeftModel.from_pretrained(base, folder / "one", adapter_name="one")
+    loaded.load_adapter(folder / "two", adapter_name="two")
+    torch.testing.assert_close(loaded.state_dict(), ref.state_dict(), atol=1e-5, rtol=0)
+    loaded.set_adapter("two")
+    torch.testing.assert_close(_logits(loaded.eval()), _logits(ref), atol=1e-4, rtol=0)
+
+
+def test_modules_to_save_trains_saves_and_loads_exactly(tmp_path: Path) -> None:
+    """At the suite's stage: LoRA with ``modules_to_save=["lm_head"]``: the head's trainable
+    copy trains like the unwrapped model's on the global batch, the original head stays, and
+    the adapter file holds the trained head, which loads back exactly."""
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(tiny_llama_config())
+    config = _lora()
+    config.modules_to_save = ["lm_head"]
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    ref = copy.deepcopy(peft_model)
+    _train(ref, 0, 1)
+    ref.eval()
+    folder = tmp_path / "adapter"
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg)
+        _train(m, rank, WORLD)
+        m.save_pretrained(folder)
+        return m.full_state_dict()
+
+    head = "base_model.model.lm_head.modules_to_save.default.weight"
+    for full in run_ranks(WORLD, fn, timeout=60.0):
+        torch.testing.assert_close(full, ref.state_dict(), atol=1e-5, rtol=0)
+        assert not torch.equal(full[head], peft_model.state_dict()[head])  # it trained
+    saved = load_file(folder / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.weight" in saved and len(saved) == 9
+    loaded = PeftModel.from_pretrained(base, folder).eval()
+    torch.testing.assert_close(loaded.state_dict(), ref.state_dict(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(_logits(loaded), _logits(ref), atol=1e-4, rtol=0)
