@@ -91,7 +91,9 @@ def failure(error: str) -> str:
     if not named:
         return lines[-1] if lines else "no output"
     frames = [  # library paths from the package on: the report holds no install path
-        line.split("site-packages/")[-1] for line in lines[: named[0]] if line.startswith("File ")
+        line.split("site-packages/")[-1].replace('"', "")
+        for line in lines[: named[0]]
+        if line.startswith("File ")
     ]
     where = " <- ".join(reversed(frames[-2:]))
     return lines[named[0]] + (f" (in {where})" if where else "")
