@@ -16,7 +16,7 @@ from .engine.whole_params import declare_optimizer
 from .integrations import hf as _hf  # noqa: F401  (registers its habits with the engine)
 from .integrations import hf_accelerate as _hf_accelerate  # noqa: F401  (its prepare check)
 from .integrations import peft as _peft  # noqa: F401  (registers its habits with the engine)
-from .options import MixedPrecision, Offload
+from .options import Compression, MixedPrecision, Offload
 from .planning.allocations import AllocationTracker, track_allocations
 from .planning.planner import estimate_memory
 from .runs.logbook import Logbook, SpikeError, Spikes
@@ -26,6 +26,7 @@ __all__ = [
     "AllocationTracker",
     "CollectiveFailed",
     "CommStats",
+    "Compression",
     "Logbook",
     "Mesh",
     "MixedPrecision",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecision", "Offload"]
+__all__ = ["Compression", "MixedPrecision", "Offload"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,3 +88,72 @@ class Offload:
             )
         if self.device == "cpu" and self.path is not None:
             raise ValueError('Offload.path is for device="disk"; the cpu tier keeps no files.')
+
+
+PARAM_FORMATS = ("int8", "fp8")
+GRAD_FORMATS = ("int8", "int4")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compression:
+    """Quantize what the gathers and the gradient reductions send, to move fewer bytes.
+
+    Each tensor a rank sends is cut into blocks of ``block`` elements; each block is sent as
+    low-precision values scaled by the block's largest magnitude (one float32 scale per block).
+    What the ranks keep stays exact: the shards (master weights), the optimizer state,
+    checkpoints and exports never see a quantized value. Floating-point groups only; others
+    are sent as they are. ``Compression()`` (both ``None``) changes nothing.
+
+    Attributes:
+        params: the format of the parameter all-gathers for compute (forward, backward, the
+            refresh after a step at stages 1 and 2): ``None`` (exact), ``"int8"`` or
+            ``"fp8"`` (``torch.float8_e4m3fn``, where torch has it). Every rank dequantizes
+            the same bytes, its own shard's included, so all ranks compute with identical
+            weights.
+        grads: the format of the gradient reductions (the reduce-scatter, and with hybrid
+            sharding the all-reduce across replicas): ``None`` (exact), ``"int8"`` or
+            ``"int4"`` (two values a byte). Received pieces are dequantized and summed in
+            float32, then averaged as without compression.
+        error_feedback: with ``grads``, each rank keeps what quantization cut from what it
+            sent (a residual as large as the flat gradient, per trainable group, in the
+            reduction dtype) and adds it to the next reduction's gradient, so the error does
+            not accumulate over steps. Ignored without ``grads``.
+        block: elements per scale block: smaller blocks follow the values more closely and
+            send more scales (4 bytes per block).
+    """
+
+    params: str | None = None
+    grads: str | None = None
+    error_feedback: bool = True
+    block: int = 256
+
+    def __post_init__(self) -> None:
+        if self.params is not None and self.params not in PARAM_FORMATS:
+            raise ValueError(
+                f'Compression.params must be None, "int8" or "fp8", got {self.params!r}; '
+                'e.g. Compression(params="int8").'
+            )
+        if self.params == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError(
+                f'Compression.params="fp8" needs torch.float8_e4m3fn, which torch '
+                f'{torch.__version__} lacks; use params="int8", or a torch that has it.'
+            )
+        if self.grads is not None and self.grads not in GRAD_FORMATS:
+            raise ValueError(
+                f'Compression.grads must be None, "int8" or "int4", got {self.grads!r}; '
+                'e.g. Compression(grads="int8").'
+            )
+        if type(self.error_feedback) is not bool:
+            raise ValueError(
+                f"Compression.error_feedback must be True or False, got {self.error_feedback!r}."
+            )
+        if type(self.block) is not int or self.block < 1:
+            raise ValueError(
+                f"Compression.block must be a positive int (elements per scale), got "
+                f'{self.block!r}; e.g. Compression(params="int8", block=256).'
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is compressed."""
+        return self.params is not None or self.grads is not None

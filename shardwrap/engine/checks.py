@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import Group, all_reduce, group_size
+from ..options import Compression, MixedPrecision, Offload
 from .wrap import AutoWrap, Placement, group_key, resolve_policy
 
 __all__ = [
     "check_device",
     "check_not_wrapped",
+    "check_options",
     "check_same_model",
     "checkpoint_policy",
     "describe",
@@ -299,3 +301,46 @@ def _name_first_parameter_difference(
         "which differs on another rank. Build the same model on every rank (same config, "
         "same code path) before wrapping."
     )
+
+
+def check_options(
+    stage: int,
+    device: torch.device,
+    mixed_precision: MixedPrecision | None,
+    offload: Offload | None,
+    compression: Compression | None = None,
+) -> None:
+    """Check the option objects' types and the combinations they allow.
+
+    Raises:
+        TypeError: ``mixed_precision``, ``offload`` or ``compression`` of another type.
+        ValueError: the disk tier below stage 3 or off a CPU compute device.
+    """
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
+            "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
+        )
+    if compression is not None and not isinstance(compression, Compression):
+        raise TypeError(
+            f"compression takes a shardwrap.Compression, got {compression!r}; e.g. "
+            'compression=Compression(params="int8", grads="int8").'
+        )
+    if offload is None:
+        return
+    if not isinstance(offload, Offload):
+        raise TypeError(
+            f"offload takes a shardwrap.Offload, got {offload!r}; e.g. "
+            'offload=Offload(device="disk", path="/nvme/run1").'
+        )
+    if offload.device == "disk" and stage != 3:
+        raise ValueError(
+            f'Offload(device="disk") needs stage=3: stage {stage} keeps the full parameters '
+            "in memory between steps, the opposite of keeping the state on disk."
+        )
+    if offload.device == "disk" and device.type != "cpu":
+        raise ValueError(
+            f'Offload(device="disk") runs on a CPU compute device, got {device}: its files are '
+            "mapped into host memory and gathered from there. With a GPU use "
+            'Offload(device="cpu") (shards, gradients and optimizer state in pinned host memory).'
+        )

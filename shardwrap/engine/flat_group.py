@@ -23,7 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from ..comm.collectives import CommStats, Pending, all_gather
+from ..comm.compressed import all_gather_quantized
 from ..comm.mesh import Mesh
+from ..comm.quantize import Codec
 from ..tiers.home import Home
 from .layout import FlatLayout, LocalPiece
 from .pool import BufferPool
@@ -57,6 +59,9 @@ class FlatGroup:
         home: where the shard, its gradient buffer and the optimizer state live, and how the
             shard reaches the compute device (``tiers/home.py``); default: on the mesh's device,
             read in place.
+        codec: the wire format of the gathers for compute (``Compression.params``), or
+            ``None`` to gather exactly. Such a group keeps no resident buffer: its gathered
+            values are decoded ones, and the shard must stay exact.
     """
 
     def __init__(
@@ -70,8 +75,10 @@ class FlatGroup:
         grad_dtype: torch.dtype | None = None,
         resident: bool = False,
         home: Home | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.names = names
+        self.codec = codec
         self.pool = pool
         self.slots = slots
         self.mesh = mesh
@@ -91,7 +98,7 @@ class FlatGroup:
         lo, hi = self.layout.shard_range(rank)
         # 1-D, padded numel, compute_dtype: the full buffer kept for good (resident groups only).
         self._resident: Tensor | None = None
-        if resident and self.compute_dtype == self.dtype and not home.staged:
+        if resident and self.compute_dtype == self.dtype and not home.staged and codec is None:
             self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
             pool.claim(self._resident, self)
             self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N
@@ -183,11 +190,15 @@ class FlatGroup:
     def gather(self, stats: CommStats | None, exact: bool = False) -> Pending:
         """All-gather the shards into the full buffer (asynchronously where possible).
 
-        The buffer is in ``compute_dtype``, or with ``exact`` in the shards' own dtype.
+        The buffer is in ``compute_dtype``, quantized on the wire where the group has a
+        ``codec``; or with ``exact`` in the shards' own dtype, exactly.
         """
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.mark_gathered()
-        return all_gather(self._buffer, self.home.gather_input(self.shard), self.mesh.shard, stats)
+        shard, group = self.home.gather_input(self.shard), self.mesh.shard
+        if self.codec is not None and not exact:
+            return all_gather_quantized(self._buffer, shard, group, self.codec, stats)
+        return all_gather(self._buffer, shard, group, stats)
 
     def make_views(self, track_grad: bool) -> None:
         """Shape the gathered buffer into the parameters and shadow the shard params with them."""

@@ -19,17 +19,28 @@ it to host memory), and the copies are waited for before any ``.grad`` is set.
 When reductions run is the strategy's choice: during backward, as groups become ready, or
 deferred to the end of backward (``defer``; ZeRO stage 1). Inside ``no_sync`` nothing is
 reduced and the flat gradients keep accumulating.
+
+With ``Compression.grads`` the reduce-scatter and the replicas' all-reduce send quantized
+payloads (``comm/compressed.py``); with error feedback each trainable group keeps a residual
+per collective, made at its first reduction: a full-size one for the reduce-scatter (in the
+reduction dtype; none at shard size 1, where nothing is sent) and, with hybrid sharding, a
+shard-size one for the all-reduce. Residuals change only when a reduction is issued, so
+gradients accumulated under ``no_sync`` carry them once, at the reduction that sends them.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import CommStats, Pending, all_reduce, reduce_scatter
+from ..comm.compressed import all_reduce_quantized, reduce_scatter_quantized
 from ..comm.mesh import Mesh
+from ..comm.quantize import Codec
+from ..options import Compression
 from ..tiers.home import Home
 from .flat_group import FlatGroup
 from .grad_norm import as_shard_grad, shard_grad_owner
@@ -49,12 +60,29 @@ class Reductions:
         defer: hold every reduction until the end of backward rather than issuing each
             once its gradient is ready.
         home: where the shards and their gradients live (the groups' home).
+        compression: its ``grads`` format quantizes the reductions, with its error feedback;
+            ``None``: exact.
     """
 
     def __init__(
-        self, order: list[FlatGroup], mesh: Mesh, stats: CommStats, defer: bool, home: Home
+        self,
+        order: list[FlatGroup],
+        mesh: Mesh,
+        stats: CommStats,
+        defer: bool,
+        home: Home,
+        compression: Compression | None = None,
     ) -> None:
         self.order = order
+        self.codec: Codec | None = None
+        self.error_feedback = False
+        if compression is not None and compression.grads is not None:
+            self.codec = Codec(compression.grads, compression.block)
+            self.error_feedback = compression.error_feedback
+        # per position in ``order``: the reduce-scatter's residual (1-D, padded numel,
+        # grad_dtype) and the replicas' all-reduce's (1-D, padded/N), made at first use
+        self.residuals: list[Tensor | None] = [None] * len(order)
+        self.replica_residuals: list[Tensor | None] = [None] * len(order)
         self.home = home
         self.mesh = mesh
         self.stats = stats
@@ -113,7 +141,13 @@ class Reductions:
             out = self.home.reduce_into(
                 group.shard.numel(), group.grad_dtype, group.free_home_grad()
             )
-            work = reduce_scatter(out, grad, self.mesh.shard, self.stats)
+            if self.codec is None:
+                work = reduce_scatter(out, grad, self.mesh.shard, self.stats)
+            else:
+                residual = self._residual(self.residuals, i, grad, self.mesh.shard_size)
+                work = reduce_scatter_quantized(
+                    out, grad, self.mesh.shard, self.codec, residual, self.stats
+                )
             self._pending.append((i, work, out, grad))
         self._issued = max(self._issued, upto)
 
@@ -127,11 +161,25 @@ class Reductions:
         work.wait()
         if not self._closing:  # a later unit's flat gradient reuses it
             self.order[i].pool.give_scratch(grad)
-        if self.mesh.replicate is not None:
+        if self.mesh.replicate is not None and self.codec is not None:
+            residual = self._residual(self.replica_residuals, i, out, self.mesh.replicate_size)
+            all_reduce_quantized(out, self.mesh.replicate, self.codec, residual, self.stats).wait()
+        elif self.mesh.replicate is not None:
             all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
             out.div_(self.mesh.replicate_size)
         group = self.order[i]
         self._landed.append((i, self.home.land(out, group.free_home_grad(), group.dtype)))
+
+    def _residual(
+        self, residuals: list[Tensor | None], i: int, like: Tensor, world: int
+    ) -> Tensor | None:
+        """Group ``i``'s residual in ``residuals``, shaped like ``like`` (zeros at first);
+        ``None`` without error feedback or where ``world`` is 1 (nothing is quantized)."""
+        if not self.error_feedback or world == 1:
+            return None
+        if residuals[i] is None:
+            residuals[i] = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        return residuals[i]
 
     def finish(self, used_anywhere: list[bool]) -> None:
         """Wait for every reduction and add the landed shards to the shard parameters' grads."""

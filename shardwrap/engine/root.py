@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..comm.collectives import CommStats
 from ..comm.mesh import Mesh
-from ..options import MixedPrecision
+from ..options import Compression, MixedPrecision
 from ..tiers.home import Home
 from ..tiers.offload import before_step
 from .flat_group import FlatGroup
@@ -76,6 +76,7 @@ class Root:
         precision: mixed-precision casts of inputs and outputs, or ``None``.
         home: where the shards live (``tiers/home.py``); default: on the mesh's device.
         compile_options: the ``torch.compile`` options units were compiled with, or ``None``.
+        compression: what the collectives quantize (the reductions, here), or ``None``.
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class Root:
         precision: MixedPrecision | None = None,
         home: Home | None = None,
         compile_options: dict[str, Any] | None = None,
+        compression: Compression | None = None,
     ) -> None:
         self.units = units
         self.precision = precision
@@ -108,7 +110,12 @@ class Root:
         self.params, self.param_of = index_params(units)
         order = [g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable]
         self.reductions = Reductions(
-            order, mesh, stats, defer=strategy.defer_reductions, home=self.home
+            order,
+            mesh,
+            stats,
+            defer=strategy.defer_reductions,
+            home=self.home,
+            compression=compression,
         )
         self.schedule = Schedule(units, mesh, stats, self.reductions)
         # Weakly: shard grads hold their owner, and the model holds its grads (through C++,

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from ..comm.collectives import CommStats
 from ..comm.mesh import Mesh, resolve_mesh
-from ..options import MixedPrecision, Offload
+from ..comm.quantize import Codec
+from ..options import Compression, MixedPrecision, Offload
 from ..tiers.home import Home, make_home
 from .agree_values import check_same_values, copy_from_rank0
 from .checks import (
@@ -28,6 +29,7 @@ from .checks import (
     UNIT_ATTR,
     check_device,
     check_not_wrapped,
+    check_options,
     check_same_model,
     checkpoint_policy,
     describe,
@@ -115,6 +117,9 @@ class ShardedModule(nn.Module):
             rank 0 only). ``False``: neither, for weights loaded after wrapping
             (``load_pretrained``, ``load_full_state_dict``, ``load_checkpoint``). A
             meta-device model is built alike on every rank and needs neither.
+        compression: quantize the gathers for compute and the gradient reductions on the
+            wire (see :class:`Compression`); shards, optimizer state and checkpoints stay
+            exact. ``None`` (default): every collective sends its tensors as they are.
 
     Raises:
         RuntimeError: no process group while a launcher started several processes (each
@@ -151,6 +156,7 @@ class ShardedModule(nn.Module):
         param_init_fn: ParamInitFn | None = None,
         sync_module_states: bool | None = None,
         offload: Offload | None = None,
+        compression: Compression | None = None,
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
@@ -160,12 +166,7 @@ class ShardedModule(nn.Module):
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
-        _check_offload(offload, stage, device)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"mixed_precision takes a shardwrap.MixedPrecision, got {mixed_precision!r}; "
-                "e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)."
-            )
+        check_options(stage, device, mixed_precision, offload, compression)
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
         placement = place_parameters(module, policy)
@@ -180,6 +181,7 @@ class ShardedModule(nn.Module):
             "param_init_fn": param_init_fn,
             "sync_module_states": sync_module_states,
             "offload": offload and f"Offload(device={offload.device!r})",  # paths may differ
+            "compression": compression,
             "device": device.type,  # its index may differ: a GPU per rank
             "process_group": f"{mesh.shard_size} shard x {mesh.replicate_size} replicate ranks",
             "model built on the meta device": is_meta(module),
@@ -193,7 +195,15 @@ class ShardedModule(nn.Module):
             check_same_values(module, mesh.control, mesh.control_device)
         home = make_home(offload, device, mesh.rank)
         _wrap(
-            module, placement, mesh, strategy, mixed_precision, param_init_fn, home, compile_options
+            module,
+            placement,
+            mesh,
+            strategy,
+            mixed_precision,
+            param_init_fn,
+            home,
+            compile_options,
+            compression,
         )
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
@@ -495,8 +505,12 @@ def _wrap(
     param_init_fn: ParamInitFn | None = None,
     home: Home | None = None,
     compile_options: dict[str, Any] | None = None,
+    compression: Compression | None = None,
 ) -> None:
     device = mesh.device
+    param_codec = (
+        compression and compression.params and Codec(compression.params, compression.block)
+    )
     materialize = None
     if is_meta(module):
         seed = agree_seed(mesh.control, mesh.control_device)
@@ -530,6 +544,7 @@ def _wrap(
                 precision.gradient_dtype(dtype) if precision else None,
                 resident=strategy.keeps_params and (not stage3 or originals[0].requires_grad),
                 home=home,
+                codec=param_codec if dtype.is_floating_point else None,
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
                 setattr(shard_param, SHARD_ATTR, True)
@@ -547,7 +562,7 @@ def _wrap(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options)
+    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options, compression)
     install()  # the step hooks that give shape-aware optimizers whole parameters
     weakref.finalize(root, release)
 
@@ -559,27 +574,6 @@ def _wrap(
     object.__setattr__(module, ROOT_ATTR, root)
     for unit in units[1:]:
         object.__setattr__(unit.module, UNIT_ATTR, unit)
-
-
-def _check_offload(offload: Offload | None, stage: int, device: torch.device) -> None:
-    if offload is None:
-        return
-    if not isinstance(offload, Offload):
-        raise TypeError(
-            f"offload takes a shardwrap.Offload, got {offload!r}; e.g. "
-            'offload=Offload(device="disk", path="/nvme/run1").'
-        )
-    if offload.device == "disk" and stage != 3:
-        raise ValueError(
-            f'Offload(device="disk") needs stage=3: stage {stage} keeps the full parameters '
-            "in memory between steps, the opposite of keeping the state on disk."
-        )
-    if offload.device == "disk" and device.type != "cpu":
-        raise ValueError(
-            f'Offload(device="disk") runs on a CPU compute device, got {device}: its files are '
-            "mapped into host memory and gathered from there. With a GPU use "
-            'Offload(device="cpu") (shards, gradients and optimizer state in pinned host memory).'
-        )
 
 
 def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:
