@@ -283,3 +283,60 @@ def test_scaling_report_judges_every_cell_by_its_allocated_peak(
     assert "- 64x2x2, stage 1, N=2: timed out after 9 s" in report
     scaling.plot(rows, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_compressed_runs_every_method_on_each_link_and_a_failed_one_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    compressed = load_benchmark("compressed")
+    launched: list[tuple[str, dict, str | None]] = []
+
+    def run_once(method: str, config: dict, nproc: int, timeout: float, rate: str | None) -> dict:
+        launched.append((method, config, rate))
+        if config.get("zeropp"):
+            raise RuntimeError(
+                '[rank0]:   File "/v/site-packages/deepspeed/zero/init.py", line 9, in quant\n'
+                '[rank0]:   File "/v/site-packages/deepspeed/ops/no_impl.py", line 2, in load\n'
+                "[rank0]: ValueError: not implemented on CPU\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: child failed"
+            )
+        compressed_run = bool(config.get("compress_grads"))
+        slow = rate is not None and not compressed_run
+        return {
+            "step_s": 3.0 if slow else 1.0,
+            "step_times": [3.0 if slow else 1.0],
+            "comm_bytes_per_step": 2**20 * (25 if compressed_run else 100),
+            "peak_mb_per_rank": 10.0,
+            "final_loss": 1.0,
+            "params": 1000,
+            "config": {"model": "gpt", "batch": 2, "warmup": 1, "steps": 1, "depth": 1}
+            | {"width": 8, "heads": 1, "context": 4},
+        }
+
+    monkeypatch.setattr(compressed, "run_once", run_once)
+    monkeypatch.setattr(compressed.os, "geteuid", lambda: 0)
+    methods = ["shardwrap-s3", "shardwrap-s3-int8", "deepspeed-s3-qwz"]
+    argv = ["compressed.py", "--methods", *methods, "--rounds", "2", "--rate", "1gbit"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out-dir", str(tmp_path), "--theme", "t"])
+    compressed.main()
+    # Two rounds of two links, alternating; the failed method launched once only.
+    limited, open_ = [("shardwrap-s3", "1gbit")] * 2, [("shardwrap-s3", None)] * 2
+    expected = [*limited, ("deepspeed-s3", "1gbit"), *open_, *limited, *open_]
+    assert [(m, r) for m, _, r in launched] == expected
+    assert launched[1][1]["compress_params"] == launched[1][1]["compress_grads"] == "int8"
+    assert "compress_grads" not in launched[0][1] and launched[2][1]["zeropp"] == "qwz"
+    (md,) = tmp_path.glob("t_*.md")
+    text = md.read_text()
+    assert (
+        "- 2 ranks, 1gbit: shardwrap-s3-int8 step time 0.33x shardwrap-s3's (goal <= 0.6x): met"
+        in text
+    )
+    assert "bytes per step 0.25x shardwrap-s3's (goal <= 0.3x): met" in text
+    assert (
+        "- 2 ranks, open: shardwrap-s3-int8 step time 1.00x shardwrap-s3's (goal <= 1.0x)" in text
+    )
+    assert "open: shardwrap-s3-int8 bytes" not in text  # the bytes goal is the limited link's
+    assert (
+        "- deepspeed-s3-qwz: `ValueError: not implemented on CPU (in deepspeed/ops/no_impl.py, "
+        "line 2, in load <- deepspeed/zero/init.py, line 9, in quant)`" in text
+    )
