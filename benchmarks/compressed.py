@@ -99,6 +99,19 @@ def failure(error: str) -> str:
     return lines[named[0]] + (f" (in {where})" if where else "")
 
 
+def sent_mb_per_rank(method: str, result: dict[str, Any]) -> float:
+    """Estimated MB each rank sends per step: a ring gather or reduce-scatter sends (n-1)/n of
+    its output or input, an all-reduce twice that. shardwrap counts bytes per kind; DDP's are
+    all all-reduces; FSDP2's and DeepSpeed's are taken as gathers and reduce-scatters (their
+    few small all-reduces, norms and flags, are not told apart)."""
+    n = result["world_size"]
+    kinds = result["comm_bytes_per_step_by_kind"] or {
+        "all_reduce" if METHODS[method][0] == "ddp" else "all_gather": result["comm_bytes_per_step"]
+    }
+    factor = {"all_reduce": 2 * (n - 1) / n}
+    return sum(b * factor.get(kind, (n - 1) / n) for kind, b in kinds.items()) / 2**20
+
+
 def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """One row per method that ran on one link, with its ratios to ``REFERENCES``."""
     rows: dict[str, dict[str, float]] = {}
@@ -109,6 +122,7 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
         rows[method] = {
             "step_s": step,
             "comm_mb_per_step": statistics.median(r["comm_bytes_per_step"] for r in runs) / 2**20,
+            "sent_mb_per_rank": sent_mb_per_rank(method, runs[-1]),
             "peak_mb_per_rank": max(r["peak_mb_per_rank"] for r in runs),
             "final_loss": runs[-1]["final_loss"],
         }
@@ -165,10 +179,10 @@ def markdown(
         f"- command: `python benchmarks/compressed.py {' '.join(sys.argv[1:])}`, "
         f"at commit {commit()}",
         "",
-        "| link | method | step (s, median) | MB per step | peak MB per rank | final loss "
-        "| time vs s3 | bytes vs s3 | time vs DDP | bytes vs DDP | time vs FSDP2 "
-        "| bytes vs FSDP2 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| link | method | step (s, median) | MB per step | est. MB sent per rank "
+        "| peak MB per rank | final loss | time vs s3 | bytes vs s3 | time vs DDP "
+        "| bytes vs DDP | time vs FSDP2 | bytes vs FSDP2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for link, by_method in rows.items():
         for method, r in by_method.items():
@@ -179,7 +193,8 @@ def markdown(
             )
             lines.append(
                 f"| {link} | {method} | {r['step_s']:.2f} | {r['comm_mb_per_step']:.0f} | "
-                f"{r['peak_mb_per_rank']:.0f} | {r['final_loss']:.4f} | {ratios} |"
+                f"{r['sent_mb_per_rank']:.0f} | {r['peak_mb_per_rank']:.0f} | "
+                f"{r['final_loss']:.4f} | {ratios} |"
             )
     goals = goal_lines(rows, args.nproc)
     if goals:
@@ -200,43 +215,28 @@ def markdown(
         "MB per step: shardwrap's `comm_stats` (bytes handed to its collectives, compressed "
         "payloads and their scales included); for the others the buffers handed to "
         "torch.distributed's collectives in the dtype they travel in (all-gather output, "
-        "reduce-scatter input, all-reduce, reduce and broadcast tensor). Ratios compare methods "
-        "on the same link. Peak memory: resident-set high-water mark above the resident set "
+        "reduce-scatter input, all-reduce, reduce and broadcast tensor); the bytes ratios are "
+        "of these. Est. MB sent per rank: what a ring algorithm sends of them, (n-1)/n of a "
+        "gather or reduce-scatter and 2(n-1)/n of an all-reduce (DDP's all-reduce of the "
+        "gradients thus sends twice what it hands over; FSDP2's and DeepSpeed's collectives "
+        "are all taken as gathers and reduce-scatters). Ratios compare methods on the same "
+        "link. Peak memory: resident-set high-water mark above the resident set "
         "before the model was built, the worst rank of the worst round. Final loss: rank 0's "
         "loss on the last timed step of the last round.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="default: all")
-    parser.add_argument("--links", nargs="+", choices=("limited", OPEN), default=["limited", OPEN])
-    parser.add_argument("--rate", default="2gbit", help="the limited link's rate, tc's units")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--config", default="{}", help="JSON overrides of _worker.py Config")
-    parser.add_argument("--theme", help="default: gpt101m_<nproc>ranks")
-    parser.add_argument("--out-dir", type=Path, default=results_dir("compressed"))
-    parser.add_argument("--timeout", type=float, default=900)
-    args = parser.parse_args()
-    methods = args.methods or [
-        m for m in METHODS if deepspeed_installed() or not m.startswith("deepspeed")
-    ]
-    if "limited" in args.links and os.geteuid() != 0:
-        raise SystemExit(
-            "the rate-limited link needs root (unshare -n, tc): run as root or pass --links open"
-        )
-    args.theme = args.theme or f"gpt101m_{args.nproc}ranks"
-    config = {"steps": args.steps, "warmup": 1, **json.loads(args.config)}
-    links = [args.rate if link == "limited" else OPEN for link in args.links]
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {
-        link: {m: [] for m in methods} for link in links
-    }
-    failed: dict[str, str] = {}
+def launch_all(
+    methods: list[str],
+    links: list[str],
+    config: dict[str, Any],
+    args: argparse.Namespace,
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    failed: dict[str, str],
+) -> None:
+    """``args.rounds`` rounds of every method on every link, into ``results``; a method that
+    fails goes into ``failed`` with its error and is not launched again."""
     for round_ in range(args.rounds):
         for link in links:
             for method in methods:
@@ -259,6 +259,48 @@ def main() -> None:
                     f"final loss {result['final_loss']:.4f}",
                     flush=True,
                 )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="default: all")
+    parser.add_argument("--links", nargs="+", choices=("limited", OPEN), default=["limited", OPEN])
+    parser.add_argument("--rate", default="2gbit", help="the limited link's rate, tc's units")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--config", default="{}", help="JSON overrides of _worker.py Config")
+    parser.add_argument("--theme", help="default: gpt101m_<nproc>ranks")
+    parser.add_argument("--out-dir", type=Path, default=results_dir("compressed"))
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="launch nothing: report the runs of an earlier report's JSON (give the flags it "
+        "ran with, for the report's header)",
+    )
+    args = parser.parse_args()
+    methods = args.methods or [
+        m for m in METHODS if deepspeed_installed() or not m.startswith("deepspeed")
+    ]
+    if "limited" in args.links and os.geteuid() != 0:
+        raise SystemExit(
+            "the rate-limited link needs root (unshare -n, tc): run as root or pass --links open"
+        )
+    args.theme = args.theme or f"gpt101m_{args.nproc}ranks"
+    config = {"steps": args.steps, "warmup": 1, **json.loads(args.config)}
+    links = [args.rate if link == "limited" else OPEN for link in args.links]
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        link: {m: [] for m in methods} for link in links
+    }
+    failed: dict[str, str] = {}
+    if args.from_json:
+        earlier = json.loads(args.from_json.read_text())
+        results, failed = earlier["runs"], earlier["failed"]
+    else:
+        launch_all(methods, links, config, args, results, failed)
     rows = {link: summarize(by_method) for link, by_method in results.items()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{args.theme}_{hardware()}_{datetime.date.today().isoformat()}"

@@ -306,6 +306,10 @@ def test_compressed_runs_every_method_on_each_link_and_a_failed_one_once(
             "step_s": 3.0 if slow else 1.0,
             "step_times": [3.0 if slow else 1.0],
             "comm_bytes_per_step": 2**20 * (25 if compressed_run else 100),
+            "comm_bytes_per_step_by_kind": {"all_gather": 2**20 * 20, "reduce_scatter": 2**20 * 5}
+            if compressed_run
+            else {},
+            "world_size": 2,
             "peak_mb_per_rank": 10.0,
             "final_loss": 1.0,
             "params": 1000,
@@ -336,7 +340,18 @@ def test_compressed_runs_every_method_on_each_link_and_a_failed_one_once(
         "- 2 ranks, open: shardwrap-s3-int8 step time 1.00x shardwrap-s3's (goal <= 1.0x)" in text
     )
     assert "open: shardwrap-s3-int8 bytes" not in text  # the bytes goal is the limited link's
+    # Half of what a gather or reduce-scatter hands over leaves each of two ranks.
+    assert "| open | shardwrap-s3-int8 | 1.00 | 25 | 12 | 10 | " in text
     assert (
         "- deepspeed-s3-qwz: `ValueError: not implemented on CPU (in deepspeed/ops/no_impl.py, "
         "line 2, in load <- deepspeed/zero/init.py, line 9, in quant)`" in text
     )
+    # Reported again from its JSON, launching nothing: the same table.
+    (js,) = tmp_path.glob("t_*.json")
+    again = ["--from-json", str(js), "--out-dir", str(tmp_path / "again"), "--theme", "t"]
+    monkeypatch.setattr(sys, "argv", [*argv, *again])
+    compressed.main()
+    assert len(launched) == len(expected)
+    (md2,) = (tmp_path / "again").glob("t_*.md")
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table == [line for line in md2.read_text().splitlines() if line.startswith("| ")]
