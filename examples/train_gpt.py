@@ -142,6 +142,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def compression_of(args: argparse.Namespace) -> Compression:
+    """What ``--compress-params``, ``--compress-grads`` and ``--no-error-feedback`` ask for;
+    without the first two, nothing is compressed."""
+    return Compression(
+        params=args.compress_params, grads=args.compress_grads, error_feedback=args.error_feedback
+    )
+
+
 def load_corpus(data: Path | None) -> Tensor:
     """All bytes of the corpus as one uint8 tensor (files in sorted order, read in place)."""
     if data is None:
@@ -257,9 +265,7 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(args.width, args.depth, args.heads, args.context)
     decay = {n for n, p in model.named_parameters() if p.ndim >= 2}
-    compression = Compression(
-        params=args.compress_params, grads=args.compress_grads, error_feedback=args.error_feedback
-    )
+    compression = compression_of(args)
     model = ShardedModule(model, auto_wrap=Block, compression=compression)
     device = model.wte.weight.device  # where shardwrap put the shards
     named = list(model.named_parameters())  # shards are 1-D: choose weight decay by name
