@@ -152,6 +152,14 @@ def goal_lines(rows: dict[str, dict[str, dict[str, float]]], nproc: int) -> list
     return lines
 
 
+def load_line(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    """The range of the machine's load average at the launches, where every run recorded it."""
+    loads = [r.get("load_at_launch") for by in results.values() for rs in by.values() for r in rs]
+    if not loads or None in loads:
+        return []
+    return [f"- load average (1 min) at the launches: {min(loads):.1f} to {max(loads):.1f}"]
+
+
 def markdown(
     rows: dict[str, dict[str, dict[str, float]]],
     results: dict[str, dict[str, list[dict[str, Any]]]],
@@ -176,6 +184,7 @@ def markdown(
         f"- links: `{args.rate}`: the ranks' own network namespace whose loopback sends at most "
         f"{args.rate} (`tc qdisc add dev lo root tbf rate {args.rate} burst 256kb latency 50ms`,"
         " both directions share it); `open`: the machine's loopback",
+        *load_line(results),
         f"- command: `python benchmarks/compressed.py {' '.join(sys.argv[1:])}`, "
         f"at commit {commit()}",
         "",
@@ -244,6 +253,7 @@ def launch_all(
                     continue
                 worker, overrides = METHODS[method]
                 rate = None if link == OPEN else link
+                load = os.getloadavg()[0]
                 try:
                     result = run_once(
                         worker, {**config, **overrides}, args.nproc, args.timeout, rate
@@ -252,7 +262,7 @@ def launch_all(
                     failed[method] = failure(str(e))
                     print(f"round {round_ + 1} {link} {method}: failed: {failed[method]}")
                     continue
-                results[link][method].append(result)
+                results[link][method].append({**result, "load_at_launch": load})
                 print(
                     f"round {round_ + 1} {link} {method}: {result['step_s']:.2f} s/step, "
                     f"{result['comm_bytes_per_step'] / 2**20:.0f} MB/step, "
