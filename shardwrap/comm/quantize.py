@@ -23,8 +23,8 @@ fp8     x / s as float8_e4m3fn      m / 448 (e4m3's largest value)  at most 2^-4
 
 Decoding is ``q * s`` in float32, the same operations on every rank, so ranks that decode the
 same bytes get the same values bit for bit. A non-finite value makes its block's scale
-non-finite and the block decodes to NaN, so an overflow still reaches whoever checks for one
-(``ShardedGradScaler``).
+non-finite and the whole block decodes to non-finite values (NaN or infinities), so an overflow
+still reaches whoever checks for one (``ShardedGradScaler``).
 """
 
 from __future__ import annotations

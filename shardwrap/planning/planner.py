@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..engine.strategy import Strategy
 from ..engine.wrap import AutoWrap
-from ..options import MixedPrecision
+from ..options import Compression, MixedPrecision
 from .replay import Parts, Tier, replay
 from .step import OptimizerFactory, optimizer_bytes, ranks_to_plan
 from .trace import causal_loss, meta_twin, trace
@@ -56,7 +56,8 @@ class MemoryEstimate:
     a slice of them where they compute in its dtype)."""
     grads: int
     """Flat gradients (being made, or reducing), reduced 1/N shards and the buffers peers'
-    pieces land in, and the host tier's kept gradient buffers."""
+    pieces land in, the host tier's kept gradient buffers, and compression's error-feedback
+    residuals (a full-size flat gradient per trainable group)."""
     optimizer: int
     """Optimizer state, plus its step's temporaries when the peak is in the step."""
     working_set: int
@@ -148,6 +149,7 @@ def estimate_memory(
     optimizer: str | OptimizerFactory = "adamw",
     device: str = "cpu",
     kwargs: dict[str, Any] | None = None,
+    compression: Compression | None = None,
 ) -> MemoryPlan:
     """Estimate what each rank holds while training, without allocating the model.
 
@@ -184,6 +186,9 @@ def estimate_memory(
         device: ``"cpu"`` or ``"cuda"``: where the model computes. It decides the default
             optimizer's implementation (foreach on CUDA) and what the cpu tier moves.
         kwargs: keyword arguments of a factory, or overrides of a config's fields.
+        compression: as given to ``ShardedModule``: error feedback's residuals count among
+            the gradients, and quantized gathers keep the full parameters apart from the
+            shards at stages 1 and 2.
 
     Returns:
         One :class:`MemoryEstimate` per stage and offload tier; ``print`` it for a table.
@@ -231,7 +236,10 @@ def estimate_memory(
             if tier != "disk" or s == 3:
                 # the rank that holds the most (ranks differ only in their optimizer step)
                 parts = max(
-                    (replay(tr, Strategy(stage=s), where, step, device) for step in steps),
+                    (
+                        replay(tr, Strategy(stage=s), where, step, device, compression)
+                        for step in steps
+                    ),
                     key=_peak,
                 )
                 rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts)))

@@ -21,7 +21,12 @@ change to either:
 - reduced shards land where the tier keeps them: as the ``.grad`` (in memory), copied into
   a kept buffer (host tier), or in the disk tier's files;
 - the host tier stages a copy of each shard before its gather, read ahead when the unit
-  before it is gathered.
+  before it is gathered;
+- compression (``Compression``): a group whose gathers are quantized keeps no resident buffer
+  at stages 1 and 2 (its full buffer is a pooled one, kept), and with error feedback each
+  trainable group keeps a full-size residual in its reduction dtype from its first reduction
+  on (none at world size 1). The packed payloads in flight (about a quarter of a float32
+  buffer, or less) are not counted.
 
 Three steps are replayed and the peak is the largest of them: the first (no order of units
 known yet: no prefetch, every unit released after its forward; the optimizer's state made at
@@ -38,6 +43,7 @@ import torch
 from ..engine.pool import Spares
 from ..engine.root import _successors
 from ..engine.strategy import Strategy
+from ..options import Compression
 from .step import StepBytes
 from .trace import Trace
 
@@ -82,9 +88,16 @@ class _Replay:
     """One rank's buffers through the engine's training step."""
 
     def __init__(
-        self, tr: Trace, strategy: Strategy, tier: Tier, step: StepBytes, device: str
+        self,
+        tr: Trace,
+        strategy: Strategy,
+        tier: Tier,
+        step: StepBytes,
+        device: str,
+        compression: Compression | None = None,
     ) -> None:
         self.tr, self.strategy, self.tier = tr, strategy, tier
+        quantized = compression is not None and compression.params is not None
         groups = tr.groups
         self.world = groups[0].layout.world_size if groups else 1
         self.units = len(tr.units)
@@ -109,6 +122,7 @@ class _Replay:
             and (not self.stage3[g.unit] or g.requires_grad)
             and g.compute_dtype == g.dtype
             and not tier.staged
+            and not (quantized and g.dtype.is_floating_point)
             for g in groups
         ]
         self.kept = {
@@ -133,6 +147,14 @@ class _Replay:
         self.host_state = state if tier.apart else 0
         self.host_step = step_most - state if tier.apart else 0
         self.receive_peers = self.world - 1 if device == "cpu" and self.world > 2 else 0
+        # error feedback's residuals, by group, made at each group's first reduction
+        self.feedback = (
+            compression is not None
+            and compression.grads is not None
+            and compression.error_feedback
+            and self.world > 1
+        )
+        self.residuals: dict[int, int] = {}
         self.order = [
             i
             for u in reversed(range(self.units))
@@ -185,7 +207,8 @@ class _Replay:
             + sum(_nbytes(k) for k in self.flat.values())
             + in_flight
             + self.landed
-            + self.grads,
+            + self.grads
+            + sum(self.residuals.values()),
             self.step_most if self.phase == "optimizer step" else self.state * self.has_state,
             sum(_nbytes(k) for g, k in self.buffers.items() if g not in self.kept)
             + sum(_nbytes(k) for k in self.pool.spares())
@@ -296,6 +319,8 @@ class _Replay:
             g = self.order[i]
             flat = self.flat.pop(g, self.grad_key(g))  # zeros where this rank made none
             out = 0 if self.tier.disk else self.tr.groups[g].shard_grad
+            if self.feedback:
+                self.residuals[g] = _nbytes(self.grad_key(g))
             self.pending.append((g, flat, out))
             self.check(live)
         self.issued = max(self.issued, upto)
@@ -399,10 +424,17 @@ class _Replay:
         self.grads = 0  # zero_grad()
 
 
-def replay(tr: Trace, strategy: Strategy, tier: Tier, step: StepBytes, device: str) -> Parts:
+def replay(
+    tr: Trace,
+    strategy: Strategy,
+    tier: Tier,
+    step: StepBytes,
+    device: str,
+    compression: Compression | None = None,
+) -> Parts:
     """A rank's peak over a first step and two steady ones, for ``strategy`` and ``tier``,
-    with ``step`` its optimizer's."""
-    run = _Replay(tr, strategy, tier, step, device)
+    with ``step`` its optimizer's, and ``compression``'s buffers."""
+    run = _Replay(tr, strategy, tier, step, device, compression)
     for first in (True, False, False):
         run.step(first)
     params, grads, optimizer, working, activations = run.best

@@ -3,7 +3,9 @@
 Proves that the default process group, gloo between processes and the launcher's
 environment work end to end, with parameter parity against a plain model trained on the
 whole global batch, at stages 2 and 3, hybrid sharding over a 2 x 2 ``DeviceMesh``, and the
-shape-aware optimizers Muon and Adafactor (against gradient accumulation over the slices). Run:
+shape-aware optimizers Muon and Adafactor (against gradient accumulation over the slices), and
+compressed communication (int8 gathers and reductions, each step checked against the formats'
+bounds in the ranks themselves, ``tests/support/compression.py``). Run:
 ``pytest -m process tests/e2e/test_torchrun.py``.
 """
 
@@ -52,3 +54,15 @@ def test_parity_under_torchrun(tmp_path: Path, nproc: int, wrap: dict) -> None:
         assert loss == pytest.approx(ref, abs=1e-5)
     if "hybrid" in wrap:
         assert 'dimensions ("replicate", "shard"), got 2-D with names' in result["refused"]
+
+
+@pytest.mark.process
+def test_compressed_training_under_torchrun(tmp_path: Path) -> None:
+    # every step is checked in the ranks themselves (tests/support/compression.py)
+    out = tmp_path / "result.json"
+    torchrun("tests/e2e/scripts/torchrun_compression.py", str(out), nproc=2)
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2
+    packed, exact = result["bytes"]["int8"], result["bytes"]["exact"]
+    for kind in ("all_gather", "reduce_scatter"):
+        assert 0.25 * exact[kind] < packed[kind] < 0.27 * exact[kind]

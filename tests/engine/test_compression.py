@@ -14,8 +14,8 @@ checked against what the formats promise, not against a loosened tolerance:
   shard is its value before minus ``lr`` times the gradient it was given, and
   ``full_state_dict()`` reads those exact values, never decoded ones;
 - with mixed precision, with hybrid sharding (replicas stay identical), under ``no_sync``
-  (nothing is reduced inside; the accumulated gradient is reduced once, within its bound) and
-  with the disk tier;
+  (nothing is reduced inside; the accumulated gradient is reduced once, within its bound),
+  with the disk tier and with the host tier (a ``HostHome`` on the CPU);
 - without the option, and with ``Compression()``, training is bit for bit what it was;
 - ``comm_stats`` counts the packed bytes: exactly ``nbytes / (4 n)`` of a float32 run's;
 - bad options are refused with errors that name the fix, before any collective, on every rank.
@@ -31,19 +31,20 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from shardwrap import Compression, MixedPrecision, Offload, ShardedModule
+from shardwrap import Compression, MixedPrecision, Offload, ShardedGradScaler, ShardedModule
 from shardwrap.comm.quantize import Codec
+from shardwrap.engine import sharded_module
+from shardwrap.tiers.home import Home, HostHome
+from tests.support.compression import block_bound, flat, groups, train_checked
 from tests.support.hybrid import hybrid_mesh
 from tests.support.models import GPT, Block, make_batch
 from tests.support.ranks import run_ranks
 
-LR = 0.05
 STEPS = 3
 INT8 = Compression(params="int8", grads="int8", block=64)
-HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14}
 
 
 def _gpt() -> GPT:
@@ -55,124 +56,8 @@ def _gpt() -> GPT:
 MODEL = _gpt()
 
 
-def _groups(m: nn.Module) -> list[Any]:
-    return [g for u in m._shardwrap_root.units for g in u.groups]
-
-
-def _flat(values: dict[str, Tensor], g: Any) -> Tensor:
-    """A group's flat buffer (float32, padded) from per-parameter ``values``."""
-    flat = torch.zeros(g.layout.padded_numel)
-    for name, offset, n in zip(g.names, g.layout.offsets, g.layout.numels):
-        flat[offset : offset + n] = values[name].reshape(-1).float()
-    return flat
-
-
-def _decoded(m: nn.Module, masters: dict[str, Tensor]) -> dict[str, Tensor]:
-    """What every rank should compute with: each shard of the exact masters packed and
-    decoded (float32)."""
-    out = {}
-    for g in _groups(m):
-        flat, world = _flat(masters, g), g.mesh.shard_size
-        n = flat.numel() // world
-        if g.codec is not None:
-            flat = torch.cat([g.codec.round_trip(flat[r * n : (r + 1) * n]) for r in range(world)])
-        for name, offset, k, shape in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes):
-            out[name] = flat[offset : offset + k].view(shape)
-    return out
-
-
-def _capture(m: nn.Module) -> dict[str, Tensor]:
-    """Record the full parameters modules see in forward, by canonical name."""
-    seen: dict[str, Tensor] = {}
-    for g in _groups(m):
-        for name, slots in zip(g.names, g.slots):
-            module, attr = slots[0]
-
-            def hook(mod: nn.Module, args: Any, name: str = name, attr: str = attr) -> None:
-                seen[name] = getattr(mod, attr).detach().clone()
-
-            module.register_forward_pre_hook(hook)
-    return seen
-
-
-def _block_bound(x: Tensor, codec: Codec) -> Tensor:
-    n = x.numel()
-    pad = codec.blocks(n) * codec.block - n
-    m = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, codec.block).amax(1)
-    return m.repeat_interleave(codec.block)[:n] * (HALF_STEP[codec.fmt] + 1e-6)
-
-
-def _check_grads(
-    m: nn.Module, plain: nn.Module, decoded: dict[str, Tensor], slices: list[Any], codec: Codec
-) -> None:
-    """This rank's reduced shard gradient against the exact average of the ranks' gradients,
-    each made by ``plain`` with the decoded weights on its rank's slice."""
-    plain.load_state_dict({k: decoded.get(k, v) for k, v in plain.state_dict().items()})
-    per_rank = []
-    for x, y in slices:
-        plain.zero_grad()
-        plain(x, y).backward()
-        per_rank.append({k: p.grad.clone() for k, p in plain.named_parameters()})
-    world = len(slices)
-    for g in _groups(m):
-        if not g.requires_grad:
-            continue
-        fulls = [_flat(grads, g) for grads in per_rank]
-        n, rank = g.shard.numel(), g.mesh.shard_rank
-        own = slice(rank * n, (rank + 1) * n)
-        exact = torch.stack([f[own] for f in fulls]).mean(0)
-        limit = sum(_block_bound(f[own], codec) for q, f in enumerate(fulls) if q != rank)
-        limit = limit / world + 1e-6 * exact.abs() + 1e-7
-        for pc, p in zip(g.pieces, g.shard_params):
-            got = p.grad.reshape(-1)
-            want = exact[pc.shard_offset : pc.shard_offset + pc.numel]
-            assert ((got - want).abs() <= limit[pc.shard_offset : pc.shard_offset + pc.numel]).all()
-
-
-def _train(
-    rank: int,
-    world: int,
-    group: Any,
-    compression: Compression,
-    check_grads: bool | str = True,
-    **wrap: Any,
-) -> dict[str, Tensor]:
-    """Train a compressed copy for ``STEPS`` steps checking every step (see the module
-    docstring); ``check_grads``: at every step, ``"first"`` only (error feedback then carries
-    residuals the plain gradients know nothing of), or not at all. Returns the final masters."""
-    model = MODEL
-    m = ShardedModule(
-        copy.deepcopy(model), process_group=group, auto_wrap=Block, compression=compression, **wrap
-    )
-    seen = _capture(m)
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    codec = m._shardwrap_root.reductions.codec
-    plain = copy.deepcopy(model)  # this rank's own: ranks are threads
-    for step in range(STEPS):
-        x, y = make_batch(seed=step, batch=2 * world)
-        slices = list(zip(x.chunk(world), y.chunk(world)))
-        masters = m.full_state_dict()
-        decoded = _decoded(m, masters)
-        seen.clear()
-        shards = [p.detach().clone() for p in m.parameters()]
-        m(*slices[rank]).backward()
-        # the gathers for compute left the shards as the optimizer left them
-        assert all(torch.equal(p.detach(), s) for p, s in zip(m.parameters(), shards))
-        assert seen.keys() == decoded.keys()
-        for name, value in seen.items():
-            assert torch.equal(value, decoded[name].to(value.dtype)), name
-        if check_grads is True or (check_grads == "first" and step == 0):
-            _check_grads(m, plain, decoded, slices, codec)
-        before = [(p.detach().clone(), p.grad.clone()) for p in m.parameters()]
-        opt.step()
-        for p, (value, grad) in zip(m.parameters(), before):
-            assert torch.equal(p.detach(), value.add(grad, alpha=-LR))
-        opt.zero_grad()
-    masters = m.full_state_dict()
-    for g in _groups(m):  # the masters are the shards, not what forward computed with
-        if g.codec is not None:
-            assert not torch.equal(_flat(masters, g), _flat(_decoded(m, masters), g))
-    return masters
+def _train(rank: int, world: int, group: Any, compression: Compression, **kwargs: Any) -> Any:
+    return train_checked(MODEL, rank, world, group, compression, **kwargs)
 
 
 def test_int8_params_and_grads_with_error_feedback() -> None:
@@ -194,15 +79,47 @@ def test_mixed_precision_computes_with_decoded_values_in_bf16() -> None:
     )
 
 
-def test_hybrid_replicas_stay_identical() -> None:
+def test_hybrid_gradients_within_both_collectives_bounds_and_replicas_identical() -> None:
     c = Compression(params="int8", grads="int8", error_feedback=True, block=64)
     results = run_ranks(
-        4, lambda rank, pg: _train(rank, 4, hybrid_mesh(pg), c, check_grads=False), timeout=30.0
+        4, lambda rank, pg: _train(rank, 4, hybrid_mesh(pg), c, check_grads="first"), timeout=30.0
     )
     for masters in results[1:]:
         assert masters.keys() == results[0].keys()
         for k, v in masters.items():
             assert torch.equal(v, results[0][k]), k
+
+
+def test_an_fp16_overflow_reaches_the_scaler_and_leaves_the_residuals_finite() -> None:
+    fp16 = MixedPrecision(param_dtype=torch.float16)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[float]:
+        m = ShardedModule(
+            copy.deepcopy(MODEL),
+            process_group=pg,
+            auto_wrap=Block,
+            mixed_precision=fp16,
+            compression=Compression(grads="int8"),
+        )
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**40, process_group=pg)
+        x, y = make_batch(seed=0, batch=4)
+        scales = []
+        for _ in range(2):  # an overflowing scale, then (backed off) one that fits
+            before = [p.detach().clone() for p in m.parameters()]
+            scaler.scale(m(x.chunk(2)[rank], y.chunk(2)[rank])).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            changed = not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+            assert changed == bool(scales)  # the first step skipped, the second taken
+            residuals = m._shardwrap_root.reductions.residuals
+            assert all(r is not None and torch.isfinite(r).all() for r in residuals)
+            scales.append(scaler.get_scale())
+            scaler.update(2.0**10)
+        return scales
+
+    assert run_ranks(2, fn, timeout=30.0) == [[2.0**39, 2.0**10]] * 2
 
 
 def test_no_sync_reduces_the_accumulated_gradient_once() -> None:
@@ -217,7 +134,7 @@ def test_no_sync_reduces_the_accumulated_gradient_once() -> None:
         assert m.comm_stats.calls.get("reduce_scatter", 0) == 0
         assert all(r is None for r in m._shardwrap_root.reductions.residuals)
         m(micro[1][0].chunk(2)[rank], micro[1][1].chunk(2)[rank]).backward()
-        trainable = sum(g.requires_grad for g in _groups(m))
+        trainable = sum(g.requires_grad for g in groups(m))
         assert m.comm_stats.calls["reduce_scatter"] == trainable
         # the plain model accumulates both micro-batches' gradients: one "slice" of each rank
         plain = copy.deepcopy(model)
@@ -228,12 +145,12 @@ def test_no_sync_reduces_the_accumulated_gradient_once() -> None:
                 plain(x.chunk(2)[q], y.chunk(2)[q]).backward()
             per_rank.append({k: p.grad.clone() for k, p in plain.named_parameters()})
         codec = m._shardwrap_root.reductions.codec
-        for g in _groups(m):
-            fulls = [_flat(grads, g) for grads in per_rank]
+        for g in groups(m):
+            fulls = [flat(grads, g) for grads in per_rank]
             n = g.shard.numel()
             own = slice(rank * n, (rank + 1) * n)
             exact = (fulls[0][own] + fulls[1][own]) / 2
-            limit = _block_bound(fulls[1 - rank][own], codec) / 2 + 1e-6 * exact.abs() + 1e-7
+            limit = block_bound(fulls[1 - rank][own], codec) / 2 + 1e-6 * exact.abs() + 1e-7
             got = torch.zeros(n)
             for pc, p in zip(g.pieces, g.shard_params):
                 got[pc.shard_offset : pc.shard_offset + pc.numel] = p.grad.reshape(-1)
@@ -251,6 +168,25 @@ def test_disk_tier(tmp_path: Path) -> None:
         ),
         timeout=30.0,
     )
+
+
+def test_host_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Offload(device="cpu") on the CPU gets the host tier, which the library keeps for GPUs:
+    # shards and landed gradients in host memory, gathers from a staged copy
+    made: list[HostHome] = []
+
+    def staged(offload: Offload | None, device: torch.device, rank: int) -> Home:
+        made.append(HostHome(device))
+        return made[-1]
+
+    monkeypatch.setattr(sharded_module, "make_home", staged)
+    cpu = Offload(device="cpu")
+    run_ranks(
+        2,
+        lambda rank, pg: _train(rank, 2, pg, INT8, check_grads="first", offload=cpu),
+        timeout=30.0,
+    )
+    assert len(made) == 2
 
 
 def _plain_run(rank: int, pg: ProcessGroup, **wrap: Any) -> tuple[list[Tensor], Any, Any]:
@@ -290,7 +226,7 @@ def test_comm_stats_count_the_packed_bytes() -> None:
             m = ShardedModule(copy.deepcopy(MODEL), process_group=pg, **wrap)  # one flat group
             x, y = make_batch(seed=0, batch=4)
             m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
-            (g,) = _groups(m)
+            (g,) = groups(m)
             return dict(m.comm_stats.bytes), dict(m.comm_stats.calls), g.shard.numel()
 
         plain, plain_calls, n = bytes_of()
