@@ -186,7 +186,7 @@ def markdown(
         " both directions share it); `open`: the machine's loopback",
         *load_line(results),
         f"- command: `python benchmarks/compressed.py {' '.join(sys.argv[1:])}`, "
-        f"at commit {commit()}",
+        f"launched at commit {args.commit}",
         "",
         "| link | method | step (s, median) | MB per step | est. MB sent per rank "
         "| peak MB per rank | final loss | time vs s3 | bytes vs s3 | time vs DDP "
@@ -306,9 +306,11 @@ def main() -> None:
         link: {m: [] for m in methods} for link in links
     }
     failed: dict[str, str] = {}
+    args.commit = commit()
     if args.from_json:
         earlier = json.loads(args.from_json.read_text())
         results, failed = earlier["runs"], earlier["failed"]
+        args.commit = earlier.get("commit", f"unknown (reported at {args.commit})")
     else:
         launch_all(methods, links, config, args, results, failed)
     rows = {link: summarize(by_method) for link, by_method in results.items()}
@@ -317,6 +319,7 @@ def main() -> None:
     report = markdown(rows, results, failed, args)
     (args.out_dir / f"{stem}.md").write_text(report)
     payload = {
+        "commit": args.commit,
         "rows": rows,
         "runs": results,
         "failed": failed,

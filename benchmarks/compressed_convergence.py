@@ -78,7 +78,7 @@ def markdown(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         f"batch 16 per rank, AdamW, lr 3e-3 warm-up and cosine), {args.steps} steps, the same "
         "seed and batches in every run",
         f"- command: `python benchmarks/compressed_convergence.py {' '.join(sys.argv[1:])}`, "
-        f"at commit {commit()}",
+        f"launched at commit {args.commit}",
         "",
         f"| run | demo flags | loss, step {args.steps} | vs uncompressed "
         f"| loss, mean of last {args.tail} | vs uncompressed | s per step |",
@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=results_dir("compressed"))
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
+    args.commit = commit()
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in variants(args.params, args.grads).items():
