@@ -13,7 +13,11 @@ batch in one more launch whose step time is the one the report uses.
 AdamW), and its report judges shardwrap's Muon against AdamW by the goal and sets every method
 against DDP and DeepSpeed per optimizer.
 
-``compare.py``, ``scaling.py`` and ``optimizers.py`` end to end, in the process tier:
+``benchmarks/compressed.py``: against faked launches, it alternates methods and links, launches
+a method that failed only once and names its error, judges each goal on its own link and
+estimates the bytes each rank sends; its report can be written again from its JSON.
+
+``compare.py``, ``scaling.py``, ``optimizers.py`` and ``compressed.py`` end to end, in the process tier:
 ``tests/e2e/test_benchmarks.py``.
 Run: ``pytest tests/test_benchmarks.py``.
 """
