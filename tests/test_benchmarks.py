@@ -17,8 +17,8 @@ against DDP and DeepSpeed per optimizer.
 a method that failed only once and names its error, judges each goal on its own link and
 estimates the bytes each rank sends; its report can be written again from its JSON.
 
-``compare.py``, ``scaling.py``, ``optimizers.py`` and ``compressed.py`` end to end, in the process tier:
-``tests/e2e/test_benchmarks.py``.
+``compare.py``, ``scaling.py``, ``optimizers.py`` and ``compressed.py`` end to end, in the
+process tier: ``tests/e2e/test_benchmarks.py``.
 Run: ``pytest tests/test_benchmarks.py``.
 """
 

@@ -8,8 +8,8 @@ every loss moves, slightly). ``benchmarks/scaling.py`` runs one tiny cell, measu
 of its prediction. ``benchmarks/optimizers.py`` runs AdamW, Muon and Adafactor with shardwrap
 and DDP on two ranks: each trains like DDP with the same optimizer, and only the shape-aware
 ones move bytes in the owner exchange, timed in its phases. ``benchmarks/compressed.py`` runs
-int8 stage 3 over a 10 Mbit/s link: a quarter of the bytes, and steps held back by the link. Their logic, in process:
-``tests/test_benchmarks.py``.
+int8 stage 3 over a 10 Mbit/s link: a quarter of the bytes, and steps held back by the link.
+Their logic, in process: ``tests/test_benchmarks.py``.
 Run: ``pytest -m process tests/e2e/test_benchmarks.py``.
 """
 
