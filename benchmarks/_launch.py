@@ -33,6 +33,22 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
+def limited(cmd: list[str], rate: str) -> list[str]:
+    """``cmd`` in a network namespace of its own whose loopback, the ranks' only link, sends at
+    most ``rate`` (``tc``'s units: ``2gbit``): a token bucket of 256 KB, packets queued at most
+    50 ms. Needs root (``unshare -n``); other processes' traffic does not share the link.
+    """
+    shape = f"tc qdisc add dev lo root tbf rate {rate} burst 256kb latency 50ms"
+    return [
+        "unshare",
+        "-n",
+        "bash",
+        "-c",
+        f'ip link set lo up && {shape} && exec "$@"',
+        "bash",
+    ] + cmd
+
+
 def torchrun(
     script: str | Path,
     *args: str,
@@ -40,15 +56,19 @@ def torchrun(
     timeout: float | None = None,
     capture: bool = True,
     check: bool = False,
+    rate: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under ``torchrun --standalone`` on ``nproc`` ranks.
 
     Its output is captured, or with ``capture=False`` goes to this terminal as it comes; with
     ``check`` a failed run raises ``CalledProcessError``, and past ``timeout`` seconds any run
-    raises ``TimeoutExpired``.
+    raises ``TimeoutExpired``. With ``rate`` the ranks talk over a link of that rate
+    (:func:`limited`).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", str(script), *args]
+    if rate is not None:
+        cmd = limited(cmd, rate)
     return subprocess.run(
         cmd,
         cwd=ROOT,
@@ -68,21 +88,28 @@ def python(script: str | Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def run_once(
-    method: str, config: dict[str, Any], nproc: int, timeout: float | None
+    method: str,
+    config: dict[str, Any],
+    nproc: int,
+    timeout: float | None,
+    rate: str | None = None,
 ) -> dict[str, Any]:
-    """Train ``method`` once in ``_worker.py`` under torchrun; return rank 0's result.
+    """Train ``method`` once in ``_worker.py`` under torchrun (over a link of ``rate``, see
+    :func:`limited`); return rank 0's result.
 
     Raises:
         RuntimeError: the run printed no result; the message holds its exit code and the end
             of its output.
         subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds.
     """
-    proc = torchrun(HERE / "_worker.py", method, json.dumps(config), nproc=nproc, timeout=timeout)
+    proc = torchrun(
+        HERE / "_worker.py", method, json.dumps(config), nproc=nproc, timeout=timeout, rate=rate
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     raise RuntimeError(
-        f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-12000:]}"
     )
 
 

@@ -17,6 +17,12 @@ Methods (every one trains with the same torch optimizer, ``"optimizer"`` in the 
   1.0). On CPU its ``cpu`` accelerator (``DS_ACCELERATOR=cpu``) over gloo; needs the ``bench``
   extra.
 
+Compressed communication (``benchmarks/compressed.py`` compares it): ``compress_params`` and
+``compress_grads`` in the config give shardwrap ``Compression(params=..., grads=...,
+error_feedback=...)``; ``zeropp`` gives DeepSpeed's ZeRO++ options, any of ``qwz``
+(``zero_quantized_weights``), ``qgz`` (``zero_quantized_gradients``) and ``hpz``
+(``zero_hpz_partition_size`` of ``hpz_size``), comma-separated.
+
 Optimizers (``"optimizer"`` in the config), torch's defaults but for the learning rate:
 
 - ``adamw``: ``torch.optim.AdamW`` over every parameter.
@@ -98,6 +104,8 @@ from shardwrap import CommStats, MixedPrecision, ShardedModule  # noqa: E402
 
 MODELS = ("gpt", "t5")
 WRAPS = ("block", "root")
+# DeepSpeed's ZeRO++ options by the short names of the config's ``zeropp``.
+ZEROPP = {"qwz": "zero_quantized_weights", "qgz": "zero_quantized_gradients", "hpz": ""}
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,16 @@ class Config:
     """``block``: every block its own unit (shardwrap's ``auto_wrap``, FSDP2's ``fully_shard`` per
     block); ``root``: the whole model one unit (no ``auto_wrap``, ``fully_shard`` on the root
     alone). DDP and ``single`` ignore it. ``benchmarks/step_overhead.py`` varies it."""
+    compress_params: str | None = None
+    """shardwrap's ``Compression(params=...)``: ``int8`` or ``fp8``; ``None``: full width."""
+    compress_grads: str | None = None
+    """shardwrap's ``Compression(grads=...)``: ``int8`` or ``int4``; ``None``: full width."""
+    error_feedback: bool = True
+    """shardwrap's ``Compression(error_feedback=...)``, where ``compress_grads`` is set."""
+    zeropp: str = ""
+    """DeepSpeed ZeRO++ options, comma-separated: ``qwz``, ``qgz``, ``hpz``."""
+    hpz_size: int = 2
+    """``zero_hpz_partition_size`` where ``zeropp`` holds ``hpz``."""
     track: bool = False
     """Also count every storage created from building the model through the warm-up steps
     (``benchmarks/_memory.py``) and report the peak of live bytes after wrapping: the CPU's
@@ -140,6 +158,9 @@ class Config:
             raise ValueError(f"wrap must be one of {WRAPS}, got {self.wrap!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        unknown = set(filter(None, self.zeropp.split(","))) - set(ZEROPP)
+        if unknown:
+            raise ValueError(f"zeropp options are among {tuple(ZEROPP)}, got {sorted(unknown)}")
 
 
 @dataclass
@@ -329,12 +350,21 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
     if method.startswith("shardwrap-s"):
         stage = int(method[-1])
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # Without compression and at stage 3, no keyword: A/B runs also benchmark older commits.
+        extra: dict[str, Any] = {} if stage == 3 else {"stage": stage}
+        if cfg.compress_params or cfg.compress_grads:
+            from shardwrap import Compression
+
+            extra["compression"] = Compression(
+                params=cfg.compress_params,
+                grads=cfg.compress_grads,
+                error_feedback=cfg.error_feedback,
+            )
         wrapped = ShardedModule(
             model.to(device),
             auto_wrap=block if cfg.wrap == "block" else None,
             mixed_precision=mixed if bf16 else None,
-            # Stage 3 without the keyword: A/B runs also benchmark commits from before it.
-            **({} if stage == 3 else {"stage": stage}),
+            **extra,
         )
         return plain(wrapped, cfg)
     if method in ("fsdp2", "fsdp2-noreshard"):
@@ -395,7 +425,7 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
                 "train_micro_batch_size_per_gpu": cfg.batch,
                 "gradient_accumulation_steps": 1,
                 "gradient_clipping": 0.0,
-                "zero_optimization": {"stage": int(method[-1])},
+                "zero_optimization": {"stage": int(method[-1]), **zeropp(cfg)},
                 "zero_allow_untested_optimizer": True,
                 "bf16": {"enabled": bf16},
                 **({"communication_data_type": "fp32"} if bf16 else {}),
@@ -403,6 +433,15 @@ def build(method: str, cfg: Config, device: torch.device, counter: ByteCounter) 
         )
         return Trainer(engine, engine.backward, engine.step)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def zeropp(cfg: Config) -> dict[str, Any]:
+    """The ``zero_optimization`` entries of the ZeRO++ options in ``cfg.zeropp``."""
+    chosen = set(filter(None, cfg.zeropp.split(",")))
+    entries: dict[str, Any] = {ZEROPP[o]: True for o in chosen - {"hpz"}}
+    if "hpz" in chosen:
+        entries["zero_hpz_partition_size"] = cfg.hpz_size
+    return entries
 
 
 class _TimedWait:

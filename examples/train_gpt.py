@@ -17,6 +17,10 @@ id, the same for every restart of one launch, so a restarted run resumes itself:
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
         --max-restarts=1 examples/train_gpt.py
 
+``--compress-params int8`` and ``--compress-grads int8`` (or ``int4``) quantize what the
+gathers and the gradient reductions send (:class:`shardwrap.Compression`, error feedback on
+unless ``--no-error-feedback``); ``benchmarks/compressed_convergence.py`` compares the loss.
+
 At the end the model is exported to ``runs/<name>/model/model.safetensors``, rank 0 prints
 the run's summary and a sample drawn with a temperature and top-k.
 """
@@ -40,7 +44,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 import shardwrap
-from shardwrap import ShardedModule
+from shardwrap import Compression, ShardedModule
 from shardwrap.logbook import Logbook, summary
 
 
@@ -118,7 +122,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compress-params",
+        choices=("int8", "fp8"),
+        help="send the parameter gathers quantized (shardwrap.Compression(params=...))",
+    )
+    p.add_argument(
+        "--compress-grads",
+        choices=("int8", "int4"),
+        help="send the gradient reductions quantized (shardwrap.Compression(grads=...))",
+    )
+    p.add_argument(
+        "--no-error-feedback",
+        dest="error_feedback",
+        action="store_false",
+        help="with --compress-grads, drop the quantization error instead of carrying it to "
+        "the next step",
+    )
     return p.parse_args(argv)
+
+
+def compression_of(args: argparse.Namespace) -> Compression:
+    """What ``--compress-params``, ``--compress-grads`` and ``--no-error-feedback`` ask for;
+    without the first two, nothing is compressed."""
+    return Compression(
+        params=args.compress_params, grads=args.compress_grads, error_feedback=args.error_feedback
+    )
 
 
 def load_corpus(data: Path | None) -> Tensor:
@@ -236,7 +265,8 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(args.width, args.depth, args.heads, args.context)
     decay = {n for n, p in model.named_parameters() if p.ndim >= 2}
-    model = ShardedModule(model, auto_wrap=Block)
+    compression = compression_of(args)
+    model = ShardedModule(model, auto_wrap=Block, compression=compression)
     device = model.wte.weight.device  # where shardwrap put the shards
     named = list(model.named_parameters())  # shards are 1-D: choose weight decay by name
     opt = torch.optim.AdamW(
@@ -249,6 +279,8 @@ def main(args: argparse.Namespace) -> None:
     )
     if rank == 0:
         print(f"{out}: {len(corpus):,} bytes of corpus, {dist.get_world_size()} ranks, {device}")
+        if compression.enabled:
+            print(f"{out}: {compression}")
         if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
             restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
             most = os.environ["TORCHELASTIC_MAX_RESTARTS"]

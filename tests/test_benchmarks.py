@@ -15,8 +15,12 @@ batch in one more launch whose step time is the one the report uses.
 AdamW), and its report judges shardwrap's Muon against AdamW by the goal and sets every method
 against DDP and DeepSpeed per optimizer.
 
-``compare.py``, ``scaling.py`` and ``optimizers.py`` end to end, in the process tier:
-``tests/e2e/test_benchmarks.py``.
+``benchmarks/compressed.py``: against faked launches, it alternates methods and links, launches
+a method that failed only once and names its error, judges each goal on its own link and
+estimates the bytes each rank sends; its report can be written again from its JSON.
+
+``compare.py``, ``scaling.py``, ``optimizers.py`` and ``compressed.py`` end to end, in the
+process tier: ``tests/e2e/test_benchmarks.py``.
 Run: ``pytest tests/test_benchmarks.py``.
 """
 
@@ -328,3 +332,75 @@ def test_step_overhead_fits_the_cost_of_a_unit_from_block_and_root_wraps() -> No
     report = step_overhead.markdown(summary, args, {2: 247_000, 4: 477_000})
     assert "| shardwrap-s3 | 3.00 | 1.50 | 2: 3.00, 4: 3.00 |" in report
     assert "| 4 | shardwrap-s3 | block | 9 | 67.0 | 33.5 | 1.56 | 0.93 |" in report
+
+
+def test_compressed_runs_every_method_on_each_link_and_a_failed_one_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    compressed = load_benchmark("compressed")
+    launched: list[tuple[str, dict, str | None]] = []
+
+    def run_once(method: str, config: dict, nproc: int, timeout: float, rate: str | None) -> dict:
+        launched.append((method, config, rate))
+        if config.get("zeropp"):
+            raise RuntimeError(
+                '[rank0]:   File "/v/site-packages/deepspeed/zero/init.py", line 9, in quant\n'
+                '[rank0]:   File "/v/site-packages/deepspeed/ops/no_impl.py", line 2, in load\n'
+                "[rank0]: ValueError: not implemented on CPU\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: child failed"
+            )
+        compressed_run = bool(config.get("compress_grads"))
+        slow = rate is not None and not compressed_run
+        return {
+            "step_s": 3.0 if slow else 1.0,
+            "step_times": [3.0 if slow else 1.0],
+            "comm_bytes_per_step": 2**20 * (25 if compressed_run else 100),
+            "comm_bytes_per_step_by_kind": {"all_gather": 2**20 * 20, "reduce_scatter": 2**20 * 5}
+            if compressed_run
+            else {},
+            "world_size": 2,
+            "peak_mb_per_rank": 10.0,
+            "final_loss": 1.0,
+            "params": 1000,
+            "config": {"model": "gpt", "batch": 2, "warmup": 1, "steps": 1, "depth": 1}
+            | {"width": 8, "heads": 1, "context": 4},
+        }
+
+    monkeypatch.setattr(compressed, "run_once", run_once)
+    monkeypatch.setattr(compressed.os, "geteuid", lambda: 0)
+    methods = ["shardwrap-s3", "shardwrap-s3-int8", "deepspeed-s3-qwz"]
+    argv = ["compressed.py", "--methods", *methods, "--rounds", "2", "--rate", "1gbit"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out-dir", str(tmp_path), "--theme", "t"])
+    compressed.main()
+    # Two rounds of two links, alternating; the failed method launched once only.
+    limited, open_ = [("shardwrap-s3", "1gbit")] * 2, [("shardwrap-s3", None)] * 2
+    expected = [*limited, ("deepspeed-s3", "1gbit"), *open_, *limited, *open_]
+    assert [(m, r) for m, _, r in launched] == expected
+    assert launched[1][1]["compress_params"] == launched[1][1]["compress_grads"] == "int8"
+    assert "compress_grads" not in launched[0][1] and launched[2][1]["zeropp"] == "qwz"
+    (md,) = tmp_path.glob("t_*.md")
+    text = md.read_text()
+    assert (
+        "- 2 ranks, 1gbit: shardwrap-s3-int8 step time 0.33x shardwrap-s3's (goal <= 0.6x): met"
+        in text
+    )
+    assert "bytes per step 0.25x shardwrap-s3's (goal <= 0.3x): met" in text
+    assert (
+        "- 2 ranks, open: shardwrap-s3-int8 step time 1.00x shardwrap-s3's (goal <= 1.0x)" in text
+    )
+    assert "open: shardwrap-s3-int8 bytes" not in text  # the bytes goal is the limited link's
+    # Half of what a gather or reduce-scatter hands over leaves each of two ranks.
+    assert "| open | shardwrap-s3-int8 | 1.00 | 25 | 12 | 10 | " in text
+    assert (
+        "- deepspeed-s3-qwz: `ValueError: not implemented on CPU (in deepspeed/ops/no_impl.py, "
+        "line 2, in load <- deepspeed/zero/init.py, line 9, in quant)`" in text
+    )
+    # Reported again from its JSON, launching nothing: the same table.
+    (js,) = tmp_path.glob("t_*.json")
+    again = ["--from-json", str(js), "--out-dir", str(tmp_path / "again"), "--theme", "t"]
+    monkeypatch.setattr(sys, "argv", [*argv, *again])
+    compressed.main()
+    assert len(launched) == len(expected)
+    (md2,) = (tmp_path / "again").glob("t_*.md")
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table == [line for line in md2.read_text().splitlines() if line.startswith("| ")]

@@ -1,8 +1,9 @@
-"""The demo, ``examples/train_gpt.py``: its run's name, in process.
+"""The demo, ``examples/train_gpt.py``: its run's name and its compression flags, in process.
 
 Proves the run's default name outside torchrun and under it (the same for every restart of one
-launch), and the refusal of restarts it could not resume. The demo itself, under ``torchrun``:
-``tests/e2e/test_demo.py``.
+launch), the refusal of restarts it could not resume, and that the compression flags ask for
+shardwrap's ``Compression``. The demo itself, under ``torchrun``: ``tests/e2e/test_demo.py``;
+its loss with compression: ``benchmarks/compressed_convergence.py``.
 Run: ``pytest tests/test_demo.py``.
 """
 
@@ -13,7 +14,8 @@ import re
 
 import pytest
 
-from examples.train_gpt import check_restarts, parse_args, run_name
+from examples.train_gpt import check_restarts, compression_of, parse_args, run_name
+from shardwrap import Compression
 
 
 @pytest.mark.stage3
@@ -45,3 +47,12 @@ def test_the_default_run_name_is_stable_across_restarts(
     with pytest.raises(SystemExit, match="pass --name NAME, or launch torchrun with --standal"):
         check_restarts(args)
     check_restarts(parse_args(["--name", "mine"]))
+
+
+@pytest.mark.stage3
+def test_the_compression_flags_ask_for_shardwraps_compression() -> None:
+    assert not compression_of(parse_args([])).enabled
+    flags = ["--compress-params", "int8", "--compress-grads", "int4", "--no-error-feedback"]
+    wanted = Compression(params="int8", grads="int4", error_feedback=False)
+    assert compression_of(parse_args(flags)) == wanted
+    assert compression_of(parse_args(flags[:4])).error_feedback

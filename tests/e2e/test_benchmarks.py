@@ -7,8 +7,9 @@ losses), and that bf16 really ran in mixed precision (shardwrap and FSDP2 gather
 every loss moves, slightly). ``benchmarks/scaling.py`` runs one tiny cell, measured within 10%
 of its prediction. ``benchmarks/optimizers.py`` runs AdamW, Muon and Adafactor with shardwrap
 and DDP on two ranks: each trains like DDP with the same optimizer, and only the shape-aware
-ones move bytes in the owner exchange, timed in its phases. Their logic, in process:
-``tests/test_benchmarks.py``.
+ones move bytes in the owner exchange, timed in its phases. ``benchmarks/compressed.py`` runs
+int8 stage 3 over a 10 Mbit/s link: a quarter of the bytes, and steps held back by the link.
+Their logic, in process: ``tests/test_benchmarks.py``.
 Run: ``pytest -m process tests/e2e/test_benchmarks.py``.
 """
 
@@ -185,3 +186,35 @@ def test_async_checkpoint_times_every_save_and_judges_the_goals(tmp_path: Path) 
     assert {"hold_ratio", "hold_met", "step_ratio", "step_met"} <= set(report["goals"])
     assert "FSDP2 + DCP `async_save`" in md.read_text()
     assert not list(Path(tempfile.gettempdir()).glob("async_checkpoint_*"))  # cleaned up
+
+
+@pytest.mark.process
+def test_compressed_sends_int8_over_a_rate_limited_link(tmp_path: Path) -> None:
+    """shardwrap stage 3 with int8 compression over a 10 Mbit/s link (as root; the open loopback
+    otherwise) sends at most 0.3x the bytes of stage 3's two fp32 gathers and one fp32
+    reduce-scatter per step; on the limited link a step takes at least the time its bytes
+    beyond the token bucket's 256 KB burst need at that rate, so the link was limited. One
+    launch: the benchmark's logic is tested in process, in tests/test_benchmarks.py."""
+    root = os.geteuid() == 0
+    config = {**TINY, "width": 96, "heads": 2}
+    cmd = [
+        sys.executable,
+        "benchmarks/compressed.py",
+        *("--methods", "shardwrap-s3-int8", "--rounds", "1", "--steps", "1"),
+        *("--links", "limited" if root else "open", "--rate", "10mbit"),
+        *("--config", json.dumps(config), "--theme", "smoke", "--out-dir", str(tmp_path)),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("smoke_*.md")
+    (js,) = tmp_path.glob("smoke_*.json")
+    report = json.loads(js.read_text())
+    ((link, rows),) = report["rows"].items()
+    assert link == ("10mbit" if root else "open")
+    (run,) = report["runs"][link]["shardwrap-s3-int8"]
+    sent = run["comm_bytes_per_step"]
+    assert 0.2 < sent / (3 * 4 * run["params"]) <= 0.3
+    if root:  # both ranks' bytes share the loopback
+        assert rows["shardwrap-s3-int8"]["step_s"] >= (sent - 256 * 1024) * 8 / 10e6 > 0.2
+    assert "| shardwrap-s3-int8 |" in md.read_text()
