@@ -51,7 +51,7 @@ from torch import Tensor
 from ..comm.collectives import Group, group_rank, group_size, group_timeout
 from .optimizer_state import OptimizerPlan
 
-__all__ = ["PendingSave", "settle", "snapshot", "snapshot_plans", "writer_group"]
+__all__ = ["PendingSave", "await_writes", "settle", "snapshot", "snapshot_plans", "writer_group"]
 
 _ALIGN = 64  # bytes: every piece of a host snapshot starts aligned for any dtype
 _WRITER_TIMEOUT = timedelta(minutes=30)  # where the control group's timeout cannot be read
@@ -148,6 +148,15 @@ def settle(writers: object, pending: PendingSave | None = None) -> None:
             raise previous._error
     if pending is not None:
         _IN_FLIGHT[writers] = pending
+
+
+def await_writes(writers: object) -> None:
+    """Wait for the save still in flight over ``writers``, if any, leaving its error for
+    :meth:`PendingSave.wait` or the next save: a load, an export or a save then sees the files
+    as that save left them (complete, ``latest`` moved, older ones pruned)."""
+    pending = _IN_FLIGHT.get(writers)
+    if pending is not None:
+        pending._thread.join()
 
 
 @atexit.register

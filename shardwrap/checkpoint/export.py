@@ -32,6 +32,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ..engine.param_index import Param
+from .entry import wrapped_root
 from .files import (
     Entry,
     SafetensorsWriter,
@@ -49,7 +50,7 @@ from .files import (
     tensor_nbytes,
     write_file,
 )
-from .save import persistent_buffers, saves_in, wrapped_root
+from .save import persistent_buffers, saves_in
 
 __all__ = ["export", "load_pretrained", "write_export"]
 

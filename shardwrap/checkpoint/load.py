@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..engine.param_index import Param
 from ..engine.whole_params import stepped_whole
 from .checksum import buffer_checksum, tensor_checksum
+from .entry import wrapped_root
 from .files import DTYPES, agree, few, is_plain_name
 from .optimizer_state import (
     Optimizers,
@@ -44,7 +45,6 @@ from .save import (
     extra_file,
     persistent_buffers,
     resolve_folder,
-    wrapped_root,
 )
 
 __all__ = ["load_checkpoint"]

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor, nn
 
 from ..engine.param_index import Param
-from ..engine.root import Phase, Root
 from .background import PendingSave, settle, snapshot, snapshot_plans, writer_group
 from .checksum import buffer_checksum
+from .entry import wrapped_root, writers_of
 from .extra import extra_bytes_of
 from .files import (
     LATEST,
@@ -84,20 +84,6 @@ VERSION = 3  # 2: content checksums of every stored tensor and file; 3: whole-st
 METADATA = "metadata.json"
 BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
-
-
-def wrapped_root(model: nn.Module, caller: str) -> Root:
-    root = getattr(model, "_shardwrap_root", None)
-    if not isinstance(root, Root):
-        raise TypeError(
-            f"{caller} takes a model wrapped with ShardedModule, got {type(model).__name__}"
-        )
-    root.settle()
-    if root.phase is not Phase.IDLE:
-        raise RuntimeError(f"{caller} cannot run during forward or backward")
-    root.check_state()
-    root.schedule.enter(caller)
-    return root
 
 
 def persistent_buffers(model: nn.Module, params: list[Param]) -> dict[str, Tensor]:
@@ -329,8 +315,7 @@ def save_checkpoint(
             saves nothing; the checks above still raise at the call.
     """
     root = wrapped_root(model, "save_checkpoint")
-    # one save in flight per control group (the writers share its writer group), else per model
-    writers = root.mesh.control if root.mesh.control is not None else root
+    writers = writers_of(root)
     settle(writers)  # the previous save, if still writing; raises its error
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():

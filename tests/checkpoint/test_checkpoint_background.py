@@ -165,3 +165,15 @@ def test_a_second_save_waits_for_the_first_at_world_size_1(
     assert second.wait() == tmp_path / "step-2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2"]
     assert load_checkpoint(tmp_path, m, opt) == {"step": 2}
+
+
+def test_a_load_waits_for_the_save_in_flight(tmp_path: Path, held_writers: threading.Event) -> None:
+    """A load right after a non-blocking save reads that save, not the one before it."""
+    torch.manual_seed(0)
+    m = ShardedModule(GPT(depth=2), auto_wrap=Block)
+    opt = _adamw(m)
+    save_checkpoint(tmp_path / "step-1", m, opt, step=1)
+    pending = save_checkpoint(tmp_path / "step-2", m, opt, blocking=False, step=2)
+    threading.Timer(0.2, held_writers.set).start()
+    assert load_checkpoint(tmp_path, m, opt) == {"step": 2}
+    assert pending.done()

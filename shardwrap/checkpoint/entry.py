@@ -1,0 +1,34 @@
+"""What every checkpoint call does first: find the wrapped model's root, idle, in step with
+its peers, and with no save of its ranks still writing."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..engine.root import Phase, Root
+from .background import await_writes
+
+__all__ = ["wrapped_root", "writers_of"]
+
+
+def wrapped_root(model: nn.Module, caller: str) -> Root:
+    """``model``'s root, once it is idle and every save of its ranks still writing in the
+    background has ended; ``caller`` is entered on every rank alike."""
+    root = getattr(model, "_shardwrap_root", None)
+    if not isinstance(root, Root):
+        raise TypeError(
+            f"{caller} takes a model wrapped with ShardedModule, got {type(model).__name__}"
+        )
+    root.settle()
+    if root.phase is not Phase.IDLE:
+        raise RuntimeError(f"{caller} cannot run during forward or backward")
+    root.check_state()
+    await_writes(writers_of(root))
+    root.schedule.enter(caller)
+    return root
+
+
+def writers_of(root: Root) -> object:
+    """What a save in flight is keyed by: one per control group (the writers share its writer
+    group), else per model."""
+    return root.mesh.control if root.mesh.control is not None else root
