@@ -11,7 +11,9 @@ is false. Proves, against the unwrapped model on the same GPU over the whole glo
 - device memory: with the host tier, what stays allocated on the GPU between steps holds no
   fp32 shard and no optimizer state (``torch.cuda.memory_allocated``), and the peak during a
   step is the working set of a few units, while without offload it holds all of them;
-- the disk tier with a CUDA device is refused by name.
+- the disk tier with a CUDA device is refused by name;
+- a non-blocking save (pinned snapshot, side stream) holds the state at the call while the
+  model trains on; compressed gathers compute with the decoded weights on a GPU.
 
 Run: ``.venv/bin/python -m pytest -m gpu tests/tiers/test_gpu.py -q -ra``
 """
@@ -28,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwrap import Offload, ShardedModule
+from shardwrap import Compression, Offload, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap.comm.quantize import Codec
 from shardwrap.tiers.home import HostHome
 from tests.support.models import GPT, Block, make_batch
 
@@ -170,3 +173,45 @@ def test_device_memory_holds_no_shards_or_optimizer_state_with_the_host_tier() -
 def test_the_disk_tier_with_a_cuda_device_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="runs on a CPU compute device"):
         ShardedModule(GPT(), device="cuda", offload=Offload(device="disk", path=tmp_path))
+
+
+def test_a_nonblocking_save_on_a_gpu_holds_the_state_at_the_call(tmp_path: Path) -> None:
+    """The snapshot is copied on a side stream into pinned memory; the steps that follow on the
+    compute stream wait for it and change nothing of what is written."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = GPT()
+    m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, device=device)
+    opt = adamw(m.parameters())
+    train(m, opt, 0, 1)
+    pending = save_checkpoint(tmp_path / "ckpt", m, opt, blocking=False, step=STEPS)
+    at_call = m.full_state_dict()
+    train(m, opt, 0, 1)
+    pending.wait()
+    fresh = ShardedModule(copy.deepcopy(model), auto_wrap=Block, device=device)
+    assert load_checkpoint(tmp_path / "ckpt", fresh, adamw(fresh.parameters())) == {"step": STEPS}
+    torch.testing.assert_close(fresh.full_state_dict(), at_call, atol=0, rtol=0)
+
+
+def test_compressed_gathers_on_a_gpu_compute_with_the_decoded_weights() -> None:
+    """At world size 1 a compressed gather still decodes its own shard: forward equals the
+    plain model's with every parameter packed and decoded, and the shards stay exact."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = GPT().to(device)
+    codec = Codec("int8", 256)
+    m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, compression=Compression(params="int8"))
+    ref = copy.deepcopy(model)
+    x, y = (t.to(device) for t in make_batch(0, GLOBAL_BATCH))
+    got = m(x, y)
+    exact = m.full_state_dict()
+    torch.testing.assert_close(exact, model.state_dict(), atol=0, rtol=0)
+    for g in (g for u in m._shardwrap_root.units for g in u.groups):
+        full = torch.zeros(g.layout.padded_numel, device=device)
+        for name, offset, n in zip(g.names, g.layout.offsets, g.layout.numels):
+            full[offset : offset + n] = exact[name].reshape(-1).float()
+        decoded = codec.round_trip(full)
+        with torch.no_grad():
+            for name, offset, n in zip(g.names, g.layout.offsets, g.layout.numels):
+                ref.get_parameter(name).copy_(decoded[offset : offset + n].view_as(exact[name]))
+    torch.testing.assert_close(got, ref(x, y), atol=0, rtol=0)
