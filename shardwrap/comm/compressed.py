@@ -95,8 +95,8 @@ def reduce_scatter_quantized(
         out.copy_(full)
         return Pending(None)
     rank = group.rank()
-    if residual is not None:
-        full.add_(residual)
+    if residual is not None:  # the peers' chunks get theirs as they are packed
+        full[rank * n : (rank + 1) * n].add_(residual[rank * n : (rank + 1) * n])
     empty = torch.empty(0, dtype=torch.uint8, device=full.device)
     ins, outs = [], []
     for q in range(world):
@@ -134,8 +134,6 @@ def all_reduce_quantized(
     size = codec.nbytes(n)
     if stats is not None:
         stats.add("all_reduce", size * world)
-    if residual is not None:
-        tensor.add_(residual)
     packed = codec.pack(tensor, residual=residual)
     gathered = torch.empty(size * world, dtype=torch.uint8, device=tensor.device)
     work = all_gather(gathered, packed, group)

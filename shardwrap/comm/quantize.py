@@ -78,9 +78,10 @@ class Codec:
         """``x`` (1-D, floating point) packed into ``out`` (1-D ``uint8`` of ``nbytes``); ``x``
         is not modified.
 
-        With ``residual`` (1-D, shaped like ``x``), it receives ``x - unpack(out)``, computed
-        in float32 and zero where not finite: the quantization error, for error feedback, found
-        while the chunk it comes from is still in cache.
+        With ``residual`` (1-D, shaped like ``x``; error feedback) what is packed is
+        ``x + residual``, added in ``x``'s dtype, and ``residual`` then receives
+        ``x + residual - unpack(out)``, in float32 and zero where not finite: the new
+        quantization error, found while the chunk it comes from is still in cache.
         """
         n = x.numel()
         if out is None:
@@ -95,19 +96,22 @@ class Codec:
         whole = 0 if self.fmt == "int4" and self.block % 2 else n // self.block
         step = self._rows_per_chunk(x, nb)
         work = torch.empty(min(whole, step) * self.block, dtype=torch.float32, device=x.device)
-        staged = x.dtype != torch.float32 or not x.is_contiguous()
+        # float32 input is read in place, added to a float32 residual in place; the rest is
+        # staged in float32 a chunk at a time
+        fp32 = x.dtype == torch.float32 and (residual is None or residual.dtype == x.dtype)
+        staged = not (fp32 and x.is_contiguous())
         stage = torch.empty_like(work) if staged else None
         for r in range(0, whole, step):
             rows = min(step, whole - r)
             a, b = r * self.block, (r + rows) * self.block
-            src = stage[: b - a].copy_(x[a:b]) if stage is not None else x[a:b]
             part = None if residual is None else residual[a:b]
+            src = _sent(x[a:b], part, None if stage is None else stage[: b - a])
             self._pack_rows(src, scales[r : r + rows], codes, a, work[: b - a], part, b - a)
         if whole < nb:
             a = whole * self.block
             tail = x.new_zeros((nb - whole) * self.block, dtype=torch.float32)
-            tail[: n - a].copy_(x[a:])
             part = None if residual is None else residual[a:]
+            tail[: n - a].copy_(_sent(x[a:], part, None))
             self._pack_rows(tail, scales[whole:], codes, a, torch.empty_like(tail), part, n - a)
         if out.numel() > 4 * nb + codes.numel():
             out[4 * nb + codes.numel() :].zero_()
@@ -201,3 +205,15 @@ class Codec:
     def round_trip(self, x: Tensor) -> Tensor:
         """``x`` as a peer decodes it: ``unpack(pack(x))``, in float32."""
         return self.unpack(self.pack(x), x.numel())
+
+
+def _sent(x: Tensor, residual: Tensor | None, out: Tensor | None) -> Tensor:
+    """What is packed: ``x + residual`` (``x`` where ``residual`` is ``None``), added in
+    ``x``'s dtype; into ``residual`` itself where both are float32 (it receives the error
+    next), else into ``out`` (float32, shaped like ``x``) where given."""
+    if residual is not None:
+        if x.dtype == residual.dtype == torch.float32:
+            x = residual.add_(x)
+        else:
+            x = torch.add(x, residual).to(x.dtype)
+    return x if out is None else out.copy_(x)

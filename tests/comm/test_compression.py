@@ -129,8 +129,9 @@ def _reference_pack(x: Tensor, codec: Codec) -> Tensor:
 def test_packing_by_chunks_is_the_format_bit_for_bit(fmt: str, block: int, layout: str) -> None:
     """Pack and unpack work a cache-sized chunk at a time and read ``x`` in place: across
     chunk and block edges, with non-finite blocks, from any layout, the bytes are the format's;
-    ``x`` is untouched; the error for error feedback is ``x - unpack(pack(x))`` (zero where not
-    finite); a narrower ``out`` gets the float32 values rounded once."""
+    ``x`` is untouched; with a residual, ``x + residual`` is packed and the residual becomes
+    its error (zero where not finite); a narrower ``out`` gets the float32 values rounded
+    once."""
     codec = Codec(fmt, block)
     n = 300_001  # several chunks, and a short last block
     x = _data(2 * n, seed=block)
@@ -141,11 +142,14 @@ def test_packing_by_chunks_is_the_format_bit_for_bit(fmt: str, block: int, layou
     packed = codec.pack(x)
     assert torch.equal(packed, _reference_pack(x, codec))
     assert torch.equal(x.isnan(), kept.isnan()) and torch.equal(x.nan_to_num(), kept.nan_to_num())
-    residual = torch.empty_like(x)
-    assert torch.equal(codec.pack(x, residual=residual), packed)
-    decoded = codec.unpack(packed, n)
-    assert torch.equal(residual, (x.float() - decoded).nan_to_num(0.0, 0.0, 0.0).to(x.dtype))
+    residual = (_data(n, seed=1) / 100).to(x.dtype)
+    sent = x + residual
+    with_residual = codec.pack(x, residual=residual)
+    assert torch.equal(with_residual, _reference_pack(sent, codec))
+    error = sent.float() - codec.unpack(with_residual, n)
+    assert torch.equal(residual, error.nan_to_num(0.0, 0.0, 0.0).to(x.dtype))
     assert residual.abs().max() > 0 and not residual.isnan().any()
+    decoded = codec.unpack(packed, n)
     narrow = codec.unpack(packed, n, torch.empty(n, dtype=torch.bfloat16))
     assert torch.equal(narrow.isnan(), decoded.isnan())
     assert torch.equal(narrow.nan_to_num(), decoded.bfloat16().nan_to_num())
