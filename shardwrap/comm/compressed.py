@@ -83,9 +83,10 @@ def reduce_scatter_quantized(
     """Average ``full`` (1-D, ``world * n``) over ranks into ``out`` (1-D, ``n``: this rank's
     chunk), each peer's chunk quantized on the wire (see the note above).
 
-    ``full`` is scratch and is overwritten. ``residual`` (shaped like ``full``, or ``None`` for
-    no error feedback) is added to ``full`` first and then holds this call's quantization
-    error; its own chunk stays zero, never being quantized.
+    ``full`` is scratch, which this call may overwrite. ``residual`` (shaped like ``full``, or
+    ``None`` for no error feedback) is added to what is sent (each peer's chunk as it is
+    packed) and then holds this call's quantization error; its own chunk stays zero, never
+    being quantized.
     """
     world, n = group_size(group), out.numel()
     size = codec.nbytes(n)
