@@ -45,16 +45,23 @@ __all__ = ["all_gather_quantized", "all_reduce_quantized", "reduce_scatter_quant
 
 
 def all_gather_quantized(
-    out: Tensor, shard: Tensor, group: Group, codec: Codec, stats: CommStats | None = None
+    out: Tensor,
+    shard: Tensor,
+    group: Group,
+    codec: Codec,
+    stats: CommStats | None = None,
+    packed: Tensor | None = None,
 ) -> Pending:
     """Gather every rank's ``shard`` (1-D, ``n``) into ``out`` (1-D, ``world * n``, any
     floating dtype), quantized on the wire: every slot of ``out`` is decoded, the same on every
-    rank (see the note above)."""
+    rank (see the note above). ``packed``: ``codec.pack(shard)`` where the caller kept it from
+    an earlier gather of the same values (it is sent as it is), else ``None``."""
     world, n = group_size(group), shard.numel()
     size = codec.nbytes(n)
     if stats is not None:
         stats.add("all_gather", size * world)
-    packed = codec.pack(shard)
+    if packed is None:
+        packed = codec.pack(shard)
     gathered = torch.empty(size * world, dtype=torch.uint8, device=out.device)
     work = all_gather(gathered, packed, group)
 
@@ -76,9 +83,10 @@ def reduce_scatter_quantized(
     """Average ``full`` (1-D, ``world * n``) over ranks into ``out`` (1-D, ``n``: this rank's
     chunk), each peer's chunk quantized on the wire (see the note above).
 
-    ``full`` is scratch and is overwritten. ``residual`` (shaped like ``full``, or ``None`` for
-    no error feedback) is added to ``full`` first and then holds this call's quantization
-    error; its own chunk stays zero, never being quantized.
+    ``full`` is scratch, which this call may overwrite. ``residual`` (shaped like ``full``, or
+    ``None`` for no error feedback) is added to what is sent (each peer's chunk as it is
+    packed) and then holds this call's quantization error; its own chunk stays zero, never
+    being quantized.
     """
     world, n = group_size(group), out.numel()
     size = codec.nbytes(n)
@@ -88,8 +96,8 @@ def reduce_scatter_quantized(
         out.copy_(full)
         return Pending(None)
     rank = group.rank()
-    if residual is not None:
-        full.add_(residual)
+    if residual is not None:  # the peers' chunks get theirs as they are packed
+        full[rank * n : (rank + 1) * n].add_(residual[rank * n : (rank + 1) * n])
     empty = torch.empty(0, dtype=torch.uint8, device=full.device)
     ins, outs = [], []
     for q in range(world):
@@ -97,19 +105,17 @@ def reduce_scatter_quantized(
             ins.append(empty)
             outs.append(empty)
             continue
-        chunk = full[q * n : (q + 1) * n]
-        packed = codec.pack(chunk)
-        if residual is not None:
-            _keep_error(residual[q * n : (q + 1) * n], chunk, codec.unpack(packed, n))
-        ins.append(packed)
+        error = None if residual is None else residual[q * n : (q + 1) * n]
+        ins.append(codec.pack(full[q * n : (q + 1) * n], residual=error))
         outs.append(torch.empty(size, dtype=torch.uint8, device=full.device))
     work = all_to_all(outs, ins, group)
 
     def decode() -> None:
         total = full[rank * n : (rank + 1) * n].float()
+        peer = torch.empty(n, dtype=torch.float32, device=full.device)
         for q in range(world):
             if q != rank and n:
-                total += codec.unpack(outs[q], n)
+                total += codec.unpack(outs[q], n, peer)
         out.copy_(total.div_(world))
 
     return _then(work, decode, "reduce-scatter", group)
@@ -129,27 +135,18 @@ def all_reduce_quantized(
     size = codec.nbytes(n)
     if stats is not None:
         stats.add("all_reduce", size * world)
-    if residual is not None:
-        tensor.add_(residual)
-    packed = codec.pack(tensor)
-    if residual is not None:
-        _keep_error(residual, tensor, codec.unpack(packed, n))
+    packed = codec.pack(tensor, residual=residual)
     gathered = torch.empty(size * world, dtype=torch.uint8, device=tensor.device)
     work = all_gather(gathered, packed, group)
 
     def decode() -> None:
         total = torch.zeros(n, dtype=torch.float32, device=tensor.device)
+        decoded = torch.empty_like(total)
         for r in range(world):
-            total += codec.unpack(gathered[r * size : (r + 1) * size], n)
+            total += codec.unpack(gathered[r * size : (r + 1) * size], n, decoded)
         tensor.copy_(total.div_(world))
 
     return _then(work, decode, "all-reduce", group)
-
-
-def _keep_error(residual: Tensor, sent: Tensor, decoded: Tensor) -> None:
-    """``residual = sent - decoded``: what quantization cut; zero where it is not finite."""
-    torch.sub(sent.float(), decoded, out=decoded)
-    residual.copy_(decoded.nan_to_num_(0.0, 0.0, 0.0))
 
 
 def _then(work: Pending, finish: Callable[[], None], what: str, group: Group) -> Pending:

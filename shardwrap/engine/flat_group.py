@@ -141,6 +141,10 @@ class FlatGroup:
         self.splits_pending = 0
         self._on_views_done: Callable[[FlatGroup], None] | None = None
         self.gathered_version = -1
+        # 1-D uint8, codec.nbytes(padded/N): the shard as a compressed gather sent it, kept
+        # for the unit's next gather (backward's, while the shard is unchanged), with the
+        # shard's version and address when packed; dropped at the end of backward.
+        self._packed: tuple[tuple[int, int], Tensor] | None = None
         # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
         self._grad_flat: Callable[[], Tensor | None] = _dead_ref
         self._grad_views: list[Callable[[], Tensor | None]] = []
@@ -203,7 +207,10 @@ class FlatGroup:
     def _gather_into(self, buffer: Tensor, stats: CommStats | None, exact: bool) -> Pending:
         shard, group = self.home.gather_input(self.shard), self.mesh.shard
         if self.codec is not None and not exact:
-            return all_gather_quantized(buffer, shard, group, self.codec, stats)
+            version = (self.shard._version, self.shard.data_ptr())
+            if self._packed is None or self._packed[0] != version:
+                self._packed = (version, self.codec.pack(shard))
+            return all_gather_quantized(buffer, shard, group, self.codec, stats, self._packed[1])
         return all_gather(buffer, shard, group, stats)
 
     def gather_apart(self, stats: CommStats | None) -> None:
@@ -257,8 +264,10 @@ class FlatGroup:
         self._on_views_done = callback
 
     def end_backward(self) -> None:
-        """Forget the uses of the views one backward counted, however it ended."""
+        """Forget the uses of the views one backward counted, however it ended, and the packed
+        shard (an optimizer may step next)."""
         self.splits_pending = 0
+        self._packed = None
 
     def mark_gathered(self) -> None:
         """The buffer now holds the shard as it is."""
@@ -268,6 +277,7 @@ class FlatGroup:
         """The shard may change unseen (not every write is counted in its version): gather
         afresh before the buffer is next read."""
         self.gathered_version = -1
+        self._packed = None
 
     def drop_views(self) -> None:
         if self.views is None:

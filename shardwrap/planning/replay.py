@@ -25,8 +25,9 @@ change to either:
 - compression (``Compression``): a group whose gathers are quantized keeps no resident buffer
   at stages 1 and 2 (its full buffer is a pooled one, kept), and with error feedback each
   trainable group keeps a full-size residual in its reduction dtype from its first reduction
-  on (none at world size 1). The packed payloads in flight (about a quarter of a float32
-  buffer, or less) are not counted.
+  on (none at world size 1); each group's packed shard is kept from its gather to the end
+  of backward (a trainable group's; a frozen one's for good). The packed payloads in flight
+  (about a quarter of a float32 buffer, or less) are not counted.
 
 Three steps are replayed and the peak is the largest of them: the first (no order of units
 known yet: no prefetch, every unit released after its forward; the optimizer's state made at
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.quantize import Codec
 from ..engine.pool import Spares
 from ..engine.root import _successors
 from ..engine.strategy import Strategy
@@ -147,6 +149,9 @@ class _Replay:
         self.host_state = state if tier.apart else 0
         self.host_step = step_most - state if tier.apart else 0
         self.receive_peers = self.world - 1 if device == "cpu" and self.world > 2 else 0
+        # the packed shards compressed gathers keep for the next gather, by group
+        self.codec = Codec(compression.params, compression.block) if quantized else None
+        self.packed: dict[int, int] = {}
         # error feedback's residuals, by group, made at each group's first reduction
         self.feedback = (
             compression is not None
@@ -202,7 +207,9 @@ class _Replay:
         in_flight = sum(_nbytes(k) + out for _, k, out in self.pending)
         in_flight += self.receive_peers * sum(groups[g].shard_grad for g, _, _ in self.pending)
         parts = (
-            self.fixed_params + sum(_nbytes(k) for g, k in self.buffers.items() if g in self.kept),
+            self.fixed_params
+            + sum(_nbytes(k) for g, k in self.buffers.items() if g in self.kept)
+            + sum(self.packed.values()),
             self.fixed_grads
             + sum(_nbytes(k) for k in self.flat.values())
             + in_flight
@@ -235,8 +242,10 @@ class _Replay:
             if not self.resident[g] and g not in self.buffers:
                 self.pool.pop(self.key(g))
                 self.buffers[g] = self.key(g)
+            spec = self.tr.groups[g]
+            if self.codec is not None and spec.dtype.is_floating_point:
+                self.packed[g] = self.codec.nbytes(spec.layout.shard_size)
             if self.tier.staged:
-                spec = self.tr.groups[g]
                 copy, fresh = self.staged.pop(g, (0, False))
                 held = self.inputs.get(u, 0)
                 # a stale copy is staged afresh while still held
@@ -409,6 +418,9 @@ class _Replay:
         self.pool.holding = False
         for u in list(self.gathered):
             self.reshard(u, backward=True)
+        for i, g in enumerate(tr.groups):  # backward's end drops the trainable ones
+            if g.requires_grad:
+                self.packed.pop(i, None)
         self.closing = True
         self.ready = dict.fromkeys(self.order, True)
         self.issue(kept)

@@ -105,6 +105,56 @@ def test_a_non_finite_value_poisons_its_block_only() -> None:
     assert torch.isfinite(y[:4]).all() and torch.isfinite(y[8:]).all()
 
 
+def _reference_pack(x: Tensor, codec: Codec) -> Tensor:
+    """The format as the module docstring defines it, in plain whole-tensor operations."""
+    n, nb, block = x.numel(), codec.blocks(x.numel()), codec.block
+    blocks = torch.nn.functional.pad(x.float(), (0, nb * block - n)).view(nb, block)
+    scales = blocks.abs().amax(1) / codec.qmax
+    scaled = (blocks / torch.where(scales == 0, 1.0, scales)[:, None]).view(-1)[:n]
+    if codec.fmt == "fp8":
+        codes = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    elif codec.fmt == "int8":
+        codes = scaled.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    else:
+        q = torch.cat([scaled.round().clamp(-7, 7).add(8), torch.full((n % 2,), 8.0)])
+        q = q.to(torch.uint8).view(-1, 2)
+        codes = q[:, 0] | (q[:, 1] << 4)
+    raw = torch.cat([scales.view(torch.uint8), codes])
+    return torch.cat([raw, torch.zeros(codec.nbytes(n) - raw.numel(), dtype=torch.uint8)])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("block", [256, 255])
+@pytest.mark.parametrize("layout", ["float32", "strided", "bfloat16"])
+def test_packing_by_chunks_is_the_format_bit_for_bit(fmt: str, block: int, layout: str) -> None:
+    """Pack and unpack work a cache-sized chunk at a time and read ``x`` in place: across
+    chunk and block edges, with non-finite blocks, from any layout, the bytes are the format's;
+    ``x`` is untouched; with a residual, ``x + residual`` is packed and the residual becomes
+    its error (zero where not finite); a narrower ``out`` gets the float32 values rounded
+    once."""
+    codec = Codec(fmt, block)
+    n = 300_001  # several chunks, and a short last block
+    x = _data(2 * n, seed=block)
+    x[1000:1300] = 0.0
+    x[5000], x[9000] = float("inf"), float("nan")
+    x = {"float32": x[:n], "strided": x[::2], "bfloat16": x[:n].bfloat16()}[layout]
+    kept = x.clone()
+    packed = codec.pack(x)
+    assert torch.equal(packed, _reference_pack(x, codec))
+    assert torch.equal(x.isnan(), kept.isnan()) and torch.equal(x.nan_to_num(), kept.nan_to_num())
+    residual = (_data(n, seed=1) / 100).to(x.dtype)
+    sent = x + residual
+    with_residual = codec.pack(x, residual=residual)
+    assert torch.equal(with_residual, _reference_pack(sent, codec))
+    error = sent.float() - codec.unpack(with_residual, n)
+    assert torch.equal(residual, error.nan_to_num(0.0, 0.0, 0.0).to(x.dtype))
+    assert residual.abs().max() > 0 and not residual.isnan().any()
+    decoded = codec.unpack(packed, n)
+    narrow = codec.unpack(packed, n, torch.empty(n, dtype=torch.bfloat16))
+    assert torch.equal(narrow.isnan(), decoded.isnan())
+    assert torch.equal(narrow.nan_to_num(), decoded.bfloat16().nan_to_num())
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_decodes_every_shard_alike_on_every_rank(world: int, dtype: torch.dtype) -> None:

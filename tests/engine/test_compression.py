@@ -39,7 +39,14 @@ from shardwrap.comm.quantize import Codec
 from shardwrap.engine import sharded_module
 from shardwrap.engine.flat_group import FlatGroup
 from shardwrap.tiers.home import Home, HostHome
-from tests.support.compression import block_bound, flat, groups, train_checked
+from tests.support.compression import (
+    block_bound,
+    capture,
+    decoded_params,
+    flat,
+    groups,
+    train_checked,
+)
 from tests.support.hybrid import hybrid_mesh
 from tests.support.models import GPT, Block, Branch, Branchy, make_batch
 from tests.support.ranks import run_ranks
@@ -315,3 +322,43 @@ def test_a_unit_held_gathered_serves_a_peers_gather_in_the_compressed_format(
     assert apart and all(sent == packed for sent, packed in apart)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.stage3  # stages 1 and 2 gather once a step: nothing to reuse
+def test_backward_sends_the_shard_forward_packed_and_a_step_packs_it_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forward and backward gather every unit at stage 3; the shard is packed for the first and
+    the same bytes sent again by the second. A write the version counter misses (``.data``,
+    as some optimizers make) is still gathered by the next forward: backward's end drops the
+    packed shards."""
+    packs: list[int] = []  # addresses of the tensors packed, both ranks
+    pack = Codec.pack
+
+    def counted(self: Codec, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        packs.append(x.data_ptr())
+        return pack(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Codec, "pack", counted)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[int]:
+        m = ShardedModule(copy.deepcopy(MODEL), process_group=pg, auto_wrap=Block, compression=INT8)
+        seen = capture(m)
+        shards = [g.shard.data_ptr() for g in groups(m)]
+        gathers = 0
+        for step in range(2):
+            x, y = make_batch(seed=step, batch=4)
+            decoded = decoded_params(m, m.full_state_dict())
+            before = m.comm_stats.calls["all_gather"]
+            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+            gathers += m.comm_stats.calls["all_gather"] - before
+            assert all(torch.equal(seen[k], v) for k, v in decoded.items())
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.data.mul_(0.5).add_(p.grad)
+            m.zero_grad()
+        assert gathers > 2 * len(shards)  # backward gathered units again
+        return shards
+
+    shards = sum(run_ranks(2, fn, timeout=30.0), [])
+    assert sorted(p for p in packs if p in shards) == sorted(2 * shards)

@@ -1,8 +1,8 @@
 """The memory planner with ``Compression``: error feedback's residuals (a full-size flat
-gradient per trainable group) and, at stages 1 and 2, the full buffers that quantized gathers
-keep apart from the shards are counted, and the plan stays within 5% of the measured peak
-(``track_allocations`` on each rank while training, as ``tests/planning/test_estimate.py``
-measures it).
+gradient per trainable group), the packed shards compressed gathers keep and, at stages 1 and
+2, the full buffers that quantized gathers keep apart from the shards are counted, and the plan
+stays within 5% of the measured peak (``track_allocations`` on each rank while training, as
+``tests/planning/test_estimate.py`` measures it).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/planning/test_estimate_compression.py -q``
 """
@@ -73,3 +73,10 @@ def test_error_feedback_adds_a_full_size_gradient_per_rank() -> None:
 def test_quantized_gathers_keep_the_full_parameters_apart_at_stage_2() -> None:
     plain, gathers = _plan(None, 2), _plan(Compression(params="int8"), 2)
     assert gathers.params > plain.params  # the shard is no longer a slice of the full buffer
+
+
+def test_the_shards_compressed_gathers_keep_packed_count_among_the_parameters() -> None:
+    plain, packed = _plan(None, 3), _plan(Compression(params="int8"), 3)
+    shard_elements = plain.params // 4  # float32 shards: stage 3 keeps nothing else
+    # every group's shard packed: a byte per element and a float32 scale per 256
+    assert packed.params - plain.params == pytest.approx(shard_elements * (1 + 4 / 256), rel=1e-3)
