@@ -5,6 +5,7 @@ opt = torch.optim.AdamW(model.parameters())
 shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 """
 
+from .checkpoint.background import PendingSave
 from .checkpoint.export import export, load_pretrained
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import latest_checkpoint, save_checkpoint
@@ -31,6 +32,7 @@ __all__ = [
     "Mesh",
     "MixedPrecision",
     "Offload",
+    "PendingSave",
     "ShardedGradScaler",
     "ShardedModule",
     "SpikeError",
