@@ -7,8 +7,9 @@ losses), and that bf16 really ran in mixed precision (shardwrap and FSDP2 gather
 every loss moves, slightly). ``benchmarks/scaling.py`` runs one tiny cell, measured within 10%
 of its prediction. ``benchmarks/optimizers.py`` runs AdamW and Muon with shardwrap and DDP
 on two ranks (Adafactor takes the same path; its parity: ``tests/engine``): each trains like DDP
-with the same optimizer, and only the shape-aware one moves bytes in the owner exchange, timed in its phases. ``benchmarks/compressed.py`` runs
-int8 stage 3 over a 10 Mbit/s link: a quarter of the bytes, and steps held back by the link.
+with the same optimizer, and only the shape-aware one moves bytes in the owner exchange, timed
+in its phases. ``benchmarks/compressed.py`` runs int8 stage 3 over a 10 Mbit/s link: a quarter
+of the bytes, and steps held back by the link.
 Their logic, in process: ``tests/test_benchmarks.py``.
 Run: ``pytest -m process tests/e2e/test_benchmarks.py``.
 """
