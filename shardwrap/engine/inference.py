@@ -69,17 +69,21 @@ def decoding_alone(root: Root) -> Iterator[bool]:
     alike; nothing in the block may change the shards (an optimizer step, a load).
     """
     schedule = root.schedule
-    if not (root.keeping and root.keep_decided) or schedule.alone or root.mesh.world_size == 1:
+    if (
+        not (root.keeping and root.keep_decided)
+        or schedule.decoding_alone
+        or root.mesh.world_size == 1
+    ):
         yield False
         return
     for unit in root.units:
         root.ensure_gathered(unit, backward=False)
     passes = schedule.passes
-    schedule.alone = True
+    schedule.decoding_alone = True
     try:
         yield True
     finally:
-        schedule.alone = False
+        schedule.decoding_alone = False
         schedule.passes = passes
 
 

@@ -107,7 +107,7 @@ class Schedule:
         self.passes = 0  # forward passes of the whole model begun on this rank
         # Every unit is gathered on every rank for a while (engine/inference.py): forwards
         # need no handshake, and ranks may run different numbers of them.
-        self.alone = False
+        self.decoding_alone = False
         self._entered = (-1, 0)  # (passes, index in CALLS) of the last call entered
         # The forward plan (see the note above): unit indices of the gathers agreed at this
         # pass's first handshake, the next one at ``_plan_at``; this pass's gathers so far
@@ -119,7 +119,7 @@ class Schedule:
         self._last: list[int] = []
         self._proposing = False
         self._slots = 2 * n
-        self._alone = False  # this backward reduces without handshakes (see the note above)
+        self._no_backward_handshakes = False  # this backward (see the note above)
         self._no_proposal = [-1] * (1 + self._slots) + [1] * (1 + self._slots)
 
     @property
@@ -158,7 +158,7 @@ class Schedule:
     def offer_reductions(self) -> None:
         """Issue the reductions every rank has ready, gathering nothing (one handshake; none
         where this backward reduces without them)."""
-        if self.world > 1 and not self._alone:
+        if self.world > 1 and not self._no_backward_handshakes:
             self._negotiate(self.reduce_only_priority)
 
     def end_forward(self, gathers_nothing_after: bool = False) -> None:
@@ -166,7 +166,7 @@ class Schedule:
         the next pass's proposal. With ``gathers_nothing_after`` on every rank (the backward
         to come gathers nothing), that backward reduces without handshakes. Nothing to serve
         while every unit is gathered on every rank (``alone``)."""
-        if self.world > 1 and not self.alone:
+        if self.world > 1 and not self.decoding_alone:
             self._negotiate(self.end_forward_priority, alone=gathers_nothing_after)
             self._last, self._recorded = self._recorded or [], None
 
@@ -212,7 +212,7 @@ class Schedule:
                 self._desynchronized(want, call, -neg_most)
             reductions.issue(ready)
             if agreed == want:
-                self._alone = all_alone == 1
+                self._no_backward_handshakes = all_alone == 1
                 self._used_anywhere = [u < 0 for u in rest[:groups]]
                 self._accept(proposal, rest[groups:])
                 return
@@ -307,7 +307,7 @@ class Schedule:
     def grad_ready(self, group: FlatGroup) -> None:
         """Note that ``group``'s flat gradient is complete; reduce what every rank has ready."""
         self.reductions.grad_ready(group)
-        if self.world == 1 or self._alone:
+        if self.world == 1 or self._no_backward_handshakes:
             self.reductions.issue(self.reductions.ready_prefix())
 
     def finish_backward(self) -> None:
@@ -324,7 +324,7 @@ class Schedule:
     def abandon_backward(self) -> None:
         """Where this backward reduces without handshakes, issue every reduction not issued yet
         (peers wait on them, not on a handshake); then reduce with handshakes again."""
-        if self._alone:
+        if self._no_backward_handshakes:
             self.reductions.close()
             self.reductions.issue(self.reductions.ready_prefix())
-            self._alone = False
+            self._no_backward_handshakes = False

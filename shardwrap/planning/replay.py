@@ -357,7 +357,7 @@ class _Replay:
         if all(i in self.released for i in self.unit_groups[u] if self.tr.groups[i].requires_grad):
             self.reshard(u, backward=True)
         self.ready[g] = True
-        if self.world == 1 or self.alone:
+        if self.world == 1 or self.no_backward_handshakes:
             self.issue(live)
 
     # the step -------------------------------------------------------------------------
@@ -369,7 +369,7 @@ class _Replay:
         self.fwd_next, self.bwd_next = ({}, {}) if first else self.learned
         self.keep_last = None if first else self.last
         # Backward reduces without handshakes where it gathers nothing (engine/schedule.py).
-        self.alone = (
+        self.no_backward_handshakes = (
             self.world > 1 and self.strategy.offers_reductions_in_backward and not any(self.stage3)
         )
         self.phase = "forward"
@@ -403,7 +403,7 @@ class _Replay:
             elif kind == "bwd_pre" and i not in seen_bwd:
                 seen_bwd.add(i)
                 self.phase = "backward"
-                if self.strategy.offers_reductions_in_backward and not self.alone:
+                if self.strategy.offers_reductions_in_backward and not self.no_backward_handshakes:
                     self.handshake(live)
                 self.ensure_gathered(i, True, live)
                 if i in self.bwd_next:
