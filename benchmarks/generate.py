@@ -148,6 +148,30 @@ def _generate(
     )
 
 
+def time_method(method: str, args: argparse.Namespace, timeout: float | None = None) -> dict:
+    """Time ``method`` in fresh ``torchrun`` processes (``args``: ``nproc``, ``rows``, ``beams``,
+    ``tokens``, ``repeats``): its worker's result, or its ``error``."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"generate-{os.getpid()}-{method}.json"
+    run = torchrun(
+        Path(__file__).resolve(),
+        "--worker",
+        method,
+        str(args.rows),
+        str(args.beams),
+        str(args.tokens),
+        str(args.repeats),
+        str(out),
+        nproc=args.nproc,
+        timeout=timeout,
+    )
+    if run.returncode != 0:
+        tail = (run.stderr or "").strip().splitlines()[-3:]
+        return {"method": method, "error": " / ".join(tail)}
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
@@ -158,26 +182,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--report", type=Path, default=None, help="report path (default: dated)")
     args = parser.parse_args()
-    results = []
-    for method in args.methods:
-        out = Path(os.environ.get("TMPDIR", "/tmp")) / f"generate-{os.getpid()}-{method}.json"
-        run = torchrun(
-            __file__,
-            "--worker",
-            method,
-            str(args.rows),
-            str(args.beams),
-            str(args.tokens),
-            str(args.repeats),
-            str(out),
-            nproc=args.nproc,
-        )
-        if run.returncode != 0:
-            tail = (run.stderr or "").strip().splitlines()[-3:]
-            results.append({"method": method, "error": " / ".join(tail)})
-            continue
-        results.append(json.loads(out.read_text()))
-        out.unlink()
+    results = [time_method(method, args) for method in args.methods]
     print(_report(args, results))
     path = args.report or results_dir("generate") / f"generate_cpu{args.nproc}_{date.today()}.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import ROOT, commit, hardware, results_dir, torchrun  # noqa: E402
+from _launch import ROOT, commit, hardware, results_dir  # noqa: E402
+from generate import time_method  # noqa: E402
 from max_batch import search  # noqa: E402
 
 METHODS = ("ddp", "shardwrap-s2", "shardwrap-s3", "fsdp2")
 # benchmarks/_worker.py's T5 of that width and depth is generate.py's T5.
 TRAIN_CONFIG = {"model": "t5", "depth": 3, "width": 256, "heads": 8, "context": 64}
-HERE = Path(__file__).resolve().parent
 
 
 def max_batch(method: str, budget: float, nproc: int, limit: int) -> dict[str, Any]:
@@ -47,28 +47,6 @@ def max_batch(method: str, budget: float, nproc: int, limit: int) -> dict[str, A
     trials = search(method, TRAIN_CONFIG, budget, nproc, limit)
     best = max((t for t in trials if t["fits"]), key=lambda t: t["batch"], default=None)
     return {"best": best, "trials": trials}
-
-
-def eval_time(method: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``benchmarks/generate.py``'s timing of ``method`` (its result, or an ``error``)."""
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"t5-compare-{os.getpid()}-{method}.json"
-    run = torchrun(
-        HERE / "generate.py",
-        "--worker",
-        method,
-        str(args.rows),
-        str(args.beams),
-        str(args.tokens),
-        str(args.repeats),
-        str(out),
-        nproc=args.nproc,
-        timeout=1800,
-    )
-    if run.returncode != 0:
-        return {"error": " / ".join((run.stderr or "").strip().splitlines()[-3:])}
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
 
 
 def main() -> None:
@@ -86,7 +64,7 @@ def main() -> None:
     results = {}
     for method in args.methods:
         results[method] = {"train": max_batch(method, args.budget_mb, args.nproc, args.limit)}
-        results[method]["eval"] = eval_time(method, args)
+        results[method]["eval"] = time_method(method, args, timeout=1800)
         print(f"{method}: {json.dumps(results[method]['eval'])}", flush=True)
     report = _report(args, results)
     path = results_dir("t5_compare") / f"t5_compare_{hardware()}_{date.today()}.md"
