@@ -45,10 +45,13 @@ __all__ = [
     "Pending",
     "group_timeout",
     "all_gather",
+    "all_gather_many",
     "all_reduce",
+    "packing",
     "group_rank",
     "group_size",
     "reduce_scatter",
+    "reduce_scatter_many",
     "report_whereabouts",
 ]
 
@@ -313,6 +316,138 @@ def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup
             _wait(work, peer, [], group, "reduce-scatter")
 
     return Pending(None, finish, what="reduce-scatter", group=group)
+
+
+# Several at once -----------------------------------------------------------------------
+#
+# NOTE: on gloo every exchange costs its peers several thread wake-ups each, which on a busy
+# CPU take about a millisecond whatever the size: measured at 2 ranks on 2 cores, with 2 ms of
+# compute between exchanges, one of 3 KB cost 1.8 ms and one of 195 KB 2.0 ms (0.23 ms back to
+# back). Small buffers therefore go packed, one exchange per peer for all of them; the packing
+# costs a copy of each, and its buffers hold as many bytes as the full buffers (see
+# ``packing``). On other backends each collective goes out on its own.
+
+ALIGN = 16  # bytes: every packed item starts at a multiple of this, so it can be viewed typed
+
+
+def packing(nbytes: Iterable[int]) -> tuple[list[int], int]:
+    """Where each item of ``nbytes`` bytes starts in a packed buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for n in nbytes:
+        offsets.append(end)
+        end += -(-n // ALIGN) * ALIGN
+    return offsets, end
+
+
+def all_gather_many(
+    outs: list[Tensor], shards: list[Tensor], group: Group, stats: CommStats | None = None
+) -> Pending:
+    """``all_gather(outs[i], shards[i])`` for every ``i``, as one exchange per peer on gloo.
+
+    Counted as one all-gather in ``stats``. Every rank passes the same sizes and dtypes.
+    """
+    if len(outs) == 1:
+        return all_gather(outs[0], shards[0], group, stats)
+    if stats is not None:
+        stats.add("all_gather", sum(o.numel() * o.element_size() for o in outs))
+    if group is None or shards[0].device.type != "cpu":
+        pendings = [all_gather(o, s, group) for o, s in zip(outs, shards)]
+        return Pending(None, lambda: _wait_all(pendings))
+    rank, world = group.rank(), group.size()
+    owns = []
+    for out, shard in zip(outs, shards):
+        n = shard.numel()
+        own = out[rank * n : (rank + 1) * n]
+        if own.data_ptr() != shard.data_ptr() or own.dtype != shard.dtype:
+            own.copy_(shard)
+        owns.append(own)
+    offsets, total = packing(o.numel() * o.element_size() for o in owns)
+    if total == 0:
+        return Pending(None)
+    packed = torch.empty(total, dtype=torch.uint8)
+    for own, at in zip(owns, offsets):
+        packed[at : at + own.numel() * own.element_size()].copy_(own.view(torch.uint8))
+    peers = _peers(rank, world)
+    tag = _next_tag(group)
+    try:
+        sends = [(peer, group.send([packed], peer, tag)) for peer in peers]
+        received = {peer: torch.empty(total, dtype=torch.uint8) for peer in peers}
+        recvs = [(peer, group.recv([received[peer]], peer, tag)) for peer in peers]
+    except RuntimeError as e:
+        raise failed("all-gather", e, group) from e
+    exchange = _finisher(recvs, sends, group, "all-gather")
+
+    def finish() -> None:
+        exchange()
+        for peer, data in received.items():
+            for out, own, at in zip(outs, owns, offsets):
+                n = own.numel()
+                out[peer * n : (peer + 1) * n].view(torch.uint8).copy_(
+                    data[at : at + n * own.element_size()]
+                )
+
+    return Pending(None, finish, "all-gather", group)
+
+
+def reduce_scatter_many(
+    outs: list[Tensor], fulls: list[Tensor], group: Group, stats: CommStats | None = None
+) -> Pending:
+    """``reduce_scatter(outs[i], fulls[i])`` for every ``i``, as one exchange per peer on gloo,
+    summing in the same order as each alone does (so the results are the same bit for bit).
+
+    Counted as one reduce-scatter in ``stats``. ``fulls`` are scratch and may be overwritten.
+    """
+    if len(outs) == 1:
+        return reduce_scatter(outs[0], fulls[0], group, stats)
+    if stats is not None:
+        stats.add("reduce_scatter", sum(f.numel() * f.element_size() for f in fulls))
+    if group is None or fulls[0].device.type != "cpu":
+        pendings = [reduce_scatter(o, f, group) for o, f in zip(outs, fulls)]
+        return Pending(None, lambda: _wait_all(pendings))
+    rank, world = group.rank(), group.size()
+    offsets, total = packing(o.numel() * o.element_size() for o in outs)
+    if total == 0:
+        return Pending(None)
+    peers = _peers(rank, world)
+    tag = _next_tag(group)
+    packs: dict[int, Tensor] = {}
+    for peer in peers:
+        pack = packs[peer] = torch.empty(total, dtype=torch.uint8)
+        for out, full, at in zip(outs, fulls, offsets):
+            n = out.numel()
+            pack[at : at + n * out.element_size()].copy_(
+                full[peer * n : (peer + 1) * n].view(torch.uint8)
+            )
+    try:
+        sends = [(peer, group.send([packs[peer]], peer, tag)) for peer in peers]
+        received = {peer: torch.empty(total, dtype=torch.uint8) for peer in peers}
+        recvs = [(peer, group.recv([received[peer]], peer, tag)) for peer in peers]
+    except RuntimeError as e:
+        raise failed("reduce-scatter", e, group) from e
+    exchange = _finisher(recvs, sends, group, "reduce-scatter")
+
+    def finish() -> None:
+        exchange()
+        for out, full, at in zip(outs, fulls, offsets):
+            n = out.numel()
+            if n == 0:
+                continue
+            pieces = [received[p][at : at + n * out.element_size()].view(out.dtype) for p in peers]
+            own = full[rank * n : (rank + 1) * n]
+            if world == 2:  # as reduce_scatter: the peer's piece, then the own one added
+                out.copy_(pieces[0]).add_(own)
+            else:
+                for piece in pieces:
+                    own.add_(piece)
+                out.copy_(own)
+            out.div_(world)
+
+    return Pending(None, finish, "reduce-scatter", group)
+
+
+def _wait_all(pendings: list[Pending]) -> None:
+    for p in pendings:
+        p.wait()
 
 
 def all_to_all(
