@@ -8,7 +8,6 @@ keys are those of the original model.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -19,13 +18,12 @@ from torch import Tensor, nn
 
 from ..comm.collectives import CommStats
 from ..comm.mesh import Mesh, resolve_mesh
-from ..comm.quantize import Codec
 from ..options import Compression, MixedPrecision, Offload
 from ..tiers.home import Home, make_home
 from .agree_values import check_same_values, copy_from_rank0
+from .build import build_root
 from .checks import (
     ROOT_ATTR,
-    SHARD_ATTR,
     UNIT_ATTR,
     check_device,
     check_not_wrapped,
@@ -36,23 +34,17 @@ from .checks import (
     resolve_compile,
     unit_plan,
 )
-from .extensions import check_move, check_prepare, checkpoint_unit, class_habits, may_train
-from .flat_group import FlatGroup
+from .extensions import check_move, check_prepare, checkpoint_unit, class_habits
 from .inference import fits_gathered
-from .init import Materializer, ParamInitFn, agree_seed, check_param_init_fn, is_meta
-from .pool import BufferPool
+from .init import ParamInitFn, check_param_init_fn, is_meta
 from .recompute import compile_unit, recompute_activations
-from .retired import retire
 from .root import Root
 from .strategy import Strategy
 from .summary import log_summary, summarize
-from .unit import Unit
-from .whole_params import PIECE_ATTR, install, release
 from .wrap import (
     AutoWrap,
     Placement,
     check_selects_something,
-    group_key,
     place_parameters,
     resolve_policy,
 )
@@ -507,67 +499,17 @@ def _wrap(
     compile_options: dict[str, Any] | None = None,
     compression: Compression | None = None,
 ) -> None:
-    device = mesh.device
-    param_codec = (
-        compression and compression.params and Codec(compression.params, compression.block)
+    root = build_root(
+        module,
+        placement,
+        mesh,
+        strategy,
+        precision,
+        param_init_fn,
+        home,
+        compile_options,
+        compression,
     )
-    materialize = None
-    if is_meta(module):
-        seed = agree_seed(mesh.control, mesh.control_device)
-        materialize = Materializer(module, placement.units, device, seed, param_init_fn)
-    stats = CommStats()
-    pool = BufferPool()
-    units: list[Unit] = []
-    trainable_later = may_train(module)
-    for index, (unit_module, params) in enumerate(zip(placement.units, placement.params)):
-        if materialize is not None:
-            meta_params, params = params, materialize(index, params)
-            for name, p, _ in meta_params:
-                retire(p, name)
-        by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
-        for entry in params:
-            by_key.setdefault(group_key(entry[1], entry[0] in trainable_later), []).append(entry)
-        frozen = sum(p.numel() for _, p, _ in params if not p.requires_grad)
-        trainable = sum(p.numel() for _, p, _ in params) - frozen
-        stage3 = strategy.stage3_lifetime(frozen_numel=frozen, trainable_numel=trainable)
-        flat_groups = []
-        for (_, grad), entries in by_key.items():
-            names = [n for n, _, _ in entries]
-            originals = [p for _, p, _ in entries]
-            dtype = originals[0].dtype
-            fg = FlatGroup(
-                names,
-                originals,
-                [s for _, _, s in entries],
-                mesh,
-                pool,
-                precision.compute_dtype(dtype) if precision else None,
-                precision.gradient_dtype(dtype) if precision else None,
-                resident=strategy.keeps_params and (not stage3 or grad),
-                home=home,
-                codec=param_codec if dtype.is_floating_point else None,
-                requires_grad=grad,
-            )
-            for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
-                shard_param.requires_grad_(p.requires_grad)
-                setattr(shard_param, SHARD_ATTR, True)
-                setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i, stats))
-                for owner, attr in slots:
-                    owner._parameters[attr] = shard_param
-                retire(p, name)
-            flat_groups.append(fg)
-        units.append(Unit(unit_module, index, flat_groups, stats, stage3))
-    buffer_dtype = precision.buffer_dtype if precision else None
-    for m in module.modules():
-        for k, b in m._buffers.items():
-            if b is None:
-                continue
-            dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
-            if b.device != device or b.dtype != dtype:
-                m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options, compression)
-    install()  # the step hooks that give shape-aware optimizers whole parameters
-    weakref.finalize(root, release)
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
@@ -575,7 +517,7 @@ def _wrap(
     module.register_state_dict_post_hook(note_shards)
     module.__class__ = _sharded_class(type(module))
     object.__setattr__(module, ROOT_ATTR, root)
-    for unit in units[1:]:
+    for unit in root.units[1:]:
         object.__setattr__(unit.module, UNIT_ATTR, unit)
 
 

@@ -1,0 +1,111 @@
+"""Building a sharded model's units and root: flat groups per unit, sharded in place.
+
+Design note. Every parameter a unit holds goes into one flat group per (dtype,
+``requires_grad``) key; the group keeps this rank's shard, and the module's registered
+parameters become the shard parameters (the original parameters are retired). A model built
+on the meta device is materialised one unit at a time as it is sharded. The caller
+(``engine/sharded_module.py``) then turns the module into its sharded class.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.collectives import CommStats
+from ..comm.mesh import Mesh
+from ..comm.quantize import Codec
+from ..options import Compression, MixedPrecision
+from ..tiers.home import Home
+from .checks import SHARD_ATTR
+from .extensions import may_train
+from .flat_group import FlatGroup
+from .init import Materializer, ParamInitFn, agree_seed, is_meta
+from .pool import BufferPool
+from .retired import retire
+from .root import Root
+from .strategy import Strategy
+from .unit import Unit
+from .whole_params import PIECE_ATTR, install, release
+from .wrap import Placement, group_key
+
+__all__ = ["build_root"]
+
+
+def build_root(
+    module: nn.Module,
+    placement: Placement,
+    mesh: Mesh,
+    strategy: Strategy,
+    precision: MixedPrecision | None,
+    param_init_fn: ParamInitFn | None = None,
+    home: Home | None = None,
+    compile_options: dict[str, Any] | None = None,
+    compression: Compression | None = None,
+) -> Root:
+    """Shard ``module``'s parameters into the units ``placement`` chose and return their root."""
+    device = mesh.device
+    param_codec = (
+        compression and compression.params and Codec(compression.params, compression.block)
+    )
+    materialize = None
+    if is_meta(module):
+        seed = agree_seed(mesh.control, mesh.control_device)
+        materialize = Materializer(module, placement.units, device, seed, param_init_fn)
+    stats = CommStats()
+    pool = BufferPool()
+    units: list[Unit] = []
+    trainable_later = may_train(module)
+    for index, (unit_module, params) in enumerate(zip(placement.units, placement.params)):
+        if materialize is not None:
+            meta_params, params = params, materialize(index, params)
+            for name, p, _ in meta_params:
+                retire(p, name)
+        by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
+        for entry in params:
+            by_key.setdefault(group_key(entry[1], entry[0] in trainable_later), []).append(entry)
+        frozen = sum(p.numel() for _, p, _ in params if not p.requires_grad)
+        trainable = sum(p.numel() for _, p, _ in params) - frozen
+        stage3 = strategy.stage3_lifetime(frozen_numel=frozen, trainable_numel=trainable)
+        flat_groups = []
+        for (_, grad), entries in by_key.items():
+            names = [n for n, _, _ in entries]
+            originals = [p for _, p, _ in entries]
+            dtype = originals[0].dtype
+            fg = FlatGroup(
+                names,
+                originals,
+                [s for _, _, s in entries],
+                mesh,
+                pool,
+                precision.compute_dtype(dtype) if precision else None,
+                precision.gradient_dtype(dtype) if precision else None,
+                resident=strategy.keeps_params and (not stage3 or grad),
+                home=home,
+                codec=param_codec if dtype.is_floating_point else None,
+                requires_grad=grad,
+            )
+            for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
+                shard_param.requires_grad_(p.requires_grad)
+                setattr(shard_param, SHARD_ATTR, True)
+                setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i, stats))
+                for owner, attr in slots:
+                    owner._parameters[attr] = shard_param
+                retire(p, name)
+            flat_groups.append(fg)
+        units.append(Unit(unit_module, index, flat_groups, stats, stage3))
+    buffer_dtype = precision.buffer_dtype if precision else None
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is None:
+                continue
+            dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
+            if b.device != device or b.dtype != dtype:
+                m._buffers[k] = b.to(device, dtype)
+    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options, compression)
+    install()  # the step hooks that give shape-aware optimizers whole parameters
+    weakref.finalize(root, release)
+    return root
