@@ -252,7 +252,10 @@ def test_scaling_predicts_with_the_planner_whose_model_states_follow_the_formula
     assert four["params"] + four["optimizer"] == pytest.approx(12 * psi / 4 / 2**20, rel=0.02)
     parts = ("params", "grads", "optimizer", "working_set", "activations")
     assert four["peak"] == pytest.approx(sum(four[k] for k in parts))
-    assert four["working_set"] > 0 and four["phase"] in ("forward", "backward", "optimizer step")
+    # beyond the model states, the peak holds gathered buffers or flat gradients (here, in
+    # backward, this small model's flat gradients waiting for their one bucket's reduction)
+    assert four["working_set"] + four["grads"] > 0
+    assert four["phase"] in ("forward", "backward", "optimizer step")
 
 
 def test_scaling_report_judges_every_cell_by_its_allocated_peak(

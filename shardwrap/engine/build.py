@@ -45,8 +45,10 @@ def build_root(
     home: Home | None = None,
     compile_options: dict[str, Any] | None = None,
     compression: Compression | None = None,
+    bucket_bytes: int = 0,
 ) -> Root:
-    """Shard ``module``'s parameters into the units ``placement`` chose and return their root."""
+    """Shard ``module``'s parameters into the units ``placement`` chose and return their root
+    (``bucket_bytes``: see ``engine/buckets.py``)."""
     device = mesh.device
     param_codec = (
         compression and compression.params and Codec(compression.params, compression.block)
@@ -96,7 +98,7 @@ def build_root(
                     owner._parameters[attr] = shard_param
                 retire(p, name)
             flat_groups.append(fg)
-        units.append(Unit(unit_module, index, flat_groups, stats, stage3))
+        units.append(Unit(unit_module, index, flat_groups, stats, stage3, bucket_bytes))
     buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():
@@ -105,7 +107,18 @@ def build_root(
             dtype = buffer_dtype if buffer_dtype and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != dtype:
                 m._buffers[k] = b.to(device, dtype)
-    root = Root(units, mesh, stats, strategy, pool, precision, home, compile_options, compression)
+    root = Root(
+        units,
+        mesh,
+        stats,
+        strategy,
+        pool,
+        precision,
+        home,
+        compile_options,
+        compression,
+        bucket_bytes,
+    )
     install()  # the step hooks that give shape-aware optimizers whole parameters
     weakref.finalize(root, release)
     return root

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -24,6 +25,7 @@ from ..options import Compression, MixedPrecision, Offload
 from .wrap import AutoWrap, Placement, group_key, resolve_policy
 
 __all__ = [
+    "bucket_bytes",
     "check_device",
     "check_not_wrapped",
     "check_options",
@@ -344,3 +346,23 @@ def check_options(
             "mapped into host memory and gathered from there. With a GPU use "
             'Offload(device="cpu") (shards, gradients and optimizer state in pinned host memory).'
         )
+
+
+def bucket_bytes(bucket_mb: float) -> int:
+    """``ShardedModule(bucket_mb=...)`` in bytes.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: negative or not finite.
+    """
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+        raise TypeError(
+            f"bucket_mb takes a number of MiB, got {bucket_mb!r}; e.g. bucket_mb=4, or "
+            "bucket_mb=0 for one exchange per unit and group."
+        )
+    if not math.isfinite(bucket_mb) or bucket_mb < 0:
+        raise ValueError(
+            f"bucket_mb must be a finite number of MiB, 0 or more, got {bucket_mb!r}; e.g. "
+            "bucket_mb=4, or bucket_mb=0 for one exchange per unit and group."
+        )
+    return int(bucket_mb * 2**20)

@@ -27,6 +27,7 @@ from ..comm.compressed import all_gather_quantized
 from ..comm.mesh import Mesh
 from ..comm.quantize import Codec
 from ..tiers.home import Home
+from .buckets import Gathers
 from .layout import FlatLayout, LocalPiece
 from .pool import BufferPool
 
@@ -194,33 +195,56 @@ class FlatGroup:
 
     # gather --------------------------------------------------------------------------
 
-    def gather(self, stats: CommStats | None, exact: bool = False) -> Pending:
+    def gather(
+        self, stats: CommStats | None, exact: bool = False, batch: Gathers | None = None
+    ) -> Pending:
         """All-gather the shards into the full buffer (asynchronously where possible).
 
         The buffer is in ``compute_dtype``, quantized on the wire where the group has a
-        ``codec``; or with ``exact`` in the shards' own dtype, exactly.
+        ``codec``; or with ``exact`` in the shards' own dtype, exactly. A plain gather joins
+        ``batch`` where one is given (``engine/buckets.py``).
         """
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.mark_gathered()
-        return self._gather_into(self._buffer, stats, exact)
+        # Writes into a buffer the shard is a slice of may count as writing the shard: the
+        # group is marked again once they are done, by whichever unit waits first.
+        return self._gather_into(self._buffer, stats, exact, batch, then=self.mark_gathered)
 
-    def _gather_into(self, buffer: Tensor, stats: CommStats | None, exact: bool) -> Pending:
+    def _gather_into(
+        self,
+        buffer: Tensor,
+        stats: CommStats | None,
+        exact: bool,
+        batch: Gathers | None = None,
+        then: Callable[[], None] | None = None,
+    ) -> Pending:
         shard, group = self.home.gather_input(self.shard), self.mesh.shard
         if self.codec is not None and not exact:
             version = (self.shard._version, self.shard.data_ptr())
             if self._packed is None or self._packed[0] != version:
                 self._packed = (version, self.codec.pack(shard))
             return all_gather_quantized(buffer, shard, group, self.codec, stats, self._packed[1])
+        if batch is not None:
+            return batch.add(buffer, shard, group, then)
         return all_gather(buffer, shard, group, stats)
 
-    def gather_apart(self, stats: CommStats | None) -> None:
+    def gather_apart(self, stats: CommStats | None, batch: Gathers) -> Callable[[], None]:
         """Take part in a peer's gather of this group while this rank holds it gathered: into a
-        spare buffer, leaving the gathered one (autograd may hold views of it) untouched."""
+        spare buffer, leaving the gathered one (autograd may hold views of it) untouched.
+
+        Returns:
+            What completes it once ``batch`` is issued: wait, and give the spare buffer back.
+        """
         buffer = self.take_buffer(self.compute_dtype)
-        try:
-            self._gather_into(buffer, stats, exact=False).wait()
-        finally:
-            self.pool.give(buffer)
+        pending = self._gather_into(buffer, stats, False, batch)
+
+        def done() -> None:
+            try:
+                pending.wait()
+            finally:
+                self.pool.give(buffer)
+
+        return done
 
     def make_views(self, track_grad: bool) -> None:
         """Shape the gathered buffer into the parameters and shadow the shard params with them."""

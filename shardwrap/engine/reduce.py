@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import CommStats, Pending, all_reduce, reduce_scatter
+from ..comm.collectives import CommStats, Pending, all_reduce, reduce_scatter_many
 from ..comm.compressed import all_reduce_quantized, reduce_scatter_quantized
 from ..comm.mesh import Mesh
 from ..comm.quantize import Codec
 from ..options import Compression
 from ..tiers.home import Home
+from .buckets import bucket_size
 from .flat_group import FlatGroup
 from .grad_norm import as_shard_grad, shard_grad_owner
 
@@ -62,6 +63,9 @@ class Reductions:
         home: where the shards and their gradients live (the groups' home).
         compression: its ``grads`` format quantizes the reductions, with its error feedback;
             ``None``: exact.
+        bucket_bytes: consecutive groups whose flat gradients fit in this many bytes are
+            reduced in one exchange, once all are ready (not where ``compression`` quantizes
+            them, nor on one rank: each goes alone).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class Reductions:
         defer: bool,
         home: Home,
         compression: Compression | None = None,
+        bucket_bytes: int = 0,
     ) -> None:
         self.order = order
         self.codec: Codec | None = None
@@ -89,6 +94,17 @@ class Reductions:
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
+        # where the bucket beginning at each bucket's first position ends (engine/buckets.py)
+        self._ends: dict[int, int] = {}
+        nbytes = [g.layout.padded_numel * g.grad_dtype.itemsize for g in order]
+        # one rank reduces by copying: nothing to gain by waiting for a bucket
+        alone = self.codec is not None or mesh.shard_size == 1
+        start, limit = 0, 0 if alone else bucket_bytes
+        while start < len(order):
+            self._ends[start] = start + bucket_size(
+                range(start, len(order)), nbytes.__getitem__, limit
+            )
+            start = self._ends[start]
         self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
         self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
         self.reset()
@@ -99,8 +115,9 @@ class Reductions:
         self.used = [False] * len(self.order)
         self._issued = 0
         self._closing = False
-        # (position, collective, its output: a shard gradient 1-D padded/N, its full-size input)
-        self._pending: list[tuple[int, Pending, Tensor, Tensor]] = []
+        # one exchange: (positions, collective, its outputs: shard gradients 1-D padded/N, its
+        # full-size inputs)
+        self._pending: list[tuple[range, Pending, list[Tensor], list[Tensor]]] = []
         self._landed: list[tuple[int, Tensor]] = []
 
     def grad_ready(self, group: FlatGroup) -> None:
@@ -130,26 +147,33 @@ class Reductions:
         return n
 
     def issue(self, upto: int) -> None:
-        """Issue the reductions before position ``upto`` not issued yet (every rank agrees)."""
+        """Issue the reductions before position ``upto`` not issued yet (every rank agrees), a
+        bucket at a time: a bucket not all before ``upto`` waits."""
         if not self.sync:
             return
-        for i in range(self._issued, upto):
+        while self._issued < upto and self._ends[self._issued] <= upto:
             while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
                 self._complete_oldest()
-            group = self.order[i]
-            grad = group.take_grad()
-            out = self.home.reduce_into(
-                group.shard.numel(), group.grad_dtype, group.free_home_grad()
-            )
-            if self.codec is None:
-                work = reduce_scatter(out, grad, self.mesh.shard, self.stats)
-            else:
-                residual = self._residual(self.residuals, i, grad, self.mesh.shard_size)
-                work = reduce_scatter_quantized(
-                    out, grad, self.mesh.shard, self.codec, residual, self.stats
+            positions = range(self._issued, self._ends[self._issued])
+            outs, grads = [], []
+            for i in positions:
+                group = self.order[i]
+                grads.append(group.take_grad())
+                outs.append(
+                    self.home.reduce_into(
+                        group.shard.numel(), group.grad_dtype, group.free_home_grad()
+                    )
                 )
-            self._pending.append((i, work, out, grad))
-        self._issued = max(self._issued, upto)
+            if self.codec is None:
+                work = reduce_scatter_many(outs, grads, self.mesh.shard, self.stats)
+            else:  # one group a bucket
+                i = positions[0]
+                residual = self._residual(self.residuals, i, grads[0], self.mesh.shard_size)
+                work = reduce_scatter_quantized(
+                    outs[0], grads[0], self.mesh.shard, self.codec, residual, self.stats
+                )
+            self._pending.append((positions, work, outs, grads))
+            self._issued = positions.stop
 
     def drain(self) -> None:
         """Land every reduction in flight, freeing the full-size gradients they hold."""
@@ -157,18 +181,21 @@ class Reductions:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        i, work, out, grad = self._pending.pop(0)
+        positions, work, outs, grads = self._pending.pop(0)
         work.wait()
-        if not self._closing:  # a later unit's flat gradient reuses it
-            self.order[i].pool.give_scratch(grad)
-        if self.mesh.replicate is not None and self.codec is not None:
-            residual = self._residual(self.replica_residuals, i, out, self.mesh.replicate_size)
-            all_reduce_quantized(out, self.mesh.replicate, self.codec, residual, self.stats).wait()
-        elif self.mesh.replicate is not None:
-            all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
-            out.div_(self.mesh.replicate_size)
-        group = self.order[i]
-        self._landed.append((i, self.home.land(out, group.free_home_grad(), group.dtype)))
+        for i, out, grad in zip(positions, outs, grads):
+            group = self.order[i]
+            if not self._closing:  # a later unit's flat gradient reuses it
+                group.pool.give_scratch(grad)
+            if self.mesh.replicate is not None and self.codec is not None:
+                residual = self._residual(self.replica_residuals, i, out, self.mesh.replicate_size)
+                all_reduce_quantized(
+                    out, self.mesh.replicate, self.codec, residual, self.stats
+                ).wait()
+            elif self.mesh.replicate is not None:
+                all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
+                out.div_(self.mesh.replicate_size)
+            self._landed.append((i, self.home.land(out, group.free_home_grad(), group.dtype)))
 
     def _residual(
         self, residuals: list[Tensor | None], i: int, like: Tensor, world: int

@@ -1,12 +1,12 @@
 """The root's orchestration: hooks, execution order, prefetch and the end of backward.
 
 Design note. Each unit gets a forward pre-hook (gather, make the full parameters visible)
-and a forward hook (reshard, unless it is the root or ``reshard_after_forward`` is off,
-and hook the outputs so the unit is gathered again before autograd needs it). After a
-unit's flat gradient is complete (a post-accumulate-grad hook on the flat buffer) that
-group's storage is released and its reduce-scatter becomes ready. A callback queued on the
-autograd engine at the start of backward releases whatever is still gathered, reduces
-what no hook reduced (unused units send zeros) and waits for every reduction.
+and a forward hook (reshard, unless it is the root, ``reshard_after_forward`` is off or
+backward starts with it, and hook the outputs so the unit is gathered again before autograd
+needs it). After a unit's flat gradient is complete (a post-accumulate-grad hook on the flat
+buffer) that group's storage is released and its reduce-scatter becomes ready. A callback
+queued on the autograd engine at the start of backward releases whatever is still gathered,
+reduces what no hook reduced (unused units send zeros) and waits for every reduction.
 
 The order in which units ran in the previous forward and backward drives prefetch: when a
 unit starts, the next one's all-gather is issued so that it overlaps this unit's compute; as
@@ -77,6 +77,8 @@ class Root:
         home: where the shards live (``tiers/home.py``); default: on the mesh's device.
         compile_options: the ``torch.compile`` options units were compiled with, or ``None``.
         compression: what the collectives quantize (the reductions, here), or ``None``.
+        bucket_bytes: the most bytes one exchange carries for several units' gathers or
+            several groups' reductions (``engine/buckets.py``); 0: one exchange each.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Root:
         home: Home | None = None,
         compile_options: dict[str, Any] | None = None,
         compression: Compression | None = None,
+        bucket_bytes: int = 0,
     ) -> None:
         self.units = units
         self.precision = precision
@@ -116,8 +119,9 @@ class Root:
             defer=strategy.defer_reductions,
             home=self.home,
             compression=compression,
+            bucket_bytes=bucket_bytes,
         )
-        self.schedule = Schedule(units, mesh, stats, self.reductions)
+        self.schedule = Schedule(units, mesh, stats, self.reductions, bucket_bytes)
         # Weakly: shard grads hold their owner, and the model holds its grads (through C++,
         # where the garbage collector cannot follow a cycle back).
         schedule = weakref.ref(self.schedule)
@@ -138,7 +142,9 @@ class Root:
         self.phase = Phase.IDLE
         self.keeping = 0  # keep_gathered() blocks entered
         self.keep_decided: bool | None = None  # ShardedModule.keep_gathered's, while inside
-        self._forward_last: Unit | None = None  # the unit that ran last in the previous forward
+        # the units the previous forward kept for backward: its final bucket's, and the unit
+        # that ran last (engine/buckets.py)
+        self._forward_kept: set[int] = set()
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
         self._backward_next: dict[int, Unit] = {}
         self._recording: list[Unit] = []
@@ -216,25 +222,35 @@ class Root:
         if unit is self.saved.owner:
             self.saved.stop()
         grad = torch.is_grad_enabled()
-        # The unit that ran last in forward runs first in backward: keep it gathered.
-        last = self._forward_last if grad else None
-        if unit is not self.root and unit is not last and self.release_after_forward(unit, grad):
+        # The units that run last in forward run first in backward: keep them gathered.
+        kept = self._forward_kept if grad else set()
+        if (
+            unit is not self.root
+            and unit.index not in kept
+            and self.release_after_forward(unit, grad)
+        ):
             unit.reshard()
         if grad:
             self._hook_outputs(unit, output)
         if unit is self.root:
             last = self._recording[-1] if grad else None
+            if last is not None:
+                kept = kept | {last.index}
             for u in self.units[1:]:
                 if (
                     u.state is not ShardState.SHARDED
-                    and u is not last
+                    and u.index not in kept
                     and self.release_after_forward(u, grad)
                 ):
                     u.reshard()
             self.schedule.end_forward(grad and self._backward_gathers_nothing())
             if last is not None:  # backward starts with it: stage the unit it gathers next
                 self._stage_after(last, backward=True)
-            self._forward_last = self._recording[-1] if len(self._recording) > 1 else None
+            if len(self._recording) > 1:
+                kept = {self._recording[-1].index, *self.schedule.last_bucket()}
+                self._forward_kept = kept - {self.root.index}
+            else:
+                self._forward_kept = set()
             self._forward_next = _successors(self._recording, _unit_index)
             self.phase = Phase.IDLE
         return output
@@ -242,8 +258,9 @@ class Root:
     def _backward_gathers_nothing(self) -> bool:
         """Whether the backward of the forward just ended cannot need a gather: no reductions
         are deferred, and every unit that ran is gathered, current, and kept until its
-        backward."""
-        return self.strategy.offers_reductions_in_backward and all(
+        backward (stage 2; stage 3 kept after forward, or whose units all fit in the final
+        bucket)."""
+        return not self.strategy.defer_reductions and all(
             u.state is ShardState.GATHERED and not u.is_stale and not u.stage3_lifetime
             for u in self._recording
         )
@@ -315,7 +332,10 @@ class Root:
             self.schedule.offer_reductions()
         self.ensure_gathered(unit, backward=True)
         if unit.index in self._backward_next:
-            self._prefetch(self._backward_next, unit, backward=True)
+            # A backward agreed to gather nothing holds every unit it runs: one to prefetch did
+            # not run on this rank this time, and gathering it would break the agreement.
+            if not self.schedule.gathers_nothing_in_backward:
+                self._prefetch(self._backward_next, unit, backward=True)
         else:  # nothing more to gather in this backward: keep no spare buffers
             self.pool.holding = False
             self.pool.trim()
@@ -423,15 +443,13 @@ class Root:
             unit.finish_gather()
         if unit.state is ShardState.GATHERED and not unit.is_stale:
             return
-        self.schedule.gather(unit, backward)
-        self._stage_after(unit, backward)
+        self._stage_after(self.schedule.gather(unit, backward)[-1], backward)
         unit.finish_gather()
 
     def _prefetch(self, successors: dict[int, Unit], current: Unit, backward: bool) -> None:
         nxt = successors.get(current.index)
         if nxt is not None and (nxt.state is ShardState.SHARDED or nxt.is_stale):
-            self.schedule.gather(nxt, backward)
-            self._stage_after(nxt, backward)
+            self._stage_after(self.schedule.gather(nxt, backward)[-1], backward)
 
     def _stage_after(self, unit: Unit, backward: bool) -> None:
         """``unit`` is being gathered: have the home start moving the unit expected after it

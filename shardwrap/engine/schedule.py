@@ -41,8 +41,13 @@ exchanges in the same order and peers still following the plan are never left wa
 asks as above. The pass count and the call are still checked at the first handshake and at the
 end of every forward.
 
-A backward that gathers nothing (stage 2, and stage 3 kept after forward: every unit that ran is
-held gathered and current at the end of forward) needs no handshake to order its collectives:
+Gathers go out in buckets (``engine/buckets.py``): a planned gather brings the plan's next
+units with it while they fit in the bucket, and a gather agreed in backward the units before it;
+a rank that serves the rest of a plan, or a peer's request, issues the same buckets.
+
+A backward that gathers nothing (stage 2, and stage 3 kept after forward or whose units all fit
+in the final bucket: every unit that ran is held gathered and current at the end of forward;
+backward then prefetches nothing) needs no handshake to order its collectives:
 its only exchanges on the group are the reductions, in the canonical order. When every rank says
 so at the end-of-forward handshake, each rank issues its reductions as its gradients complete
 and makes one handshake, at the end of backward, after issuing the rest (zeros where unused).
@@ -54,11 +59,14 @@ With world size 1 there is nobody to agree with: gathers and reductions go strai
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from ..comm.collectives import CommStats, all_reduce
 from ..comm.mesh import Mesh
+from .buckets import Gathers, bucket_size, last_bucket
 from .flat_group import FlatGroup
 from .reduce import Reductions
 from .unit import ShardState, Unit
@@ -89,12 +97,20 @@ class Schedule:
             own over the same ranks, so that a handshake never queues behind bulk transfers.
         stats: collective counters shared by the whole model.
         reductions: the model's reduction pipeline.
+        bucket_bytes: the most bytes of full buffers one exchange gathers for several units
+            (``engine/buckets.py``).
     """
 
     def __init__(
-        self, units: list[Unit], mesh: Mesh, stats: CommStats, reductions: Reductions
+        self,
+        units: list[Unit],
+        mesh: Mesh,
+        stats: CommStats,
+        reductions: Reductions,
+        bucket_bytes: int = 0,
     ) -> None:
         self.units = units
+        self.bucket_bytes = bucket_bytes
         self.mesh = mesh
         self.stats = stats
         self.reductions = reductions
@@ -141,19 +157,36 @@ class Schedule:
         self._proposing = True
         self.passes += 1
 
-    def gather(self, unit: Unit, backward: bool) -> None:
-        """Start gathering ``unit`` once every rank has agreed to (at this pass's first
-        handshake, where ``unit`` is the next gather of the forward plan)."""
-        if self.world > 1:
-            planned = self._plan_at < len(self._plan) and self._plan[self._plan_at] == unit.index
-            if planned and not backward:
-                self._plan_at += 1
-            else:
-                n = len(self.units)
-                self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
-            if not backward and self._recorded is not None:
-                self._recorded.append(unit.index)
-        unit.start_gather()
+    def gather(self, unit: Unit, backward: bool) -> list[Unit]:
+        """Start gathering ``unit`` and the units of its bucket (``engine/buckets.py``) once
+        every rank has agreed to (at this pass's first handshake, where ``unit`` is the next
+        gather of the forward plan).
+
+        Returns:
+            The units now gathering, ``unit`` first.
+        """
+        if self.world == 1:
+            unit.start_gather()
+            return [unit]
+        if backward or not self._planned_next(unit):
+            n = len(self.units)
+            self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
+        if backward:
+            units = self._backward_bucket(unit)
+        elif self._planned_next(unit):  # planned, or the plan agreed just now begins with it
+            units = self._take_planned()
+        else:
+            units = [unit]
+        if not backward and self._recorded is not None:
+            self._recorded.extend(u.index for u in units)
+        self._issue(units, serving=False)
+        return units
+
+    @property
+    def gathers_nothing_in_backward(self) -> bool:
+        """Whether every rank agreed at the end of forward that this backward gathers nothing
+        (it reduces without handshakes)."""
+        return self._no_backward_handshakes
 
     def offer_reductions(self) -> None:
         """Issue the reductions every rank has ready, gathering nothing (one handshake; none
@@ -273,33 +306,81 @@ class Schedule:
         return entries + [-e for e in entries]
 
     def _accept(self, proposal: list[int], agreed: list[int]) -> None:
-        """Adopt the plan when every rank proposed the same gathers (see the note above)."""
+        """Adopt the plan when every rank proposed the same gathers (see the note above); its
+        first entry is the gather this handshake agreed."""
         half = 1 + self._slots
         if proposal is self._no_proposal or agreed[:half] != [-e for e in agreed[half:]]:
             return
-        self._plan, self._plan_at = self._last[1:], 0
+        self._plan, self._plan_at = list(self._last), 0
+
+    def last_bucket(self) -> list[int]:
+        """The units of the last complete forward's final bucket (none where no forward was
+        recorded: world size 1, or before the first)."""
+        return last_bucket(self._last, self._nbytes, self.bucket_bytes)
+
+    def _planned_next(self, unit: Unit) -> bool:
+        return self._plan_at < len(self._plan) and self._plan[self._plan_at] == unit.index
+
+    def _take_planned(self) -> list[Unit]:
+        """The plan's next bucket; the plan moves past it."""
+        rest = self._plan[self._plan_at :]
+        count = bucket_size(rest, self._nbytes, self.bucket_bytes)
+        self._plan_at += count
+        return [self.units[i] for i in rest[:count]]
+
+    def _backward_bucket(self, unit: Unit) -> list[Unit]:
+        """``unit`` and the units before it, down to unit 1, that share its bucket."""
+        candidates = list(range(unit.index, 0, -1)) or [unit.index]
+        count = bucket_size(candidates, self._nbytes, self.bucket_bytes)
+        return [self.units[i] for i in candidates[:count]]
+
+    def _nbytes(self, index: int) -> int:
+        return self.units[index].gather_nbytes
 
     def _serve_plan(self) -> None:
-        """Issue the rest of the forward plan (peers following it wait for these gathers)."""
-        plan, self._plan = self._plan, []
-        for index in plan[self._plan_at :]:
-            self._serve(index)
-        self._plan_at = 0
+        """Issue the rest of the forward plan, bucket by bucket, as the ranks following it do
+        (they wait for these gathers)."""
+        while self._plan_at < len(self._plan):
+            units = self._take_planned()
+            if self._recorded is not None:
+                self._recorded.extend(u.index for u in units)
+            self._issue(units, serving=True)
+        self._plan, self._plan_at = [], 0
 
     def _serve(self, priority: int) -> None:
+        """Take part in the gathers a peer's request was agreed for, as that peer issues them."""
         if priority == self.reduce_only_priority:
             return
         n = len(self.units)
-        if priority < n and self._recorded is not None:
-            self._recorded.append(priority)
-        unit = self.units[priority if priority < n else 2 * n - 1 - priority]
-        was_sharded = unit.state is ShardState.SHARDED
-        if not was_sharded and not unit.is_stale:  # held as the gather would leave it
-            unit.gather_apart()
-            return
-        unit.start_gather()
-        unit.finish_gather()
-        if was_sharded:
+        if priority < n:
+            units = [self.units[priority]]
+            if self._recorded is not None:
+                self._recorded.append(priority)
+        else:
+            units = self._backward_bucket(self.units[2 * n - 1 - priority])
+        self._issue(units, serving=True)
+
+    def _issue(self, units: list[Unit], serving: bool) -> None:
+        """Gather ``units`` in one exchange where their sizes allow (``engine/buckets.py``).
+
+        A unit this rank holds as the gather would leave it takes part into spare buffers; when
+        serving a peer, a unit that was sharded is gathered and released again.
+        """
+        batch = Gathers(self.stats, self.bucket_bytes)
+        apart: list[Callable[[], None]] = []
+        served: list[Unit] = []
+        for unit in units:
+            if unit.state is not ShardState.SHARDED and not unit.is_stale:
+                apart.append(unit.gather_apart(batch))
+                continue
+            if serving and unit.state is ShardState.SHARDED:
+                served.append(unit)
+            unit.start_gather(batch=batch)
+        batch.issue()
+        for done in apart:
+            done()
+        for unit in served:
+            unit.finish_gather()
             unit.reshard()
 
     # reductions ----------------------------------------------------------------------

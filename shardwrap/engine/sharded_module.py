@@ -25,6 +25,7 @@ from .build import build_root
 from .checks import (
     ROOT_ATTR,
     UNIT_ATTR,
+    bucket_bytes,
     check_device,
     check_not_wrapped,
     check_options,
@@ -112,17 +113,23 @@ class ShardedModule(nn.Module):
         compression: quantize the gathers for compute and the gradient reductions on the
             wire (see :class:`Compression`); shards, optimizer state and checkpoints stay
             exact. ``None`` (default): every collective sends its tensors as they are.
+        bucket_mb: small units' gathers, and small groups' gradient reductions, go in one
+            exchange of up to this many MiB (4 by default; 0: one exchange each): on a
+            backend that pays per message (gloo) that is most of a small model's step. A unit
+            gathered with the next ones stays gathered until its own forward or backward
+            releases it: memory of at most one bucket more.
 
     Raises:
         RuntimeError: no process group while a launcher started several processes (each
             would train its own copy), naming ``init_process_group``.
-        TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision`` or
-            ``compile`` of an unsupported type.
+        TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision``,
+            ``compile`` or ``bucket_mb`` of an unsupported type.
         ValueError: an ``auto_wrap`` that selects no submodule (naming the classes the model
-            has), a ``stage`` other than 1, 2 or 3, ``reshard_after_forward`` given with
-            a stage other than 3, or ranks whose arguments, or the units they make, differ
-            (agreed with the model's parameters in one small collective before any flat
-            buffer is communicated; every rank raises, naming each and every rank's value).
+            has), a ``stage`` other than 1, 2 or 3, a negative ``bucket_mb``,
+            ``reshard_after_forward`` given with a stage other than 3, or ranks whose
+            arguments, or the units they make, differ (agreed with the model's parameters in
+            one small collective before any flat buffer is communicated; every rank raises,
+            naming each and every rank's value).
         ValueError: a model already wrapped, parameters on several devices, a
             ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
             initialiser wrote (every rank raises, naming each), or parameter names, shapes or
@@ -149,6 +156,7 @@ class ShardedModule(nn.Module):
         sync_module_states: bool | None = None,
         offload: Offload | None = None,
         compression: Compression | None = None,
+        bucket_mb: float = 4,
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
@@ -159,6 +167,7 @@ class ShardedModule(nn.Module):
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
         check_options(stage, device, mixed_precision, offload, compression)
+        bucket = bucket_bytes(bucket_mb)
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
         placement = place_parameters(module, policy)
@@ -174,6 +183,7 @@ class ShardedModule(nn.Module):
             "sync_module_states": sync_module_states,
             "offload": offload and f"Offload(device={offload.device!r})",  # paths may differ
             "compression": compression,
+            "bucket_mb": bucket_mb,
             "device": device.type,  # its index may differ: a GPU per rank
             "process_group": f"{mesh.shard_size} shard x {mesh.replicate_size} replicate ranks",
             "model built on the meta device": is_meta(module),
@@ -196,6 +206,7 @@ class ShardedModule(nn.Module):
             home,
             compile_options,
             compression,
+            bucket,
         )
         root: Root = getattr(module, ROOT_ATTR)
         unit_modules = {id(u.module) for u in root.units}
@@ -498,6 +509,7 @@ def _wrap(
     home: Home | None = None,
     compile_options: dict[str, Any] | None = None,
     compression: Compression | None = None,
+    bucket: int = 0,
 ) -> None:
     root = build_root(
         module,
@@ -509,6 +521,7 @@ def _wrap(
         home,
         compile_options,
         compression,
+        bucket,
     )
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:

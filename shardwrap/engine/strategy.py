@@ -29,8 +29,9 @@ and never change, yet kept in full they would cost their whole size on every ran
 groups keep their full buffers; its frozen groups are gathered for its forward and its backward.
 
 Kept parameters are refreshed lazily: after an optimizer step (or a load) changes a shard,
-the unit is gathered again before it is next read. The root unit and the unit that ran last
-in forward are kept after forward whatever the strategy: backward starts with them.
+the unit is gathered again before it is next read. The root unit, the unit that ran last in
+forward and the units of forward's final bucket (``engine/buckets.py``) are kept after forward
+whatever the strategy: backward starts with them.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from enum import Enum, auto
 from torch import Tensor, nn
 
 from ..comm.collectives import CommStats, Pending, all_gather
+from .buckets import Gathers
 from .flat_group import FlatGroup, views_of
 
 __all__ = ["ShardState", "Unit"]
@@ -36,6 +37,8 @@ class Unit:
         stats: collective counters shared by the whole model.
         stage3_lifetime: released after forward and after backward whatever the stage
             (``Strategy.stage3_lifetime``).
+        bucket_bytes: the most bytes of full buffers one gather exchange carries
+            (``engine/buckets.py``).
     """
 
     def __init__(
@@ -45,8 +48,10 @@ class Unit:
         groups: list[FlatGroup],
         stats: CommStats,
         stage3_lifetime: bool = False,
+        bucket_bytes: int = 0,
     ) -> None:
         self.module = module
+        self.bucket_bytes = bucket_bytes
         self.stage3_lifetime = stage3_lifetime
         self.index = index
         self.groups = groups
@@ -57,17 +62,28 @@ class Unit:
         self.frozen = [g for g in groups if not g.requires_grad]
 
     @property
+    def gather_nbytes(self) -> int:
+        """Bytes of the unit's full buffers in the compute dtype: what gathering it holds."""
+        return sum(g.layout.padded_numel * g.compute_dtype.itemsize for g in self.groups)
+
+    @property
     def is_stale(self) -> bool:
         return any(g.is_stale for g in self.groups)
 
-    def start_gather(self, exact: bool = False) -> None:
+    def start_gather(self, exact: bool = False, batch: Gathers | None = None) -> None:
         """Issue the all-gathers; the unit is GATHERING until :meth:`finish_gather`.
 
         With ``exact`` the buffers hold the shards' own dtype rather than the compute dtype.
+        The plain gathers join ``batch`` (issued by the caller); without one, the unit's own
+        groups go in one exchange while they fit in ``bucket_bytes``.
         """
         if self.state is ShardState.GATHERING:
             self.finish_gather()
-        self._pending = [g.gather(self.stats, exact) for g in self.groups]
+        own = batch is None
+        batch = Gathers(self.stats, self.bucket_bytes) if batch is None else batch
+        self._pending = [g.gather(self.stats, exact, batch) for g in self.groups]
+        if own:
+            batch.issue()
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
@@ -79,13 +95,19 @@ class Unit:
             g.mark_gathered()
         self.state = ShardState.GATHERED
 
-    def gather_apart(self) -> None:
+    def gather_apart(self, batch: Gathers) -> Callable[[], None]:
         """Take part in a peer's gather of this unit while holding it gathered (its buffers
-        stay as they are: see :meth:`FlatGroup.gather_apart`)."""
+        stay as they are: see :meth:`FlatGroup.gather_apart`); returns what completes it
+        once ``batch`` is issued."""
         if self.state is ShardState.GATHERING:
             self.finish_gather()
-        for g in self.groups:
-            g.gather_apart(self.stats)
+        completions = [g.gather_apart(self.stats, batch) for g in self.groups]
+
+        def done() -> None:
+            for complete in completions:
+                complete()
+
+        return done
 
     def use_full(self, track_grad: bool) -> None:
         """Make the module's attributes the full parameters (the unit must be gathered)."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..engine.checks import bucket_bytes
 from ..engine.strategy import Strategy
 from ..engine.wrap import AutoWrap
 from ..options import Compression, MixedPrecision
@@ -159,6 +160,7 @@ def estimate_memory(
     kwargs: dict[str, Any] | None = None,
     compression: Compression | None = None,
     nonblocking_saves: bool = False,
+    bucket_mb: float = 4,
 ) -> MemoryPlan:
     """Estimate what each rank holds while training, without allocating the model.
 
@@ -201,6 +203,9 @@ def estimate_memory(
         nonblocking_saves: checkpoints are saved with ``save_checkpoint(blocking=False)`` (as
             the Logbook does by default): count the host copy each such save takes of a rank's
             shards and optimizer state (``MemoryEstimate.checkpoint``).
+        bucket_mb: as given to ``ShardedModule``: units gathered with the next ones, flat
+            gradients held until their bucket is reduced, and the packed buffers of exchanges
+            of several.
 
     Returns:
         One :class:`MemoryEstimate` per stage and offload tier; ``print`` it for a table.
@@ -213,6 +218,7 @@ def estimate_memory(
     stages = (stage,) if isinstance(stage, int) else tuple(stage)
     tiers = offload if isinstance(offload, tuple) else (offload,)
     _check(world_size, stages, tiers, batch, seq, optimizer, device)
+    bucket = bucket_bytes(bucket_mb)
     name, model, is_hf = _meta_model(model_or_config, kwargs or {})
     ids = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
     feed, inputs = _hf_inputs(model, batch, seq) if is_hf else ({}, f"seq {seq}")
@@ -252,7 +258,7 @@ def estimate_memory(
                 # the rank that holds the most (ranks differ only in their optimizer step)
                 parts = max(
                     (
-                        replay(tr, Strategy(stage=s), where, step, device, compression)
+                        replay(tr, Strategy(stage=s), where, step, device, compression, bucket)
                         for step in steps
                     ),
                     key=_peak,

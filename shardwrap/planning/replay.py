@@ -41,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.collectives import packing
 from ..comm.quantize import Codec
+from ..engine.buckets import bucket_size, last_bucket
 from ..engine.pool import Spares
 from ..engine.root import _successors
 from ..engine.strategy import Strategy
@@ -97,8 +99,10 @@ class _Replay:
         step: StepBytes,
         device: str,
         compression: Compression | None = None,
+        bucket_bytes: int = 0,
     ) -> None:
         self.tr, self.strategy, self.tier = tr, strategy, tier
+        self.bucket = bucket_bytes
         quantized = compression is not None and compression.params is not None
         groups = tr.groups
         self.world = groups[0].layout.world_size if groups else 1
@@ -149,6 +153,8 @@ class _Replay:
         self.host_state = state if tier.apart else 0
         self.host_step = step_most - state if tier.apart else 0
         self.receive_peers = self.world - 1 if device == "cpu" and self.world > 2 else 0
+        self.packs = device == "cpu" and self.world > 1  # exchanges of several go packed
+        self.unit_full = [sum(groups[g].full for g in ids) for ids in self.unit_groups]
         # the packed shards compressed gathers keep for the next gather, by group
         self.codec = Codec(compression.params, compression.block) if quantized else None
         self.packed: dict[int, int] = {}
@@ -166,14 +172,34 @@ class _Replay:
             for i in self.unit_groups[u]
             if groups[i].requires_grad
         ]
+        # the reductions' buckets: where the one beginning at each bucket's first position ends
+        flat = [groups[g].flat_grad for g in self.order]
+        alone = self.world == 1 or (compression is not None and compression.grads is not None)
+        limit = 0 if alone else bucket_bytes
+        self.ends: dict[int, int] = {}
+        start = 0
+        while start < len(flat):
+            self.ends[start] = start + bucket_size(range(start, len(flat)), flat.__getitem__, limit)
+            start = self.ends[start]
+        # the forward plan: the last forward's gathers (engine/schedule.py), this one's so far
+        self.plan: list[int] = []
+        self.plan_at = 0
+        self.recorded: list[int] = []
+        # gather exchanges in flight that hold packed buffers: their bytes by id, ids by unit
+        self.exchanges: dict[int, int] = {}
+        self.exchange_of: dict[int, int] = {}
+        self.exchanges_made = 0
         forward = [i for kind, i, _, _ in tr.events if kind == "fwd_pre"]
+        self.ran = set(forward)
         backward = list(dict.fromkeys(i for kind, i, _, _ in tr.events if kind == "bwd_pre"))
         # what the first step records for the next: the order of units, the last in forward
         self.learned = _successors(forward, int), _successors(backward, int)
         self.last = forward[-1] if len(forward) > 1 else None
         self.fwd_next: dict[int, int] = {}
         self.bwd_next: dict[int, int] = {}
-        self.keep_last: int | None = None  # stays gathered after forward
+        # stay gathered after forward: the last forward's final bucket and the unit that ran last
+        self.keep: set[int] = set()
+        self.kept_next: set[int] = set()
         self.has_state = False  # the optimizer made its state (at the first step)
         # the engine's state between steps
         self.pool: Spares[Key, Key] = Spares(_made)
@@ -185,7 +211,8 @@ class _Replay:
         self.grads = 0  # the shard parameters' .grad
         # one backward's gradients
         self.flat: dict[int, Key] = {}  # flat gradients made, not yet reducing
-        self.pending: list[tuple[int, Key, int]] = []  # (group, its flat gradient, shard bytes)
+        # exchanges in flight: (group, its flat gradient, shard bytes) each, and their buffers
+        self.pending: list[tuple[list[tuple[int, Key, int]], int]] = []
         self.landed = 0  # reduced shards kept until the end of backward
         self.ready: dict[int, bool] = {}
         self.issued, self.closing = 0, False
@@ -203,9 +230,8 @@ class _Replay:
     # accounting ----------------------------------------------------------------------
 
     def check(self, activations: int) -> None:
-        groups = self.tr.groups
-        in_flight = sum(_nbytes(k) + out for _, k, out in self.pending)
-        in_flight += self.receive_peers * sum(groups[g].shard_grad for g, _, _ in self.pending)
+        in_flight = sum(_nbytes(k) + out for items, _ in self.pending for _, k, out in items)
+        in_flight += sum(extra for _, extra in self.pending)
         parts = (
             self.fixed_params
             + sum(_nbytes(k) for g, k in self.buffers.items() if g in self.kept)
@@ -219,6 +245,7 @@ class _Replay:
             self.step_most if self.phase == "optimizer step" else self.state * self.has_state,
             sum(_nbytes(k) for g, k in self.buffers.items() if g not in self.kept)
             + sum(_nbytes(k) for k in self.pool.spares())
+            + sum(self.exchanges.values())
             + sum(self.inputs.values())
             + sum(n for n, _ in self.staged.values()),
             activations,
@@ -235,32 +262,82 @@ class _Replay:
     def stale(self, u: int) -> bool:
         return u not in self.gathered or u not in self.fresh
 
-    def gather(self, u: int, live: int) -> None:
-        """Agree, then start gathering ``u`` (its staged copies read until it finishes)."""
+    def bucket_of(self, u: int, backward: bool) -> list[int]:
+        """``u`` and the units gathered with it (``engine/buckets.py``)."""
+        if self.world == 1:
+            return [u]
+        if backward:
+            candidates = list(range(u, 0, -1)) or [u]
+        elif self.plan_at < len(self.plan) and self.plan[self.plan_at] == u:
+            candidates = self.plan[self.plan_at :]
+        else:
+            return [u]
+        bucket = candidates[: bucket_size(candidates, self.unit_full.__getitem__, self.bucket)]
+        if not backward:
+            self.plan_at += len(bucket)
+        return bucket
+
+    def gather(self, u: int, backward: bool, live: int) -> int:
+        """Agree, then start gathering ``u`` and its bucket (each unit's staged copies read
+        until it finishes); returns the bucket's last unit."""
         self.handshake(live)
-        for g in self.unit_groups[u]:
-            if not self.resident[g] and g not in self.buffers:
-                self.pool.pop(self.key(g))
-                self.buffers[g] = self.key(g)
-            spec = self.tr.groups[g]
-            if self.codec is not None and spec.dtype.is_floating_point:
-                self.packed[g] = self.codec.nbytes(spec.layout.shard_size)
-            if self.tier.staged:
-                copy, fresh = self.staged.pop(g, (0, False))
-                held = self.inputs.get(u, 0)
-                # a stale copy is staged afresh while still held
-                self.inputs[u] = held + copy + (0 if fresh else spec.shard)
-                self.check(live)
-                # Peers read the copy until the gather finishes, unless it is cast into its
-                # slot of the buffer first.
-                reads = self.world > 1 and spec.compute_dtype == spec.dtype
-                self.inputs[u] = held + spec.shard * reads
-        self.gathered.add(u)
-        self.fresh.add(u)
+        bucket = self.bucket_of(u, backward)
+        if not backward and self.world > 1:
+            self.recorded.extend(bucket)
+        joined, nbytes, spares = [], 0, []
+        for v in bucket:
+            held = not self.stale(v)  # takes part into spare buffers
+            if held:
+                self.finish(v)
+            for g in self.unit_groups[v]:
+                spec = self.tr.groups[g]
+                quantized = self.codec is not None and spec.dtype.is_floating_point
+                if not quantized and nbytes + spec.full <= self.bucket:
+                    joined.append(spec.layout.shard_size * spec.compute_dtype.itemsize)
+                    nbytes += spec.full
+                if held:
+                    self.pool.pop(self.key(g))
+                    spares.append(self.key(g))
+                    continue
+                self.gather_group(v, g, live)
+            if not held:
+                self.gathered.add(v)
+                self.fresh.add(v)
+        if len(joined) > 1 and self.packs:  # one exchange: the own shards and the peers'
+            self.exchanges_made += 1
+            eid = self.exchanges_made
+            self.exchanges[eid] = self.world * packing(joined)[1]
+            self.exchange_of.update(dict.fromkeys(bucket, eid))
         self.check(live)
+        if spares:  # waited for at once; the spares go back
+            self.finish(bucket[0])
+            for key in spares:
+                self.pool.put(key, key)
+        return bucket[-1]
+
+    def gather_group(self, u: int, g: int, live: int) -> None:
+        if not self.resident[g] and g not in self.buffers:
+            self.pool.pop(self.key(g))
+            self.buffers[g] = self.key(g)
+        spec = self.tr.groups[g]
+        if self.codec is not None and spec.dtype.is_floating_point:
+            self.packed[g] = self.codec.nbytes(spec.layout.shard_size)
+        if self.tier.staged:
+            copy, fresh = self.staged.pop(g, (0, False))
+            held = self.inputs.get(u, 0)
+            # a stale copy is staged afresh while still held
+            self.inputs[u] = held + copy + (0 if fresh else spec.shard)
+            self.check(live)
+            # Peers read the copy until the gather finishes, unless it is cast into its
+            # slot of the buffer first.
+            reads = self.world > 1 and spec.compute_dtype == spec.dtype
+            self.inputs[u] = held + spec.shard * reads
 
     def finish(self, u: int) -> None:
         self.inputs.pop(u, None)
+        eid = self.exchange_of.pop(u, None)
+        if eid is not None:  # its exchange is waited for: the packed buffers go
+            self.exchanges.pop(eid, None)
 
     def stage_after(self, u: int, backward: bool, live: int) -> None:
         """The host tier reads ahead the unit expected after ``u``."""
@@ -283,15 +360,15 @@ class _Replay:
         self.finish(u)
         if not self.stale(u):
             return
-        self.gather(u, live)
-        self.stage_after(u, backward, live)
+        last = self.gather(u, backward, live)
+        self.stage_after(last, backward, live)
         self.finish(u)
 
     def prefetch(self, successors: dict[int, int], u: int, backward: bool, live: int) -> None:
         nxt = successors.get(u)
         if nxt is not None and self.stale(nxt):
-            self.gather(nxt, live)
-            self.stage_after(nxt, backward, live)
+            last = self.gather(nxt, backward, live)
+            self.stage_after(last, backward, live)
 
     def release(self, g: int) -> None:
         if g in self.buffers and g not in self.kept:
@@ -318,28 +395,36 @@ class _Replay:
             self.issue(live)
 
     def issue(self, live: int) -> None:
-        """Issue the reductions ready in order, one in flight at a time."""
+        """Issue the reductions ready in order, a bucket at a time, one in flight."""
         upto = self.issued
         if not self.strategy.defer_reductions or self.closing:
             while upto < len(self.order) and self.ready[self.order[upto]]:
                 upto += 1
-        for i in range(self.issued, upto):
+        groups = self.tr.groups
+        while self.issued < upto and self.ends[self.issued] <= upto:
             self.drain()
-            g = self.order[i]
-            flat = self.flat.pop(g, self.grad_key(g))  # zeros where this rank made none
-            out = 0 if self.tier.disk else self.tr.groups[g].shard_grad
-            if self.feedback:
-                self.residuals[g] = _nbytes(self.grad_key(g))
-            self.pending.append((g, flat, out))
+            items = []
+            for g in self.order[self.issued : self.ends[self.issued]]:
+                flat = self.flat.pop(g, self.grad_key(g))  # zeros where this rank made none
+                out = 0 if self.tier.disk else groups[g].shard_grad
+                if self.feedback:
+                    self.residuals[g] = _nbytes(self.grad_key(g))
+                items.append((g, flat, out))
+            if len(items) > 1 and self.packs:  # a packed buffer to and from each peer
+                extra = 2 * (self.world - 1) * packing(groups[g].shard_grad for g, _, _ in items)[1]
+            else:
+                extra = self.receive_peers * groups[items[0][0]].shard_grad
+            self.pending.append((items, extra))
             self.check(live)
-        self.issued = max(self.issued, upto)
+            self.issued = self.ends[self.issued]
 
     def drain(self) -> None:
         """Land every reduction in flight: its flat gradient becomes a spare."""
-        for _, flat, out in self.pending:
-            if not self.closing:
-                self.pool.put_scratch(flat, flat)
-            self.landed += 0 if self.tier.staged else out  # the host tier copies it home
+        for items, _ in self.pending:
+            for _, flat, out in items:
+                if not self.closing:
+                    self.pool.put_scratch(flat, flat)
+                self.landed += 0 if self.tier.staged else out  # the host tier copies it home
         self.pending = []
 
     def views_done(self, g: int, live: int) -> None:
@@ -367,11 +452,9 @@ class _Replay:
         of units yet (no prefetch; every unit is released after its forward)."""
         tr, kept = self.tr, self.tr.kept
         self.fwd_next, self.bwd_next = ({}, {}) if first else self.learned
-        self.keep_last = None if first else self.last
-        # Backward reduces without handshakes where it gathers nothing (engine/schedule.py).
-        self.no_backward_handshakes = (
-            self.world > 1 and self.strategy.offers_reductions_in_backward and not any(self.stage3)
-        )
+        self.keep = set() if first else self.kept_next
+        self.plan, self.plan_at, self.recorded = [] if first else self.recorded, 0, []
+        self.no_backward_handshakes = False  # decided at the end of forward
         self.phase = "forward"
         self.fresh.clear()  # the optimizer step changed every shard
         self.staged = {g: (n, False) for g, (n, _) in self.staged.items()}
@@ -390,15 +473,25 @@ class _Replay:
                 self.ensure_gathered(i, False, live)
                 self.prefetch(self.fwd_next, i, False, live)
             elif kind == "fwd_post" and self.phase == "forward":
-                if i != 0 and i != self.keep_last:
+                if i != 0 and i not in self.keep:
                     self.reshard(i, backward=False)
                 if i == 0:
+                    keep = self.keep | {self.last}
                     for u in list(self.gathered):
-                        if u not in (0, self.last):
+                        if u != 0 and u not in keep:
                             self.reshard(u, backward=False)
                     self.handshake(live)
+                    # Backward reduces without handshakes where it gathers nothing: nothing
+                    # deferred, every unit that ran kept and current (engine/root.py).
+                    self.no_backward_handshakes = (
+                        self.world > 1
+                        and not self.strategy.defer_reductions
+                        and all(not self.stale(u) and not self.stage3[u] for u in self.ran)
+                    )
                     if self.last is not None:
                         self.stage_after(self.last, True, live)
+                        last = last_bucket(self.recorded, self.unit_full.__getitem__, self.bucket)
+                        self.kept_next = {self.last, *last} - {0}
                     outputs = 0
             elif kind == "bwd_pre" and i not in seen_bwd:
                 seen_bwd.add(i)
@@ -447,10 +540,11 @@ def replay(
     step: StepBytes,
     device: str,
     compression: Compression | None = None,
+    bucket_bytes: int = 0,
 ) -> Parts:
     """A rank's peak over a first step and two steady ones, for ``strategy`` and ``tier``,
-    with ``step`` its optimizer's, and ``compression``'s buffers."""
-    run = _Replay(tr, strategy, tier, step, device, compression)
+    with ``step`` its optimizer's, ``compression``'s buffers and ``bucket_bytes``'s buckets."""
+    run = _Replay(tr, strategy, tier, step, device, compression, bucket_bytes)
     for first in (True, False, False):
         run.step(first)
     params, grads, optimizer, working, activations = run.best

@@ -266,6 +266,7 @@ BF16 = MixedPrecision(param_dtype=torch.bfloat16)
         ("compile", ({"mode": "max-autotune"}, False), ("{mode: max-autotune}", "None")),
         ("sync_module_states", (True, None), ("True", "None")),
         ("offload", (Offload(device="cpu"), None), ("Offload(device='cpu')", "None")),
+        ("bucket_mb", (4, 0), ("4", "0")),
     ],
 )
 def test_an_argument_that_differs_across_ranks_is_named_on_every_rank(

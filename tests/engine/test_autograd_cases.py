@@ -163,7 +163,9 @@ def test_frozen_parameters_get_no_grad_no_buffer_no_reduction(world_size: int) -
             for g in trainable:
                 assert all(p.grad is not None for p in g.shard_params if p.numel())
             opt.step()
-        assert m.comm_stats.calls["reduce_scatter"] == len(trainable) * steps
+        # every trainable flat gradient is reduced each step, and nothing else is
+        reduced = sum(g.layout.padded_numel * g.grad_dtype.itemsize for g in trainable)
+        assert m.comm_stats.bytes["reduce_scatter"] == reduced * steps
         return m.full_state_dict()
 
     ref = copy.deepcopy(model)
@@ -409,21 +411,22 @@ def test_gradient_accumulation(world_size: int, mode: str) -> None:
     def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
         m = _shard(copy.deepcopy(model), pg, auto_wrap=Block)
         stats = m.comm_stats
-        trainable = sum(len(u.trainable) for u in m._shardwrap_root.units)
+        groups = [g for u in m._shardwrap_root.units for g in u.trainable]
+        trainable = sum(g.layout.padded_numel * g.grad_dtype.itemsize for g in groups)
         opt = _sgd(m)
         for micro_batches in batches:
             opt.zero_grad()
             for i, (idx, targets) in enumerate(micro_batches):
                 idx, targets = _slice(idx, rank, world_size), _slice(targets, rank, world_size)
-                reductions = stats.calls.get("reduce_scatter", 0)
+                reduced = stats.bytes.get("reduce_scatter", 0)
                 if mode == "no_sync" and i < micro - 1:
                     with m.no_sync():
                         (m(idx, targets) / micro).backward()
-                    assert stats.calls.get("reduce_scatter", 0) == reductions
+                    assert stats.bytes.get("reduce_scatter", 0) == reduced
                     assert all(p.grad is None for p in m.parameters())
-                else:
+                else:  # every flat gradient reduced
                     (m(idx, targets) / micro).backward()
-                    assert stats.calls["reduce_scatter"] == reductions + trainable
+                    assert stats.bytes["reduce_scatter"] == reduced + trainable
             opt.step()
         return m.full_state_dict()
 

@@ -295,11 +295,12 @@ def test_a_unit_held_gathered_serves_a_peers_gather_in_the_compressed_format(
     apart = []  # (bytes the served gather counted, two ranks' packed shards)
     serve = FlatGroup.gather_apart
 
-    def counted(self: FlatGroup, stats: Any) -> None:
+    def counted(self: FlatGroup, stats: Any, batch: Any) -> Any:
         before = stats.bytes.get("all_gather", 0)
-        serve(self, stats)
+        done = serve(self, stats, batch)  # a quantized gather goes out on its own, now
         n = self.shard.numel()
         apart.append((stats.bytes["all_gather"] - before, self.codec.nbytes(n) * 2))
+        return done
 
     monkeypatch.setattr(FlatGroup, "gather_apart", counted)
     torch.manual_seed(0)

@@ -131,7 +131,7 @@ def test_hugging_face_gpt2_trains_and_generates_at_stage(stage: int, gpt2: HFCas
 # memory ------------------------------------------------------------------------------
 
 
-def _held(stage: int, world_size: int) -> list[dict[str, int]]:
+def _held(stage: int, world_size: int, bucket_mb: float = 0) -> list[dict[str, int]]:
     """Train two AdamW steps under allocation tracking; per rank, bytes held and expected.
 
     ``at_end_of_backward``: bytes alive when backward has run and no deferred reduction has
@@ -145,7 +145,13 @@ def _held(stage: int, world_size: int) -> list[dict[str, int]]:
         plain = copy.deepcopy(model)
         local = [(_slice(x, rank, world_size), _slice(y, rank, world_size)) for x, y in batches]
         with StorageTracker(existing=tuple(t for batch in local for t in batch)) as tracker:
-            m = ShardedModule(plain, auto_wrap=Block, process_group=_group(pg), stage=stage)
+            m = ShardedModule(
+                plain,
+                auto_wrap=Block,
+                process_group=_group(pg),
+                stage=stage,
+                bucket_mb=bucket_mb,
+            )
             reductions = m._shardwrap_root.reductions
             close, at_close = reductions.close, []
 
@@ -217,19 +223,33 @@ def test_each_stage_holds_what_its_row_of_the_table_says(world_size: int) -> Non
         assert one["at_end_of_backward"] >= one["full"], one
         # Stage 2 holds the reduced 1/N gradients and what is left of at most two full ones.
         assert two["at_end_of_backward"] <= two["full"] // world_size + 2 * two["largest_unit"]
+    # Where reductions go in buckets (here of about two units), at most two buckets' worth.
+    bucket = 2 * by_stage[2][0]["largest_unit"]
+    for two in _held(2, world_size, bucket_mb=bucket / 2**20):
+        assert two["full_grads_at_end_of_backward"] < two["n_groups"]
+        assert two["at_end_of_backward"] <= two["full"] // world_size + 2 * bucket
 
 
 # communication -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("bucket_mb", [0, 4])
 @pytest.mark.parametrize("stage", STAGES)
-def test_gathers_per_step_follow_the_stage(stage: int) -> None:
+def test_gathers_per_step_follow_the_stage(stage: int, bucket_mb: float) -> None:
+    """Without buckets stage 3 gathers each unit again for backward; with one bucket that holds
+    every unit, the bucket stays gathered from forward to backward, as stages 1 and 2 keep it."""
     torch.manual_seed(0)
     model = GPT(depth=4)
     x, y = make_batch(seed=0, batch=4)
 
     def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, int], int]:
-        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        m = ShardedModule(
+            copy.deepcopy(model),
+            auto_wrap=Block,
+            process_group=pg,
+            stage=stage,
+            bucket_mb=bucket_mb,
+        )
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for _ in range(2):  # the second step runs with the order recorded by the first
             m.comm_stats.reset()
@@ -242,25 +262,28 @@ def test_gathers_per_step_follow_the_stage(stage: int) -> None:
         return dict(m.comm_stats.bytes), model_bytes
 
     for sent, model_bytes in run_ranks(2, fn, timeout=30.0):
+        assert model_bytes <= 4 * 2**20
         assert sent["reduce_scatter"] == model_bytes
-        if stage in (1, 2):
+        if stage in (1, 2) or bucket_mb:
             assert sent["all_gather"] == model_bytes  # each unit once: DDP's volume
         else:
             assert sent["all_gather"] > model_bytes  # gathered again for backward
 
 
 @pytest.mark.stage3  # every strategy, explicitly: once is enough
+@pytest.mark.parametrize("bucket_mb", [0, 4])
 @pytest.mark.parametrize(
     ("stage", "reshard", "offers"),
     [(1, True, False), (2, True, True), (3, True, False), (3, False, True)],
 )
 def test_a_backward_that_gathers_nothing_reduces_without_handshakes(
-    stage: int, reshard: bool, offers: bool
+    stage: int, reshard: bool, offers: bool, bucket_mb: float
 ) -> None:
     """Stage 2 (and stage 3 kept after forward) gathers nothing in backward: its reductions go
     out as gradients complete, overlapping backward, with one handshake at the end (every rank
     said at the end of forward that its backward gathers nothing). Stage 1 defers them to the
-    end of backward; stage 3 issues them at the handshakes of its gathers."""
+    end of backward; stage 3 issues them at the handshakes of its gathers: one per unit, or
+    none where its units all fit in one bucket, kept gathered from forward for backward."""
     assert (
         Strategy(stage=stage, reshard_after_forward=reshard).offers_reductions_in_backward is offers
     )
@@ -271,7 +294,12 @@ def test_a_backward_that_gathers_nothing_reduces_without_handshakes(
     def fn(rank: int, pg: ProcessGroup) -> tuple[int, int]:
         options = {} if stage < 3 else {"reshard_after_forward": reshard}
         m = ShardedModule(
-            copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage, **options
+            copy.deepcopy(model),
+            auto_wrap=Block,
+            process_group=pg,
+            stage=stage,
+            bucket_mb=bucket_mb,
+            **options,
         )
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for _ in range(2):  # the second step runs with the order recorded by the first
@@ -280,13 +308,17 @@ def test_a_backward_that_gathers_nothing_reduces_without_handshakes(
             loss.backward()
             opt.step()
             opt.zero_grad()
-        return m.comm_stats.calls["handshake"], len(m._shardwrap_root.units)
+        units = m._shardwrap_root.units
+        assert sum(u.gather_nbytes for u in units) <= bucket_mb * 2**20 or bucket_mb == 0
+        return m.comm_stats.calls["handshake"], len(units)
 
     for handshakes, units in run_ranks(2, fn, timeout=30.0):
         if offers or stage == 1:  # the end of backward only
             assert handshakes == 1
-        else:  # one per gather in backward (the root and the last unit stay), and the end
+        elif bucket_mb == 0:  # one per gather in backward (the root and the last unit stay)
             assert handshakes == units - 2 + 1
+        else:  # nothing gathered: the end only
+            assert handshakes == 1
 
 
 # checkpoints across stages -----------------------------------------------------------
