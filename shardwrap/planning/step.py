@@ -164,8 +164,8 @@ class _MetaFiles(DiskHome):
         Home.__init__(self, torch.device("meta"))
         self.made: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    def like(self, t: Tensor, fill: Any = None, copy: bool = False) -> Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    def tensor(self, numel: int, dtype: torch.dtype, name: str = "") -> Tensor:
+        out = torch.empty(numel, dtype=dtype, device="meta")
         storage = out.untyped_storage()
         self.made[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
         return out
