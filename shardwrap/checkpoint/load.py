@@ -3,8 +3,9 @@
 The folder's layout is described in :mod:`shardwrap.checkpoint.save`. Each rank intersects its own
 pieces (for its world size and policy) with the saved element ranges and reads only those
 bytes, memory-mapped. State of an optimizer that steps parameters whole (Muon, Adafactor) is
-read whole, each parameter's by the rank that owns it in the new layout. Every check runs on
-every rank before anything is written into the model or the optimizer.
+read whole, each parameter's by the rank that owns it in the new layout, into a tensor made
+from the shard parameter as the optimizer makes its state (with the disk tier, in its files).
+Every check runs on every rank before anything is written into the model or the optimizer.
 """
 
 from __future__ import annotations
@@ -387,7 +388,8 @@ class _Loader:
                     if (name in whole or name in scalars) and owns(stepping, param):
                         entry = dict(scalars.get(name, {}))
                         for key, at in whole.get(name, {}).items():
-                            entry[key] = self._read_whole(f"optim/{key}/{name}", at)
+                            value = self._read_whole(f"optim/{key}/{name}", at)
+                            entry[key] = _made_from(param, value)
                         state[index] = entry
                 elif name in keys or name in scalars:
                     p = by_name[name]
@@ -401,6 +403,18 @@ class _Loader:
             hyper = {k: v for k, v in saved.items() if k != "params"}
             groups.append({**hyper, "params": ids})
         return {"state": state, "param_groups": groups}
+
+
+def _made_from(param: nn.Parameter, value: Tensor) -> Tensor:
+    """Whole-stepped state ``value`` of ``param``, as read, where the optimizer makes such
+    state: made from the shard parameter (``new_empty``; with the disk tier, in its files), in
+    its dtype as ``load_state_dict`` casts floating-point state. Other state: as read."""
+    if not value.is_floating_point():
+        return value
+    out = param.new_empty(value.shape)
+    with torch.no_grad():
+        out.copy_(value)
+    return out
 
 
 def _kind_mismatch(cls: str, saved_whole: bool) -> str:

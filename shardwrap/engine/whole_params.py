@@ -16,7 +16,11 @@ least moves, while owned elements stay within 1.1x an even split (``owners``). A
    all-to-all, and every shard parameter is its piece again.
 
 The optimizer's state is made on the owner, in the parameter's shape: 1/N of it per rank, as
-balanced as the parameters' sizes allow. A parameter a rank holds whole is stepped in place.
+balanced as the parameters' sizes allow. There the whole gradient is typed as a gradient
+sharded over no one (a ``ShardGrad`` of no group, in the parameter's home), so its norms are
+its own, and state made like it or like the parameter is made where a piece's would be: in
+the disk tier's files. The whole values and gradient themselves are the step's working set,
+in memory. A parameter a rank holds whole is stepped in place.
 Per step this moves, three times (values and gradients in, values out), the part of each
 parameter that its owner does not hold, against the ``2 (N-1)/N`` of all elements that the
 step's gathers and reductions move.
@@ -50,6 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm.collectives import all_to_all
 from ..tiers.offload import HOME_ATTR, before_step
+from .grad_norm import as_shard_grad, shard_grad_owner
 
 __all__ = [
     "PIECE_ATTR",
@@ -246,6 +251,7 @@ class _Entry:
     param: nn.Parameter
     shape: torch.Size
     pieces: list[tuple[int, int]]  # per shard rank: [start, stop) of the flattened parameter
+    grad_owner: Any  # what types its whole gradient on the owner (``as_shard_grad``)
     owner: int = 0
 
     @property
@@ -373,7 +379,7 @@ class _WholeStep:
             self._restore.append((p, piece, grad))
             p.grad = None
             p.data = values.view(e.shape)
-            p.grad = grads.view(e.shape)
+            p.grad = as_shard_grad(grads.view(e.shape), e.grad_owner)
         for q, es in enumerate(plan.recvs):
             n, at = _held(es, q), 0
             for e in es:
@@ -418,14 +424,17 @@ def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
     entries: dict[int, _Entry] = {}
     by_group: dict[int, tuple[int, list[_Entry]]] = {}
     ranges: dict[int, list[tuple]] = {}
+    whole: dict[int, Any] = {}  # per flat group: its whole gradients' owner
     for p in params:
-        ref, index, _ = getattr(p, PIECE_ATTR)
+        ref, index, stats = getattr(p, PIECE_ATTR)
         fg = ref()
         world = fg.mesh.shard_size
         if id(fg) not in ranges:
             ranges[id(fg)] = [fg.layout.local_pieces(q) for q in range(world)]
+            # sharded over no one: a whole gradient's norms are its own, made on this rank
+            whole[id(fg)] = shard_grad_owner(None, stats, fg.home)
         pieces = [(pcs[index].start, pcs[index].stop) for pcs in ranges[id(fg)]]
-        e = entries[id(p)] = _Entry(p, fg.shapes[index], pieces)
+        e = entries[id(p)] = _Entry(p, fg.shapes[index], pieces, whole[id(fg)])
         by_group.setdefault(id(fg.mesh.shard), (world, []))[1].append(e)
     for world, group in by_group.values():
         spans = [[_span(e, q) for q in range(world)] for e in group]

@@ -19,8 +19,9 @@ is measured for every rank (:func:`ranks_to_plan`).
 
 For the disk tier the shard parameters and gradients are typed as that tier's, over a home
 that applies the tier's own rule for where state goes (:class:`_MetaFiles`): state made like
-a shard parameter or its gradient is in files; anything else (made like a whole gradient the
-exchange made, or temporaries) is in memory.
+a shard parameter or a gradient the optimizer steps (a piece's, or the whole one an owner
+steps, typed as the engine types it) is in files; anything else (temporaries, the exchange's
+buffers and whole values and gradients) is in memory.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ class _MetaFiles(DiskHome):
         Home.__init__(self, torch.device("meta"))
         self.made: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    def like(self, t: Tensor, fill: Any = None, copy: bool = False) -> Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    def tensor(self, numel: int, dtype: torch.dtype, name: str = "") -> Tensor:
+        out = torch.empty(numel, dtype=dtype, device="meta")
         storage = out.untyped_storage()
         self.made[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
         return out
@@ -239,9 +240,11 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
                     continue
                 if piece.spans[rank] == piece.numel:  # held whole: stepped in place
                     p.data, p.grad = p.data.view(piece.shape), grad.view(piece.shape)
-                else:
+                else:  # the whole gradient typed as the piece's (the disk tier's)
                     p.data = torch.empty(piece.shape, dtype=dtype, device="meta")
-                    p.grad = torch.empty(piece.shape, dtype=dtype, device="meta")
+                    whole = torch.empty(piece.shape, dtype=dtype, device="meta")
+                    owned_by = getattr(grad, "_shardwrap_owner", None)
+                    p.grad = whole if owned_by is None else as_shard_grad(whole, owned_by)
             del buffers
         opt.step()
         for dtype, idx in by_dtype.items():

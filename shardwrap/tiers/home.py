@@ -55,12 +55,13 @@ the root's checks before a call).
 from __future__ import annotations
 
 import fcntl
+import math
 import mmap
 import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -326,19 +327,26 @@ class DiskHome(Home):
     def reduce_into(self, numel: int, grad_dtype: torch.dtype, buffer: Tensor | None) -> Tensor:
         return buffer if buffer is not None else super().reduce_into(numel, grad_dtype, None)
 
-    def like(self, t: Tensor, fill: Any = None, copy: bool = False) -> Tensor:
-        """A tensor of this home shaped like ``t``: zeros, filled with ``fill``, or a copy."""
-        out = self.tensor(t.numel(), t.dtype).view(t.shape)
-        if copy:
-            with torch._C.DisableTorchFunctionSubclass():
-                out.copy_(t)
-        elif fill is not None:
+    def shaped(self, shape: Sequence[int], dtype: torch.dtype, fill: Any = None) -> Tensor:
+        """A tensor of this home of ``shape``: zeros, or filled with ``fill``."""
+        out = self.tensor(math.prod(shape), dtype).view(shape)
+        if fill is not None:
             out.fill_(fill)
         return out
 
+    def like(self, t: Tensor, fill: Any = None, copy: bool = False) -> Tensor:
+        """A tensor of this home shaped like ``t``: zeros, filled with ``fill``, or a copy."""
+        out = self.shaped(t.shape, t.dtype, None if copy else fill)
+        if copy:
+            with torch._C.DisableTorchFunctionSubclass():
+                out.copy_(t)
+        return out
+
     def made_like(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Tensor | None:
-        """``func(*args, **kwargs)`` made in this home, where it is a plain "like" of the first
-        argument (same device and dtype); ``None`` for any other call."""
+        """``func(*args, **kwargs)`` made in this home, where it makes a tensor "like" the first
+        argument, in its device and dtype: of its shape (``zeros_like``, ``full_like``, ...)
+        or of a given one (``new_zeros``, ``new_full``, ...: Adafactor's factors); ``None``
+        for any other call."""
         if func not in _LIKE:
             return None
         source = args[0]
@@ -347,7 +355,8 @@ class DiskHome(Home):
             device is not None and torch.device(device) != source.device
         ):
             return None
-        out = self.like(source, _LIKE[func](args, kwargs))
+        shape, fill = _LIKE[func](source, args, kwargs)
+        out = self.shaped(shape, source.dtype, fill)
         if kwargs.get("requires_grad"):
             out.requires_grad_(True)
         return out
@@ -420,12 +429,31 @@ def _address(mapped: mmap.mmap) -> int:
         return torch.frombuffer(mapped, dtype=torch.uint8, count=1).data_ptr()
 
 
-# What a call makes of a tensor it is "like": how to fill the disk tier's tensor in its place.
-_LIKE: dict[Callable[..., Any], Callable[[tuple, dict], Any]] = {
-    torch.zeros_like: lambda args, kwargs: None,
-    torch.empty_like: lambda args, kwargs: None,
-    torch.ones_like: lambda args, kwargs: 1,
-    torch.full_like: lambda args, kwargs: args[1] if len(args) > 1 else kwargs["fill_value"],
+def _size(args: tuple, kwargs: dict) -> Sequence[int]:
+    """The size given to ``new_zeros``, ``new_empty`` or ``new_ones``: ``(2, 3)`` or ``2, 3``."""
+    if "size" in kwargs:
+        return kwargs["size"]
+    return args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:]
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs[name]
+
+
+# What a call makes of a tensor it is "like" (``t``): the shape and fill of the disk tier's
+# tensor made in its place.
+_LIKE: dict[Callable[..., Any], Callable[[Tensor, tuple, dict], tuple[Sequence[int], Any]]] = {
+    torch.zeros_like: lambda t, args, kwargs: (t.shape, None),
+    torch.empty_like: lambda t, args, kwargs: (t.shape, None),
+    torch.ones_like: lambda t, args, kwargs: (t.shape, 1),
+    torch.full_like: lambda t, args, kwargs: (t.shape, _arg(args, kwargs, 1, "fill_value")),
+    Tensor.new_zeros: lambda t, args, kwargs: (_size(args, kwargs), None),
+    Tensor.new_empty: lambda t, args, kwargs: (_size(args, kwargs), None),
+    Tensor.new_ones: lambda t, args, kwargs: (_size(args, kwargs), 1),
+    Tensor.new_full: lambda t, args, kwargs: (
+        _arg(args, kwargs, 1, "size"),
+        _arg(args, kwargs, 2, "fill_value"),
+    ),
 }
 
 

@@ -6,10 +6,12 @@ disk (``"disk"``); the homes themselves, and how each reaches the compute device
 ``tiers/home.py``. Here is what the optimizer meets of them.
 
 Optimizer state is placed without knowing the optimizer: every torch optimizer creates its
-per-parameter state with ``torch.zeros_like(param)`` (Adam, AdamW, RMSprop), ``full_like``
-(Adagrad) or a clone of the gradient (SGD momentum). The disk tier's shard parameters
-(:class:`StoredParam`) and their gradients (``engine.grad_norm.ShardGrad``) are typed so that those
-calls allocate in their home's files instead.
+per-parameter state with ``torch.zeros_like(param)`` (Adam, AdamW, RMSprop; Muon of the
+gradient), ``full_like`` (Adagrad), a clone of the gradient (SGD momentum) or a new tensor made
+from it (Adafactor's ``grad.new_zeros`` row and column factors). The disk tier's shard
+parameters (:class:`StoredParam`) and their gradients (``engine.grad_norm.ShardGrad``, also the
+whole gradient an owner steps, ``engine/whole_params.py``) are typed so that those calls
+allocate in their home's files instead.
 
 Optimizer steps: torch picks its fast multi-tensor path only for plain ``Parameter`` types
 on an accelerator, so for the disk tier's shard parameters, and for the host tier's (plain,

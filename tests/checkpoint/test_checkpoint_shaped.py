@@ -17,7 +17,9 @@ hybrid sharding one replica writes the state and every replica's owners read it 
 loading each parameter's state is on its owner alone; a corrupted state tensor is refused
 naming it, and a ``whole_state`` entry naming a file outside the folder is refused, before
 anything changes; a checkpoint stepped whole does not load into the same class declared
-elementwise; version-2 checkpoints (before whole state) still load; ``export`` is unaffected.
+elementwise; version-2 checkpoints (before whole state) still load; ``export`` is unaffected;
+with the disk tier the owners' state saves, and loads at another world size into the tier's
+files.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_shaped.py -q``
@@ -39,10 +41,11 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 import shardwrap
-from shardwrap import ShardedModule, export, load_checkpoint, save_checkpoint
+from shardwrap import Offload, ShardedModule, export, load_checkpoint, save_checkpoint
 from shardwrap.comm.mesh import Mesh
 from tests.support.hybrid import hybrid_mesh
 from tests.support.ranks import run_ranks
+from tests.support.store import in_store
 
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizers]
@@ -136,13 +139,15 @@ def _wrap(model: nn.Module, pg: ProcessGroup | Mesh, **options: Any) -> ShardedM
     return ShardedModule(copy.deepcopy(model), process_group=group, **options)
 
 
-def _save(path: Path, model: nn.Module, make: MakeOptimizer, hybrid: bool = False) -> None:
+def _save(
+    path: Path, model: nn.Module, make: MakeOptimizer, hybrid: bool = False, **options: Any
+) -> None:
     """Train 2 steps at world size 2 (4 with ``hybrid``: 2 x 2), stage 3, and save."""
     world = 4 if hybrid else 2
 
     def fn(rank: int, pg: ProcessGroup) -> None:
         group = hybrid_mesh(pg) if hybrid else pg
-        m = _wrap(model, group, auto_wrap=Block, stage=3)
+        m = _wrap(model, group, auto_wrap=Block, stage=3, **options)
         opt = make(m.parameters())
         _train(m, opt, rank, world, range(2))
         save_checkpoint(path, m, opt, step=2)
@@ -214,6 +219,39 @@ def test_resume_at_another_world_size_stage_and_policy(tmp_path: Path, name: str
     fresh, _ = _resume(tmp_path / "ckpt", model, make, 1, load=False)[0]
     missed = max((fresh[k] - v).abs().max().item() for k, v in ref.items())
     assert missed > 10 * atol, "the optimizer state made no difference; the check proves nothing"
+
+
+@pytest.mark.stage3  # the disk tier is a stage-3 feature
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_disk_tier_saves_and_loads_the_owners_state_into_its_files(
+    tmp_path: Path, name: str
+) -> None:
+    """Saved from the disk tier at world size 2 and loaded into it at 4, where the owners
+    differ: every state tensor loads into the tier's files and training resumes exactly."""
+    make, atol = OPTIMIZERS[name]
+    model = build()
+    _save(tmp_path / "ckpt", model, make, offload=Offload(device="disk", path=tmp_path / "a"))
+    other = build()
+    other.load_state_dict({k: v + 1 for k, v in other.state_dict().items()})
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], list[bool]]:
+        store = Offload(device="disk", path=tmp_path / "b")
+        m = _wrap(other, pg, auto_wrap=Block, offload=store)
+        opt = make(m.parameters())
+        assert load_checkpoint(tmp_path / "ckpt", m, opt) == {"step": 2}
+        placed = [
+            in_store(m, v) for o in _each(opt) for s in o.state.values() for v in s.values()
+            if isinstance(v, Tensor) and v.dim() > 0
+        ]  # fmt: skip
+        _train(m, opt, rank, 4, range(2, 4))
+        return m.full_state_dict(), placed
+
+    runs = run_ranks(4, fn)
+    ref = _reference(model, make, [2, 2, 4, 4])
+    for state, _ in runs:
+        _assert_same(ref, state, atol)
+    placed = [p for _, by_rank in runs for p in by_rank]
+    assert placed and all(placed), placed
 
 
 def test_hybrid_sharding_writes_once_and_loads_into_every_replica(tmp_path: Path) -> None:

@@ -7,9 +7,11 @@ rank over its slice; after several steps every parameter must match (within 1e-5
 Muon within 1e-4, its Newton-Schulz iteration amplifies rounding). Muon steps the matrices and
 AdamW the rest, as torch's documentation advises. Stages follow ``pytest --stage N`` (the suite
 runs at 1, 2 and 3); world sizes 1, 2 and 4, hybrid sharding 2 x 2, tied parameters, bf16 and the
-disk tier are covered here. Also: each optimizer's state is sharded by owner (about 1/N per
-rank), LBFGS is refused before it changes anything, and an undeclared optimizer of a user's own
-warns at its first step until declared.
+disk tier (where every state tensor an owner's optimizer makes, Muon's, Adafactor's and a
+declared one's, is in the tier's files) are covered here. Also: each optimizer's state is
+sharded by owner (about 1/N per rank), LBFGS is refused before it changes anything, an
+undeclared optimizer of a user's own warns at its first step until declared, and a declared
+one reads each whole gradient's own norm.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 import shardwrap
 from shardwrap import MixedPrecision, Offload, ShardedModule
+from shardwrap.engine import whole_params
 from tests.support.parity import (
     GLOBAL_BATCH,
     STEPS,
@@ -34,6 +37,7 @@ from tests.support.parity import (
     train_sharded,
 )
 from tests.support.ranks import run_ranks
+from tests.support.store import in_store
 
 WIDTH = 32
 
@@ -233,6 +237,122 @@ def test_bf16_mixed_precision() -> None:
 @pytest.mark.stage3
 def test_disk_tier(tmp_path: Path) -> None:
     _parity("muon", 2, offload=Offload(device="disk", path=tmp_path))
+
+
+class NormalizedMomentum(torch.optim.Optimizer):
+    """A user's optimizer that steps each parameter by a momentum of its gradient divided by
+    the gradient's whole norm; the momentum is made like the gradient."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if "momentum" not in self.state[p]:
+                    self.state[p]["momentum"] = torch.zeros_like(p.grad)
+                momentum = self.state[p]["momentum"]
+                momentum.mul_(0.9).add_(p.grad / p.grad.norm().clamp_min(1e-12))
+                p.sub_(group["lr"] * momentum)
+
+
+shardwrap.declare_optimizer(NormalizedMomentum, reads_shapes=True)
+
+
+def test_a_declared_optimizer_reads_each_parameters_whole_gradient_norm() -> None:
+    """The owner's whole gradient (held whole or gathered) is whole: its norm is its own."""
+    model = build()
+    for world in (2, 4):
+        _, ref = train_recipe(model, world, torch.float32, BATCHES, NormalizedMomentum, loss_fn)
+        runs = train_sharded(model, world, NormalizedMomentum, BATCHES, loss_fn, auto_wrap=Block)
+        for rank, run in enumerate(runs):
+            _assert_same(ref, run.state, 1e-5, rank)
+
+
+class RowMomentum(torch.optim.Optimizer):
+    """A user's optimizer that steps each matrix by a momentum of its gradient normalised per
+    row; the momentum is made like the gradient."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if "momentum" not in self.state[p]:
+                    self.state[p]["momentum"] = torch.zeros_like(p.grad)
+                momentum = self.state[p]["momentum"].mul_(0.9).add_(p.grad)
+                rows = momentum if p.ndim > 1 else momentum.unsqueeze(0)
+                update = rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+                p.sub_(group["lr"] * update.view_as(p))
+
+
+shardwrap.declare_optimizer(RowMomentum, reads_shapes=True)
+
+STATE_KEYS = {  # per optimizer: the state tensors a parameter of this shape has
+    "muon": lambda shape: ["momentum_buffer"] if len(shape) == 2 else [],
+    "adafactor": lambda shape: ["row_var", "col_var"] if len(shape) == 2 else ["variance"],
+    "declared": lambda shape: ["momentum"],
+}
+MAKERS = {"muon": muon, "adafactor": adafactor, "declared": RowMomentum}
+
+
+@pytest.mark.stage3
+@pytest.mark.parametrize("name", list(STATE_KEYS))
+def test_disk_tier_keeps_the_owners_state_in_its_files(tmp_path: Path, name: str) -> None:
+    """With the disk tier the state an optimizer stepping whole parameters makes on the owner
+    is in the tier's files, as elementwise state is: every state tensor of every parameter,
+    once over the ranks, also where the owner held only a piece of it (its whole gradient came
+    from the exchange)."""
+    model = build()
+    world = 4  # at 2, Muon's owners hold each matrix whole
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, bool], int]:
+        offload = Offload(device="disk", path=tmp_path)
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, offload=offload)
+        made = MAKERS[name](m.parameters())
+        opts = list(made.optimizers) if isinstance(made, Both) else [made]
+        for inputs, targets in BATCHES[:2]:
+            loss_fn(m, inputs.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+            made.step()
+            made.zero_grad()
+        names = {id(p): n for n, p in m.named_parameters()}
+        placed, gathered = {}, 0
+        for opt in opts:
+            whole = whole_params.stepped_whole(opt)
+            if whole is None:
+                continue
+            entries = whole.entries()
+            for p, state in opt.state.items():
+                entry = entries[id(p)]
+                a, b = entry.pieces[rank]
+                gathered += b - a < entry.numel  # the owner held a piece of it
+                for key, value in state.items():
+                    if value.dim() > 0:
+                        placed[f"{names[id(p)]}.{key}"] = in_store(m, value)
+        return placed, gathered
+
+    runs = run_ranks(world, fn)
+    expected = {f"{n}.{k}" for n, shape in shapes.items() for k in STATE_KEYS[name](shape)}
+    placed = [k for held, _ in runs for k in held]
+    assert sorted(placed) == sorted(expected)  # each once, on its owner
+    assert sum(gathered for _, gathered in runs) > 0, "no owner gathered a parameter"
+    in_memory = [k for held, _ in runs for k, in_files in held.items() if not in_files]
+    assert not in_memory, f"state in anonymous memory: {in_memory}"
+
+
+@pytest.mark.stage3
+def test_disk_tier_with_the_owners_state_in_files_trains_exactly(tmp_path: Path) -> None:
+    """At 4 ranks owners gather most parameters: their state, in files, steps them exactly."""
+    for name in OPTIMIZERS:
+        _parity(name, 4, offload=Offload(device="disk", path=tmp_path / name))
 
 
 def test_lbfgs_and_sparse_adam_are_refused_before_they_change_anything() -> None:

@@ -63,6 +63,7 @@ from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
 from tests.support.optimizers import SGDKeepingGrads
 from tests.support.ranks import run_ranks
+from tests.support.store import in_store
 
 pytestmark = pytest.mark.stage3  # the disk tier is a stage-3 feature
 
@@ -104,11 +105,6 @@ def _run(world: int, fn: Callable[[int, ProcessGroup | None], Any]) -> list[Any]
     return [fn(0, None)] if world == 1 else run_ranks(world, fn, timeout=60.0)
 
 
-def _in_store(model: Any, t: torch.Tensor) -> bool:
-    """Whether ``t`` lives in the model's store (an empty tensor has no memory to place)."""
-    return t.numel() == 0 or model._shardwrap_root.home._map_of(t) is not None
-
-
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize(
     ("name", "build", "wrap", "make_opt", "vocab"),
@@ -135,8 +131,8 @@ def test_disk_tier_trains_like_the_plain_model(
         for state in opt.state.values():
             for value in state.values():
                 if value.dim() > 0:
-                    assert _in_store(m, value)  # optimizer state lives in the files
-        assert all(_in_store(m, p) for p in m.parameters())
+                    assert in_store(m, value)  # optimizer state lives in the files
+        assert all(in_store(m, p) for p in m.parameters())
         if pg is not None:
             mean = torch.tensor(losses)
             pg.allreduce([mean]).wait()
@@ -194,7 +190,7 @@ def test_meta_model_materialises_into_the_store_and_resumes(tmp_path: Path) -> N
                 opt_.zero_grad()
                 out.append(loss.item())
         states = [v for s in again_opt.state.values() for v in s.values() if v.dim()]
-        assert all(_in_store(again, v) for v in states)
+        assert all(in_store(again, v) for v in states)
         return first, rest
 
     results = run_ranks(2, fn, timeout=60.0)
