@@ -17,7 +17,9 @@ stages 2 and 3 and FSDP2 (every ``T5Block`` and the root):
   the time for ``--samples`` samples over all ranks at it;
 - **eval time**: ``Seq2SeqTrainer.evaluate()`` end to end with ``predict_with_generate``, beam
   ``--beams``, ``--tokens`` new tokens, over ``--rows`` rows at ``--eval-batch`` rows per rank
-  and batch, as ``benchmarks/trainer_eval.py`` runs it (the stock Trainer for DDP and FSDP2,
+  and batch (``--rows`` a multiple of ``--nproc`` x ``--eval-batch``: the Trainer would fill a
+  short last batch with repeated rows and evaluate them), as ``benchmarks/trainer_eval.py``
+  runs it (the stock Trainer for DDP and FSDP2,
   ``shardwrap.hf.Seq2SeqTrainer`` for shardwrap, whose ``evaluate()`` keeps the units gathered
   where the model fits): median of ``--repeats`` calls after one untimed call, the slowest
   rank's time, and the busiest rank's CPU time; every method's ``eval_loss`` and generated
@@ -84,6 +86,13 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out-dir", type=Path, default=results_dir("t5_compare"))
     args = parser.parse_args()
+    if args.only != "train" and args.rows % (args.nproc * args.eval_batch):
+        # NOTE: transformers 5.23 pads a short last batch with rows from the start, which every
+        # rank then evaluates and the results keep (12 rows at 2 x 4 give 16 predictions).
+        parser.error(
+            f"--rows ({args.rows}) must be a multiple of --nproc x --eval-batch "
+            f"({args.nproc} x {args.eval_batch}): the Trainer would evaluate repeated rows"
+        )
     results: dict[str, dict[str, Any]] = {}
     for method in args.methods:
         results[method] = {}
