@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,26 @@ def torchrun(
         timeout=timeout,
         check=check,
     )
+
+
+def torchrun_json(
+    script: str | Path, *args: str, nproc: int = 2, timeout: float | None = None
+) -> dict[str, Any]:
+    """Run ``script *args OUT`` under :func:`torchrun`, ``OUT`` a fresh file for rank 0 to
+    write its result into as JSON; return that result, or where the run failed ``{"error":
+    ...}`` with the last lines of its error output. Past ``timeout`` seconds it raises
+    ``TimeoutExpired``."""
+    fd, name = tempfile.mkstemp(prefix=f"{Path(script).stem}-", suffix=".json")
+    os.close(fd)
+    out = Path(name)
+    try:
+        run = torchrun(script, *args, str(out), nproc=nproc, timeout=timeout)
+        if run.returncode != 0:
+            tail = (run.stderr or "").strip().splitlines()[-3:]
+            return {"error": " / ".join(tail)}
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
 
 
 def python(script: str | Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import ROOT, commit, hardware, results_dir, torchrun  # noqa: E402
+from _launch import ROOT, commit, hardware, results_dir, torchrun_json  # noqa: E402
 
 METHODS = [
     "ddp",
@@ -52,7 +52,8 @@ METHODS = [
 ]
 
 
-def _model() -> torch.nn.Module:
+def t5_model() -> torch.nn.Module:
+    """The benchmark's T5 (see the module docstring), the same on every rank, in eval mode."""
     import transformers
 
     torch.manual_seed(0)
@@ -78,7 +79,7 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model()
+    model = t5_model()
     params = sum(p.numel() for p in model.parameters())
     stats = None
     keep = None
@@ -151,25 +152,16 @@ def _generate(
 def time_method(method: str, args: argparse.Namespace, timeout: float | None = None) -> dict:
     """Time ``method`` in fresh ``torchrun`` processes (``args``: ``nproc``, ``rows``, ``beams``,
     ``tokens``, ``repeats``): its worker's result, or its ``error``."""
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"generate-{os.getpid()}-{method}.json"
-    run = torchrun(
+    settings = (args.rows, args.beams, args.tokens, args.repeats)
+    result = torchrun_json(
         Path(__file__).resolve(),
         "--worker",
         method,
-        str(args.rows),
-        str(args.beams),
-        str(args.tokens),
-        str(args.repeats),
-        str(out),
+        *map(str, settings),
         nproc=args.nproc,
         timeout=timeout,
     )
-    if run.returncode != 0:
-        tail = (run.stderr or "").strip().splitlines()[-3:]
-        return {"method": method, "error": " / ".join(tail)}
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
+    return {"method": method, **result}
 
 
 def main() -> None:

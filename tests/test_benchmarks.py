@@ -19,8 +19,12 @@ against DDP and DeepSpeed per optimizer.
 a method that failed only once and names its error, judges each goal on its own link and
 estimates the bytes each rank sends; its report can be written again from its JSON.
 
-``compare.py``, ``scaling.py``, ``optimizers.py`` and ``compressed.py`` end to end, in the
-process tier: ``tests/e2e/test_benchmarks.py``.
+``benchmarks/t5_compare.py``: its report sets every method's ``evaluate()`` time against DDP's,
+judges stage 3's by the goal, and names a method whose eval loss or generated tokens differ from
+DDP's.
+
+``compare.py``, ``scaling.py``, ``optimizers.py``, ``compressed.py`` and ``t5_compare.py`` end to
+end, in the process tier: ``tests/e2e/test_benchmarks.py``.
 Run: ``pytest tests/test_benchmarks.py``.
 """
 
@@ -407,3 +411,39 @@ def test_compressed_runs_every_method_on_each_link_and_a_failed_one_once(
     (md2,) = (tmp_path / "again").glob("t_*.md")
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table == [line for line in md2.read_text().splitlines() if line.startswith("| ")]
+
+
+def test_t5_compare_names_eval_results_that_differ_from_ddps() -> None:
+    t5_compare = load_benchmark("t5_compare")
+
+    def evaluate(seconds: float, loss: float, rows: list[list[int]]) -> dict:
+        return {
+            "seconds": seconds,
+            "cpu_seconds": seconds / 2,
+            "times": [seconds],
+            "eval_losses": [loss, loss],
+            "predictions": rows,
+            "evaluated_as": "T5ForConditionalGeneration",
+            "synced_gpus": [True],
+        }
+
+    rows = [[0, 5, 5], [0, 7, 7]]
+    results = {
+        "ddp": {"evaluate": evaluate(1.0, 5.5, rows)},
+        "shardwrap-s2": {"evaluate": evaluate(1.1, 5.5 + 1e-4, rows)},
+        "shardwrap-s3": {"evaluate": evaluate(1.2, 5.5 + 1e-7, rows)},
+        "fsdp2": {"evaluate": evaluate(1.4, 5.5, [[0, 5, 5], [0, 7, 8]])},
+    }
+    agreed = t5_compare.agreement(results)
+    assert agreed["shardwrap-s2"]["loss_diff"] == pytest.approx(1e-4)
+    assert [a["rows_equal"] for a in agreed.values()] == [2, 2, 2, 1]
+    args = argparse.Namespace(
+        nproc=2, budget_mb=256, samples=64, rows=2, eval_batch=1, beams=2, tokens=2,
+        repeats=1, generate=False, only="eval", methods=list(results),
+    )  # fmt: skip
+    report = t5_compare._report(args, results)
+    lines = {line.split(":")[0]: line for line in report.splitlines() if "eval_loss" in line}
+    assert "agrees" in lines["- ddp"] and "agrees" in lines["- shardwrap-s3"]
+    assert "DIFFERS" in lines["- shardwrap-s2"] and "DIFFERS" in lines["- fsdp2"]
+    assert "| shardwrap-s3 | not run | | | | | 1.200 | 1.20x | 0.600 | 1.20x | | | | |" in report
+    assert "Stage 3's evaluate() against DDP's: 1.20x wall time (goal at most 1.3x: met)" in report

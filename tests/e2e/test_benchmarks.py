@@ -9,7 +9,9 @@ of its prediction. ``benchmarks/optimizers.py`` runs AdamW and Muon with shardwr
 on two ranks (Adafactor takes the same path; its parity: ``tests/engine``): each trains like DDP
 with the same optimizer, and only the shape-aware one moves bytes in the owner exchange, timed
 in its phases. ``benchmarks/compressed.py`` runs int8 stage 3 over a 10 Mbit/s link: a quarter
-of the bytes, and steps held back by the link.
+of the bytes, and steps held back by the link. ``benchmarks/t5_compare.py --only eval`` times
+``Seq2SeqTrainer.evaluate()`` for DDP, shardwrap stage 3 and FSDP2 on a few rows: the same eval
+loss and generated tokens as DDP's.
 Their logic, in process: ``tests/test_benchmarks.py``.
 Run: ``pytest -m process tests/e2e/test_benchmarks.py``.
 """
@@ -218,3 +220,38 @@ def test_compressed_sends_int8_over_a_rate_limited_link(tmp_path: Path) -> None:
     if root:  # both ranks' bytes share the loopback
         assert rows["shardwrap-s3-int8"]["step_s"] >= (sent - 256 * 1024) * 8 / 10e6 > 0.2
     assert "| shardwrap-s3-int8 |" in md.read_text()
+
+
+@pytest.mark.process
+def test_t5_compare_times_trainer_evaluate_with_the_results_of_ddp(tmp_path: Path) -> None:
+    """``evaluate()`` end to end, every method in its own launch: DDP's eval loss and tokens,
+    stage 3 gathering each of its 7 units (6 blocks, the root) at most once per call over two
+    batches per rank, and FSDP2 really sharded (not the plain model the Trainer's own FSDP2
+    leaves on CPU)."""
+    methods = ("ddp", "shardwrap-s3", "fsdp2")
+    cmd = [
+        sys.executable,
+        "benchmarks/t5_compare.py",
+        *("--only", "eval", "--no-generate", "--methods", *methods),
+        *("--rows", "8", "--eval-batch", "2", "--beams", "2", "--tokens", "8"),
+        *("--repeats", "1", "--out-dir", str(tmp_path)),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("t5_compare_eval_*.md")
+    (js,) = tmp_path.glob("t5_compare_eval_*.json")
+    results = json.loads(js.read_text())
+    assert list(results) == list(methods)
+    ddp = results["ddp"]["evaluate"]
+    for method in methods:
+        ev = results[method]["evaluate"]
+        assert "train" not in results[method] and "generate" not in results[method]
+        assert ev["seconds"] > 0 and ev["cpu_seconds"] > 0, method
+        assert ev["eval_losses"][0] == pytest.approx(ddp["eval_losses"][0], abs=1e-5), method
+        assert ev["predictions"] == ddp["predictions"] and len(ev["predictions"]) == 8, method
+    assert 0 < results["shardwrap-s3"]["evaluate"]["collectives"]["all_gather"] <= 7
+    assert results["fsdp2"]["evaluate"]["evaluated_as"].startswith("FSDP")
+    table = md.read_text()
+    assert "| shardwrap-s3 | not run | | | | | " in table
+    assert "Stage 3's evaluate() against DDP's: " in table and "DIFFERS" not in table
