@@ -9,6 +9,8 @@ share a bucket depends only on what every rank knows alike (the agreed forward p
 the canonical order of reductions, sizes), so every rank issues the same exchanges:
 
 - forward: the next gathers of the agreed plan (``engine/schedule.py``), from the one wanted;
+  without a plan (a pass's first, generation), the unit wanted and the units after it in the
+  order of units;
 - backward: the unit wanted, then the units before it in the order of units (the reverse
   of the usual order of forward, so usually the next ones backward needs), down to unit 1
   (the root is gathered from its forward to its backward);

@@ -42,8 +42,9 @@ asks as above. The pass count and the call are still checked at the first handsh
 end of every forward.
 
 Gathers go out in buckets (``engine/buckets.py``): a planned gather brings the plan's next
-units with it while they fit in the bucket, and a gather agreed in backward the units before it;
-a rank that serves the rest of a plan, or a peer's request, issues the same buckets.
+units with it while they fit in the bucket, another gather agreed in forward the units after it,
+and one agreed in backward the units before it; a rank that serves the rest of a plan, or a
+peer's request, issues the same buckets.
 
 A backward that gathers nothing (stage 2, and stage 3 kept after forward or whose units all fit
 in the final bucket: every unit that ran is held gathered and current at the end of forward;
@@ -176,7 +177,7 @@ class Schedule:
         elif self._planned_next(unit):  # planned, or the plan agreed just now begins with it
             units = self._take_planned()
         else:
-            units = [unit]
+            units = self._forward_bucket(unit)
         if not backward and self._recorded is not None:
             self._recorded.extend(u.index for u in units)
         self._issue(units, serving=False)
@@ -328,6 +329,13 @@ class Schedule:
         self._plan_at += count
         return [self.units[i] for i in rest[:count]]
 
+    def _forward_bucket(self, unit: Unit) -> list[Unit]:
+        """``unit`` and the units after it, in the order of units, that share its bucket (a
+        gather agreed outside a plan: a pass's first, generation's)."""
+        candidates = list(range(unit.index, len(self.units)))
+        count = bucket_size(candidates, self._nbytes, self.bucket_bytes)
+        return [self.units[i] for i in candidates[:count]]
+
     def _backward_bucket(self, unit: Unit) -> list[Unit]:
         """``unit`` and the units before it, down to unit 1, that share its bucket."""
         candidates = list(range(unit.index, 0, -1)) or [unit.index]
@@ -353,9 +361,9 @@ class Schedule:
             return
         n = len(self.units)
         if priority < n:
-            units = [self.units[priority]]
+            units = self._forward_bucket(self.units[priority])
             if self._recorded is not None:
-                self._recorded.append(priority)
+                self._recorded.extend(u.index for u in units)
         else:
             units = self._backward_bucket(self.units[2 * n - 1 - priority])
         self._issue(units, serving=True)

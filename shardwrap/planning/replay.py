@@ -266,14 +266,15 @@ class _Replay:
         """``u`` and the units gathered with it (``engine/buckets.py``)."""
         if self.world == 1:
             return [u]
+        planned = not backward and self.plan[self.plan_at : self.plan_at + 1] == [u]
         if backward:
             candidates = list(range(u, 0, -1)) or [u]
-        elif self.plan_at < len(self.plan) and self.plan[self.plan_at] == u:
+        elif planned:
             candidates = self.plan[self.plan_at :]
-        else:
-            return [u]
+        else:  # outside a plan: the units after it
+            candidates = list(range(u, self.units))
         bucket = candidates[: bucket_size(candidates, self.unit_full.__getitem__, self.bucket)]
-        if not backward:
+        if planned:
             self.plan_at += len(bucket)
         return bucket
 

@@ -45,12 +45,15 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) ->
     return loss.item()
 
 
-def test_each_forward_after_the_first_makes_two_handshakes() -> None:
+@pytest.mark.parametrize("bucket_mb", [0, 4])
+def test_each_forward_after_the_first_makes_two_handshakes(bucket_mb: float) -> None:
     torch.manual_seed(0)
     model = GPT(depth=4)
 
     def fn(rank: int, pg: ProcessGroup) -> tuple[list[int], int]:
-        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        m = ShardedModule(
+            copy.deepcopy(model), auto_wrap=Block, process_group=pg, bucket_mb=bucket_mb
+        )
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         forward_handshakes = []
         for step in range(4):
@@ -64,8 +67,9 @@ def test_each_forward_after_the_first_makes_two_handshakes() -> None:
         return forward_handshakes, len(m._shardwrap_root.units)
 
     for handshakes, units in run_ranks(2, fn, timeout=30.0):
-        # The first forward agrees on each of its gathers (every unit), then on its end.
-        assert handshakes == [units + 1, 2, 2, 2]
+        # The first forward agrees on each of its gathers (every unit; with buckets, one that
+        # brings the units after it, here all of them), then on its end.
+        assert handshakes == [units + 1 if bucket_mb == 0 else 2, 2, 2, 2]
 
 
 @pytest.mark.stage3  # what a forward issues is the same at every stage

@@ -9,8 +9,8 @@ Proves, on GPT-2 and T5 from tiny configs at 2 ranks, each rank with its own pro
 greedy continuation ends at a different step:
 
 - every rank's output equals the unwrapped model's ``generate`` on that prompt, as is (its
-  units gathered once for the whole call: at most one all-gather per flat group, and no
-  collective per token, only the decision and one handshake per unit), inside
+  units gathered once for the whole call: at most the bytes of the model gathered, and no
+  collective per token, only the decision and a handshake per bucket of units), inside
   ``gathered()`` (no gather at all) and with ``keep_gathered(False)`` (gathered per decoding
   step, as training does), with lengths that differ between the ranks (so the case is
   exercised);
@@ -81,7 +81,7 @@ def test_ranks_finishing_at_different_steps_all_match_the_plain_model(
 
     def fn(rank: int, pg: ProcessGroup) -> tuple[list[Tensor], list[int], int, int, int]:
         m = ShardedModule(copy.deepcopy(model), auto_wrap=layer, process_group=pg)
-        groups = sum(len(u.groups) for u in m._shardwrap_root.units)
+        model_bytes = sum(u.gather_nbytes for u in m._shardwrap_root.units)
         outs, gathers = [], []
         for keep in (None, "gathered", False):
             m.comm_stats.reset()
@@ -89,26 +89,27 @@ def test_ranks_finishing_at_different_steps_all_match_the_plain_model(
                 with m.gathered():
                     m.comm_stats.reset()
                     outs.append(_generate(m, prompts[rank], eos_token_id=eos))
-                    gathers.append(m.comm_stats.calls.get("all_gather", 0))
+                    gathers.append(m.comm_stats.bytes.get("all_gather", 0))
                 continue
             with m.keep_gathered(keep):
                 outs.append(_generate(m, prompts[rank], eos_token_id=eos))
-            gathers.append(m.comm_stats.calls.get("all_gather", 0))
+            gathers.append(m.comm_stats.bytes.get("all_gather", 0))
             if keep is None:
-                others = sum(m.comm_stats.calls.values()) - gathers[-1]
-        return outs, gathers, groups, others, len(m._shardwrap_root.units)
+                calls = m.comm_stats.calls
+                others = sum(calls.values()) - calls.get("all_gather", 0)
+        return outs, gathers, model_bytes, others, len(m._shardwrap_root.units)
 
     results = run_ranks(WORLD, fn, timeout=30.0)
-    for rank, (outs, gathers, groups, others, units) in enumerate(results):
+    for rank, (outs, gathers, model_bytes, others, units) in enumerate(results):
         for out in outs:  # kept gathered, inside gathered(), gathered per forward
             assert torch.equal(out, want[rank])
-        kept, inside, per_forward = gathers
-        assert kept <= groups and inside == 0, gathers  # at most one gather per group a call
+        kept, inside, per_forward = gathers  # bytes
+        assert kept <= model_bytes and inside == 0, gathers  # each unit at most once a call
         # kept: one all-reduce deciding, one handshake per unit gathered up front, and
         # nothing per token (before: a handshake and an all-reduce at every token)
         assert others <= 1 + units < NEW_TOKENS, others
         if default_stage == 3:  # stages 1 and 2 keep their parameters anyway
-            assert per_forward > 2 * groups, gathers  # what generate() did before
+            assert per_forward > 2 * model_bytes, gathers  # what generate() did before
 
 
 def test_unsynced_generate_is_refused() -> None:
