@@ -143,4 +143,19 @@ class Trainer(ShardedTrainerMixin, transformers.Trainer):
 
 
 class Seq2SeqTrainer(ShardedTrainerMixin, transformers.Seq2SeqTrainer):
-    """``transformers.Seq2SeqTrainer`` for a :class:`shardwrap.ShardedModule`."""
+    """``transformers.Seq2SeqTrainer`` for a :class:`shardwrap.ShardedModule`.
+
+    With ``predict_with_generate``, ``generate()`` decides ``synced_gpus`` as it does when
+    called directly: with the units kept gathered each rank decodes on its own, with no
+    collective per token (the stock trainer would ask every rank to decode in step, with one
+    per token, as for a model whose forward gathers). A ``synced_gpus`` passed to
+    ``evaluate()`` or ``predict()`` is used as given.
+    """
+
+    def evaluate(self, *args: Any, **gen_kwargs: Any) -> Any:
+        gen_kwargs.setdefault("synced_gpus", None)
+        return super().evaluate(*args, **gen_kwargs)
+
+    def predict(self, *args: Any, **gen_kwargs: Any) -> Any:
+        gen_kwargs.setdefault("synced_gpus", None)
+        return super().predict(*args, **gen_kwargs)
