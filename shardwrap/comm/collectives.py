@@ -320,12 +320,13 @@ def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup
 
 # Several at once -----------------------------------------------------------------------
 #
-# NOTE: on gloo every exchange costs its peers several thread wake-ups each, which on a busy
-# CPU take about a millisecond whatever the size: measured at 2 ranks on 2 cores, with 2 ms of
-# compute between exchanges, one of 3 KB cost 1.8 ms and one of 195 KB 2.0 ms (0.23 ms back to
-# back). Small buffers therefore go packed, one exchange per peer for all of them; the packing
-# costs a copy of each, and its buffers hold as many bytes as the full buffers (see
-# ``packing``). On other backends each collective goes out on its own.
+# NOTE: on gloo every exchange costs its peers several thread wake-ups each, which on a busy CPU
+# take a millisecond or two whatever the size: measured at 2 ranks on 2 cores
+# (benchmarks/exchange_latency.py), with 2 ms of compute between exchanges, one of 3 KB cost 1.6 ms
+# and one of 200 KB 1.8 ms (0.14 and 0.20 ms back to back). Small buffers therefore go packed, one
+# exchange per peer for all of them; the packing costs a copy of each, and its buffers hold as many
+# bytes as the full buffers (see ``packing``). On other backends each collective goes out on its
+# own.
 
 ALIGN = 16  # bytes: every packed item starts at a multiple of this, so it can be viewed typed
 

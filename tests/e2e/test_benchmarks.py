@@ -226,8 +226,8 @@ def test_compressed_sends_int8_over_a_rate_limited_link(tmp_path: Path) -> None:
 def test_t5_compare_times_trainer_evaluate_with_the_results_of_ddp(tmp_path: Path) -> None:
     """``evaluate()`` end to end, every method in its own launch: DDP's eval loss and tokens,
     stage 3 gathering each of its 7 units (6 blocks, the root) at most once per call over two
-    batches per rank, with no all-reduce per decoded token, and FSDP2 really sharded (not the plain model the Trainer's own FSDP2
-    leaves on CPU)."""
+    batches per rank, with no all-reduce per decoded token, and FSDP2 really sharded (not the
+    plain model the Trainer's own FSDP2 leaves on CPU)."""
     methods = ("ddp", "shardwrap-s3", "fsdp2")
     cmd = [
         sys.executable,
