@@ -369,14 +369,7 @@ def all_gather_many(
     for own, at in zip(owns, offsets):
         packed[at : at + own.numel() * own.element_size()].copy_(own.view(torch.uint8))
     peers = _peers(rank, world)
-    tag = _next_tag(group)
-    try:
-        sends = [(peer, group.send([packed], peer, tag)) for peer in peers]
-        received = {peer: torch.empty(total, dtype=torch.uint8) for peer in peers}
-        recvs = [(peer, group.recv([received[peer]], peer, tag)) for peer in peers]
-    except RuntimeError as e:
-        raise failed("all-gather", e, group) from e
-    exchange = _finisher(recvs, sends, group, "all-gather")
+    received, exchange = _exchange_packed(group, dict.fromkeys(peers, packed), "all-gather")
 
     def finish() -> None:
         exchange()
@@ -410,7 +403,6 @@ def reduce_scatter_many(
     if total == 0:
         return Pending(None)
     peers = _peers(rank, world)
-    tag = _next_tag(group)
     packs: dict[int, Tensor] = {}
     for peer in peers:
         pack = packs[peer] = torch.empty(total, dtype=torch.uint8)
@@ -419,13 +411,7 @@ def reduce_scatter_many(
             pack[at : at + n * out.element_size()].copy_(
                 full[peer * n : (peer + 1) * n].view(torch.uint8)
             )
-    try:
-        sends = [(peer, group.send([packs[peer]], peer, tag)) for peer in peers]
-        received = {peer: torch.empty(total, dtype=torch.uint8) for peer in peers}
-        recvs = [(peer, group.recv([received[peer]], peer, tag)) for peer in peers]
-    except RuntimeError as e:
-        raise failed("reduce-scatter", e, group) from e
-    exchange = _finisher(recvs, sends, group, "reduce-scatter")
+    received, exchange = _exchange_packed(group, packs, "reduce-scatter")
 
     def finish() -> None:
         exchange()
@@ -444,6 +430,21 @@ def reduce_scatter_many(
             out.div_(world)
 
     return Pending(None, finish, "reduce-scatter", group)
+
+
+def _exchange_packed(
+    group: dist.ProcessGroup, packs: dict[int, Tensor], what: str
+) -> tuple[dict[int, Tensor], Callable[[], None]]:
+    """Send ``packs[peer]`` to each peer and receive as many bytes from it; returns the buffers
+    that receive, by peer, and what waits for the whole exchange."""
+    tag = _next_tag(group)
+    try:
+        sends = [(peer, group.send([pack], peer, tag)) for peer, pack in packs.items()]
+        received = {peer: torch.empty_like(pack) for peer, pack in packs.items()}
+        recvs = [(peer, group.recv([received[peer]], peer, tag)) for peer in packs]
+    except RuntimeError as e:
+        raise failed(what, e, group) from e
+    return received, _finisher(recvs, sends, group, what)
 
 
 def _wait_all(pendings: list[Pending]) -> None:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import CommStats
-from ..comm.mesh import Mesh, resolve_mesh
+from ..comm.mesh import resolve_mesh
 from ..options import Compression, MixedPrecision, Offload
-from ..tiers.home import Home, make_home
+from ..tiers.home import make_home
 from .agree_values import check_same_values, copy_from_rank0
 from .build import build_root
 from .checks import (
@@ -44,7 +44,6 @@ from .strategy import Strategy
 from .summary import log_summary, summarize
 from .wrap import (
     AutoWrap,
-    Placement,
     check_selects_something,
     place_parameters,
     resolve_policy,
@@ -196,7 +195,7 @@ class ShardedModule(nn.Module):
         elif sync_module_states is None and not is_meta(module):
             check_same_values(module, mesh.control, mesh.control_device)
         home = make_home(offload, device, mesh.rank)
-        _wrap(
+        root = build_root(
             module,
             placement,
             mesh,
@@ -208,7 +207,7 @@ class ShardedModule(nn.Module):
             compression,
             bucket,
         )
-        root: Root = getattr(module, ROOT_ATTR)
+        _make_sharded(module, root)
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
             inner = (m for m in unit.module.modules() if m is not unit.module)
@@ -499,30 +498,9 @@ def _sharded_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _wrap(
-    module: nn.Module,
-    placement: Placement,
-    mesh: Mesh,
-    strategy: Strategy,
-    precision: MixedPrecision | None,
-    param_init_fn: ParamInitFn | None = None,
-    home: Home | None = None,
-    compile_options: dict[str, Any] | None = None,
-    compression: Compression | None = None,
-    bucket: int = 0,
-) -> None:
-    root = build_root(
-        module,
-        placement,
-        mesh,
-        strategy,
-        precision,
-        param_init_fn,
-        home,
-        compile_options,
-        compression,
-        bucket,
-    )
+def _make_sharded(module: nn.Module, root: Root) -> None:
+    """Turn ``module``, whose units ``root`` drives, into its sharded class."""
+    mesh = root.mesh
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
