@@ -1,4 +1,5 @@
-"""What a wrap produced, in a few lines: ranks, stage, units, dtypes, tier, memory per rank.
+"""What a wrap produced, in a few lines: ranks, stage, units, dtypes, tier, memory per rank,
+buckets.
 
 Logged once at wrap time (logger ``"shardwrap"``, INFO, on global rank 0 only) and returned by
 ``ShardedModule.summary()`` on any rank. Everything is read from the built units and options:
@@ -66,6 +67,13 @@ def summarize(model: nn.Module, root: Root) -> str:
         )
     if strategy.defer_reductions:
         lines.append(f"  full gradients until the end of backward: {_mb(full_grads)}")
+    bucket = root.schedule.bucket_bytes
+    if bucket and mesh.world_size > 1:
+        small = sum(1 for nbytes in gathered if nbytes <= bucket)
+        lines.append(
+            f"  buckets of up to {_mb(bucket)}: {small} of {units + 1} units fit one, and go "
+            "several to an exchange (bucket_mb)"
+        )
     lines.append(
         f"  optimizer state: made on the shards (AdamW: 2 x {_mb(grad_bytes)}); "
         "the whole plan: shardwrap.estimate_memory"

@@ -350,6 +350,7 @@ def test_wrapping_logs_a_summary_on_rank_0_and_summary_shows_it(
         assert text.startswith(f"shardwrap: GPT over 2 ranks on cpu, ZeRO stage {default_stage}")
         assert "3 units and the root" in text and "offload: none" in text
         assert f"shards {shard_mib:.1f} MiB" in text, text
+        assert "buckets of up to 4.0 MiB: 4 of 4 units fit one" in text, text
 
 
 # full state dict ---------------------------------------------------------------------
