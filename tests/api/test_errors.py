@@ -418,7 +418,9 @@ def test_parameter_count_policy_skips_containers() -> None:
 
 
 @pytest.mark.parametrize(
-    "auto_wrap", [nn.Conv2d, (nn.Conv1d, nn.GRU), lambda m: False, 10**9], ids=str
+    "auto_wrap",
+    [nn.Conv2d, (nn.Conv1d, nn.GRU), lambda m: False, 10**9],
+    ids=["class", "classes", "callable", "count"],
 )
 def test_auto_wrap_that_selects_nothing_names_the_classes_the_model_has(auto_wrap: Any) -> None:
     """Wrapping the whole model as one unit by accident would save no memory: refuse it."""
