@@ -73,6 +73,19 @@ def t5_model() -> torch.nn.Module:
     return transformers.T5ForConditionalGeneration(config).eval()
 
 
+def fsdp2_t5(model: torch.nn.Module) -> None:
+    """Shard a T5 with FSDP2 as accelerate does: every ``T5Block``, then the root; ``generate``
+    calls the encoder by itself, so it is registered as a forward that gathers the root first."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    for m in model.modules():
+        if isinstance(m, T5Block):
+            fully_shard(m)
+    fully_shard(model)
+    register_fsdp_forward_method(model, "generate")
+
+
 def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
     from transformers.models.t5.modeling_t5 import T5Block
@@ -93,14 +106,7 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
         keep = False if method.endswith("per-forward") else None
         synced = True if method.endswith("synced") else None
     elif method == "fsdp2":
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        for m in model.modules():
-            if isinstance(m, T5Block):
-                fully_shard(m)
-        fully_shard(model)
-        # generate() calls the encoder by itself: the root must gather before it (FSDP2's way)
-        register_fsdp_forward_method(model, "generate")
+        fsdp2_t5(model)
         synced = True  # every decoding step gathers: ranks must step together
     g = torch.Generator().manual_seed(1 + rank)
     inputs = torch.randint(2, 256, (rows // world, 32), generator=g)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import torchrun_json  # noqa: E402
-from generate import t5_model  # noqa: E402
+from generate import fsdp2_t5, t5_model  # noqa: E402
 
 METHODS = ("ddp", "shardwrap-s2", "shardwrap-s3", "fsdp2")
 LENGTH = 32  # bytes per input row, as generate.py's
@@ -127,18 +127,12 @@ def wrap(method: str, model: torch.nn.Module) -> tuple[torch.nn.Module, type]:
         sharded = ShardedModule(model, auto_wrap=T5Block, stage=int(method[-1]))
         return sharded, shardwrap.hf.Seq2SeqTrainer
     if method == "fsdp2":
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
         # NOTE: the Trainer's own FSDP2 (fsdp=True, fsdp_config={"version": 2, ...}) does not
         # shard on CPU: accelerate 1.15 keeps an FSDP plugin only for accelerator devices, not
         # for use_cpu=True (MULTI_CPU), where the Trainer then evaluates the plain model
         # without a word (is_fsdp_enabled False). So the model is sharded here as accelerate
         # shards it (every T5Block, then the root), generate() registered as the Trainer does.
-        for module in model.modules():
-            if isinstance(module, T5Block):
-                fully_shard(module)
-        fully_shard(model)
-        register_fsdp_forward_method(model, "generate")
+        fsdp2_t5(model)
         return model, transformers.Seq2SeqTrainer
     if method == "ddp":
         return model, transformers.Seq2SeqTrainer
