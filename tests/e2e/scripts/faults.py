@@ -11,7 +11,8 @@ a checkpoint ``WORKDIR/ckpt/step-2`` and, from rank 0, its full state dict in
 - ``kill-forward`` / ``kill-backward``: SIGKILL itself inside a block's forward / backward;
 - ``kill-save``: SIGKILL itself half-way through re-saving ``ckpt/step-2`` (the same path);
 - ``kill-background-write``: every rank starts a non-blocking save of ``ckpt/step-3`` and trains
-  on; rank 1 SIGKILLs itself in its writer thread, half-way through its rank file;
+  on (``BACKGROUND_STEPS``); rank 1 SIGKILLs itself in its writer thread, half-way through its
+  rank file;
 - ``kill-background-commit``: the same, but rank 0 SIGKILLs itself in its writer thread once
   every file and the metadata are written, just before the folder is committed;
 - ``stall``: sleep far past the timeout before step 3, while rank 0 waits for it;
@@ -44,6 +45,8 @@ import shardwrap.checkpoint.save
 from shardwrap import ShardedModule, save_checkpoint
 from shardwrap.checkpoint.files import SafetensorsWriter
 from tests.support.models import GPT, Block, make_batch
+
+BACKGROUND_STEPS = 200  # steps every rank trains while a non-blocking save writes
 
 
 def _die() -> None:
@@ -131,9 +134,13 @@ def run(case: str, work: Path, rank: int, timeout: datetime.timedelta) -> None:
         handle.remove()
     if case == "kill-save":
         save_checkpoint(work / "ckpt" / "step-2", model, opt, step=2)
+    steps = 3
     if case.startswith("kill-background"):
         save_checkpoint(work / "ckpt" / "step-3", model, opt, blocking=False, step=3)
-    for step in range(2, 5):
+        # Train on well past the time the writer thread (at a lower priority) needs to reach
+        # its fault, so that the rank dies while training goes on, not in its exit's wait.
+        steps = BACKGROUND_STEPS
+    for step in range(2, 2 + steps):
         _step(model, opt, step, rank, clip=case == "desync-clip")
 
 
