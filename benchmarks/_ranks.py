@@ -74,21 +74,24 @@ def make_gloo_group(
     return pg
 
 
-# The store of each run, by the run's id (the first part of its groups' names): subgroup()
-# rendezvous through it.
-_STORES: dict[str, dist.Store] = {}
+# The store and the open groups of each run, by the run's id (the first part of its groups'
+# names): subgroup() rendezvous through the store and keeps its group with the run's.
+_RUNS: dict[str, tuple[dist.Store, list[ProcessGroup]]] = {}
 
 
 def subgroup(pg: ProcessGroup, ranks: list[int], name: str) -> ProcessGroup:
     """A gloo group over ``ranks`` (ranks of ``pg``, which must include this one).
 
     Every rank in ``ranks`` must call it with the same ``ranks`` and ``name``; ``name`` tells
-    apart the groups one rank makes.
+    apart the groups one rank makes. The group stays open until every rank of the run is done,
+    like the run's own groups: a rank that returned first must not cut off a peer still joining.
     """
-    base = _STORES[pg.group_name.split("/")[0]]
+    base, groups = _RUNS[pg.group_name.split("/")[0]]
     store = dist.PrefixStore(f"{name}/{'-'.join(map(str, ranks))}", base)
     store.set_timeout(base.timeout)
-    return make_gloo_group(store, ranks.index(pg.rank()), len(ranks), base.timeout)
+    group = make_gloo_group(store, ranks.index(pg.rank()), len(ranks), base.timeout)
+    groups.append(group)
+    return group
 
 
 @dataclass
@@ -97,7 +100,7 @@ class _Run(Generic[T]):
 
     results: dict[int, T] = field(default_factory=dict)
     failures: dict[int, tuple[float, str]] = field(default_factory=dict)  # rank: (time, traceback)
-    groups: list[ProcessGroup] = field(default_factory=list)  # finished ranks' groups, kept open
+    groups: list[ProcessGroup] = field(default_factory=list)  # kept open until every rank is done
 
 
 def _rank_main(
@@ -180,7 +183,7 @@ def run_ranks(
     store.set_timeout(collective_timeout)
     run: _Run[T] = _Run()
     run_id = uuid.uuid4().hex
-    _STORES[run_id] = store
+    _RUNS[run_id] = (store, run.groups)
     threads = [
         threading.Thread(
             target=_rank_main,
@@ -195,7 +198,7 @@ def run_ranks(
     deadline = time.monotonic() + timeout
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    del _STORES[run_id]
+    del _RUNS[run_id]
     frames = sys._current_frames()
     hung = {
         rank: "".join(traceback.format_stack(frames[thread.ident]))
