@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..comm.collectives import CommStats, Group, Pending, all_gather, all_gather_many
 
-__all__ = ["Gathers", "bucket_size", "last_bucket"]
+__all__ = ["Gathers", "bucket_ends", "bucket_size", "last_bucket"]
 
 
 def bucket_size(candidates: Sequence[int], nbytes: Callable[[int], int], limit: int) -> int:
@@ -45,6 +45,17 @@ def bucket_size(candidates: Sequence[int], nbytes: Callable[[int], int], limit: 
             break
         taken.add(c)
     return len(taken)
+
+
+def bucket_ends(nbytes: Sequence[int], limit: int) -> dict[int, int]:
+    """Consecutive buckets of items of ``nbytes`` bytes each, in order: where the bucket
+    beginning at each bucket's first position ends (``limit`` 0: one item each)."""
+    ends: dict[int, int] = {}
+    start = 0
+    while start < len(nbytes):
+        ends[start] = start + bucket_size(range(start, len(nbytes)), nbytes.__getitem__, limit)
+        start = ends[start]
+    return ends
 
 
 def last_bucket(plan: Sequence[int], nbytes: Callable[[int], int], limit: int) -> list[int]:

@@ -42,7 +42,7 @@ from ..comm.mesh import Mesh
 from ..comm.quantize import Codec
 from ..options import Compression
 from ..tiers.home import Home
-from .buckets import bucket_size
+from .buckets import bucket_ends
 from .flat_group import FlatGroup
 from .grad_norm import as_shard_grad, shard_grad_owner
 
@@ -94,17 +94,10 @@ class Reductions:
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
-        # where the bucket beginning at each bucket's first position ends (engine/buckets.py)
-        self._ends: dict[int, int] = {}
         nbytes = [g.layout.padded_numel * g.grad_dtype.itemsize for g in order]
         # one rank reduces by copying: nothing to gain by waiting for a bucket
         alone = self.codec is not None or mesh.shard_size == 1
-        start, limit = 0, 0 if alone else bucket_bytes
-        while start < len(order):
-            self._ends[start] = start + bucket_size(
-                range(start, len(order)), nbytes.__getitem__, limit
-            )
-            start = self._ends[start]
+        self._ends = bucket_ends(nbytes, 0 if alone else bucket_bytes)
         self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
         self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
         self.reset()

@@ -43,7 +43,7 @@ import torch
 
 from ..comm.collectives import packing
 from ..comm.quantize import Codec
-from ..engine.buckets import bucket_size, last_bucket
+from ..engine.buckets import bucket_ends, bucket_size, last_bucket
 from ..engine.pool import Spares
 from ..engine.root import _successors
 from ..engine.strategy import Strategy
@@ -175,12 +175,7 @@ class _Replay:
         # the reductions' buckets: where the one beginning at each bucket's first position ends
         flat = [groups[g].flat_grad for g in self.order]
         alone = self.world == 1 or (compression is not None and compression.grads is not None)
-        limit = 0 if alone else bucket_bytes
-        self.ends: dict[int, int] = {}
-        start = 0
-        while start < len(flat):
-            self.ends[start] = start + bucket_size(range(start, len(flat)), flat.__getitem__, limit)
-            start = self.ends[start]
+        self.ends = bucket_ends(flat, 0 if alone else bucket_bytes)
         # the forward plan: the last forward's gathers (engine/schedule.py), this one's so far
         self.plan: list[int] = []
         self.plan_at = 0
