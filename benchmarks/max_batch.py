@@ -116,6 +116,19 @@ def search(
     return trials
 
 
+def trial_lines(trials: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The report's section listing each method's trials (``search``'s ``trials``)."""
+    lines = ["", "Trials (batch: peak MB, fits):", ""]
+    for method, tried in trials.items():
+        lines.append(
+            f"- {method}: "
+            + ", ".join(
+                f"{t['batch']}: {t['peak_mb']:.0f}{'' if t['fits'] else ' (over)'}" for t in tried
+            )
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -195,15 +208,7 @@ def main() -> None:
             f"{b['batch'] * context / b['step_s']:.1f} | {steps * b['step_s']:.0f} s "
             f"({steps} steps) | {ratio} |"
         )
-    lines += ["", "Trials (batch: peak MB, fits):", ""]
-    for method, f in found.items():
-        lines.append(
-            f"- {method}: "
-            + ", ".join(
-                f"{t['batch']}: {t['peak_mb']:.0f}{'' if t['fits'] else ' (over)'}"
-                for t in f["trials"]
-            )
-        )
+    lines += trial_lines({method: f["trials"] for method, f in found.items()})
     report = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}_{hardware()}_{datetime.date.today().isoformat()}.md").write_text(

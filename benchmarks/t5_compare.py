@@ -48,7 +48,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import ROOT, commit, hardware, results_dir  # noqa: E402
 from generate import time_method  # noqa: E402
-from max_batch import search  # noqa: E402
+from max_batch import search, trial_lines  # noqa: E402
 from trainer_eval import time_evaluate  # noqa: E402
 
 METHODS = ("ddp", "shardwrap-s2", "shardwrap-s3", "fsdp2")
@@ -222,15 +222,7 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str
         ]
     lines += _eval_results(results)
     if any("train" in r for r in results.values()):
-        lines += ["", "Trials (batch: peak MB, fits):", ""]
-        for method, r in results.items():
-            lines.append(
-                f"- {method}: "
-                + ", ".join(
-                    f"{t['batch']}: {t['peak_mb']:.0f}{'' if t['fits'] else ' (over)'}"
-                    for t in r.get("train", {}).get("trials", [])
-                )
-            )
+        lines += trial_lines({m: r.get("train", {}).get("trials", []) for m, r in results.items()})
     for kind in ("evaluate", "generate"):
         calls = {m: r[kind]["times"] for m, r in results.items() if r.get(kind, {}).get("times")}
         if calls:
