@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,36 +36,32 @@ TINY = {"width": 32, "depth": 2, "heads": 2, "context": 16, "warmup": 1}
 MODES = ("blocking", "non-blocking, first", "non-blocking")
 
 
-@pytest.mark.process
-def test_compare_runs_fp32_and_bf16_and_writes_markdown_json_and_png(tmp_path: Path) -> None:
-    methods = ("shardwrap-s3", "fsdp2", "fsdp2-noreshard", "ddp")
-    cmd = [
-        sys.executable,
-        "benchmarks/compare.py",
-        "--methods",
-        "shardwrap",  # the alias of shardwrap-s3
-        *methods[1:],
-        "--precision",
-        "fp32",
-        "bf16",
-        "--rounds",
-        "1",
-        "--steps",
-        "2",
-        "--config",
-        json.dumps(TINY),
-        "--theme",
-        "smoke",
-        "--out-dir",
-        str(tmp_path),
-    ]
+def run_benchmark(
+    script: str, *args: str, out_dir: Path, prefix: str = "smoke"
+) -> tuple[str, dict[str, Any]]:
+    """Run ``benchmarks/<script> *args`` writing its reports into ``out_dir``, one thread per
+    process; fail on error. Returns its one Markdown report's text and its one JSON report
+    (named ``<prefix>_*``)."""
+    cmd = [sys.executable, f"benchmarks/{script}", *args, "--out-dir", str(out_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (md,) = tmp_path.glob("smoke_*.md")
-    (js,) = tmp_path.glob("smoke_*.json")
+    (md,) = out_dir.glob(f"{prefix}_*.md")
+    (js,) = out_dir.glob(f"{prefix}_*.json")
+    return md.read_text(), json.loads(js.read_text())
+
+
+@pytest.mark.process
+def test_compare_runs_fp32_and_bf16_and_writes_markdown_json_and_png(tmp_path: Path) -> None:
+    methods = ("shardwrap-s3", "fsdp2", "fsdp2-noreshard", "ddp")
+    table, report = run_benchmark(
+        "compare.py",
+        *("--methods", "shardwrap", *methods[1:]),  # shardwrap: the alias of shardwrap-s3
+        *("--precision", "fp32", "bf16", "--rounds", "1", "--steps", "2"),
+        *("--config", json.dumps(TINY), "--theme", "smoke"),
+        out_dir=tmp_path,
+    )
     (png,) = tmp_path.glob("smoke_*.png")
-    report = json.loads(js.read_text())
     rows = report["rows"]
     assert list(rows) == ["fp32", "bf16"]
     for precision, by_method in rows.items():
@@ -89,7 +86,6 @@ def test_compare_runs_fp32_and_bf16_and_writes_markdown_json_and_png(tmp_path: P
     # Kept from forward to backward, parameters are gathered once per step instead of twice.
     fp32 = rows["fp32"]
     assert fp32["fsdp2-noreshard"]["comm_mb_per_step"] < fp32["fsdp2"]["comm_mb_per_step"]
-    table = md.read_text()
     for precision in ("fp32", "bf16"):
         for method in methods:
             assert f"| {method} | {precision} |" in table
@@ -100,26 +96,21 @@ def test_compare_runs_fp32_and_bf16_and_writes_markdown_json_and_png(tmp_path: P
 
 @pytest.mark.process
 def test_scaling_runs_one_tiny_cell_and_writes_markdown_json_and_png(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "benchmarks/scaling.py",
+    table, report = run_benchmark(
+        "scaling.py",
         *("--sizes", "32x2x2", "--world-sizes", "2", "--stages", "2"),
-        *("--steps", "1", "--context", "16", "--out-dir", str(tmp_path)),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (md,) = tmp_path.glob("scaling_*.md")
-    (js,) = tmp_path.glob("scaling_*.json")
+        *("--steps", "1", "--context", "16"),
+        out_dir=tmp_path,
+        prefix="scaling",
+    )
     (png,) = tmp_path.glob("scaling_*.png")
-    report = json.loads(js.read_text())
     (row,) = report["rows"]
     assert (row["size"], row["stage"], row["world_size"]) == ("32x2x2", 2, 2)
     assert row["params"] == report["sizes"]["32x2x2"]["params"]
     assert 0 < row["build_resident_mb"] <= row["resident_mb"] and row["step_s"] > 0
     assert row["ratio"] == pytest.approx(1, abs=0.1) and row["within"]
     assert report["failed"] == []
-    assert "| 32x2x2 | " in md.read_text()
+    assert "| 32x2x2 | " in table
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
@@ -127,19 +118,13 @@ def test_scaling_runs_one_tiny_cell_and_writes_markdown_json_and_png(tmp_path: P
 def test_optimizers_runs_shape_aware_optimizers_like_ddp_and_counts_the_owner_exchange(
     tmp_path: Path,
 ) -> None:
-    cmd = [
-        sys.executable,
-        "benchmarks/optimizers.py",
+    table, report = run_benchmark(
+        "optimizers.py",
         *("--nproc", "2", "--methods", "shardwrap", "ddp"),
         *("--optimizers", "adamw", "muon", "--steps", "1"),
-        *("--config", json.dumps(TINY), "--theme", "smoke", "--out-dir", str(tmp_path)),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (md,) = tmp_path.glob("smoke_*.md")
-    (js,) = tmp_path.glob("smoke_*.json")
-    report = json.loads(js.read_text())
+        *("--config", json.dumps(TINY), "--theme", "smoke"),
+        out_dir=tmp_path,
+    )
     rows = {(r["method"], r["optimizer"]): r for r in report["rows"]}
     assert set(rows) == {(m, o) for m in ("shardwrap-s3", "ddp") for o in ("adamw", "muon")}
     params = rows["ddp", "adamw"]["params"]
@@ -159,7 +144,6 @@ def test_optimizers_runs_shape_aware_optimizers_like_ddp_and_counts_the_owner_ex
     for phases in run["phases_s_per_rank"]:
         assert phases["newton_schulz"] > 0 and phases["muon exchange in"] > 0
         assert phases["muon update"] >= phases["newton_schulz"]
-    table = md.read_text()
     assert "| 2 | shardwrap-s3 | muon | " in table
     assert "- 2 ranks, shardwrap-s3: muon step time " in table and "(goal <= 1.15x: " in table
     assert "- 2 ranks, muon: shardwrap stage 3 vs DDP: step time " in table
@@ -167,25 +151,18 @@ def test_optimizers_runs_shape_aware_optimizers_like_ddp_and_counts_the_owner_ex
 
 @pytest.mark.process
 def test_async_checkpoint_times_every_save_and_judges_the_goals(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "benchmarks/async_checkpoint.py",
-        *("--steps", "1", "--during", "1", "--config", json.dumps(TINY)),
-        *("--theme", "smoke", "--out-dir", str(tmp_path)),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (md,) = tmp_path.glob("smoke_*.md")
-    (js,) = tmp_path.glob("smoke_*.json")
-    report = json.loads(js.read_text())
+    table, report = run_benchmark(
+        "async_checkpoint.py",
+        *("--steps", "1", "--during", "1", "--config", json.dumps(TINY), "--theme", "smoke"),
+        out_dir=tmp_path,
+    )
     rows = report["results"]
     assert set(rows) == {f"{lib} {mode}" for lib in ("shardwrap", "fsdp2") for mode in MODES}
     for name, row in rows.items():
         assert 0 < row["hold_s"] <= row["complete_s"], name
         assert len(row["steps_during_s"]) == (0 if name.endswith(" blocking") else 1), name
     assert {"hold_ratio", "hold_met", "step_ratio", "step_met"} <= set(report["goals"])
-    assert "FSDP2 + DCP `async_save`" in md.read_text()
+    assert "FSDP2 + DCP `async_save`" in table
     assert not list(Path(tempfile.gettempdir()).glob("async_checkpoint_*"))  # cleaned up
 
 
@@ -199,19 +176,13 @@ def test_compressed_sends_int8_over_a_rate_limited_link(tmp_path: Path) -> None:
     tests/test_benchmarks.py."""
     root = os.geteuid() == 0
     config = {**TINY, "width": 96, "heads": 2}
-    cmd = [
-        sys.executable,
-        "benchmarks/compressed.py",
+    table, report = run_benchmark(
+        "compressed.py",
         *("--methods", "shardwrap-s3-int8", "--rounds", "1", "--steps", "1"),
         *("--links", "limited" if root else "open", "--rate", "10mbit"),
-        *("--config", json.dumps(config), "--theme", "smoke", "--out-dir", str(tmp_path)),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (md,) = tmp_path.glob("smoke_*.md")
-    (js,) = tmp_path.glob("smoke_*.json")
-    report = json.loads(js.read_text())
+        *("--config", json.dumps(config), "--theme", "smoke"),
+        out_dir=tmp_path,
+    )
     ((link, rows),) = report["rows"].items()
     assert link == ("10mbit" if root else "open")
     (run,) = report["runs"][link]["shardwrap-s3-int8"]
@@ -219,7 +190,7 @@ def test_compressed_sends_int8_over_a_rate_limited_link(tmp_path: Path) -> None:
     assert 0.2 < sent / (2 * 4 * run["params"]) <= 0.3
     if root:  # both ranks' bytes share the loopback
         assert rows["shardwrap-s3-int8"]["step_s"] >= (sent - 256 * 1024) * 8 / 10e6 > 0.2
-    assert "| shardwrap-s3-int8 |" in md.read_text()
+    assert "| shardwrap-s3-int8 |" in table
 
 
 @pytest.mark.process
@@ -229,19 +200,13 @@ def test_t5_compare_times_trainer_evaluate_with_the_results_of_ddp(tmp_path: Pat
     batches per rank, with no all-reduce per decoded token, and FSDP2 really sharded (not the
     plain model the Trainer's own FSDP2 leaves on CPU)."""
     methods = ("ddp", "shardwrap-s3", "fsdp2")
-    cmd = [
-        sys.executable,
-        "benchmarks/t5_compare.py",
+    table, results = run_benchmark(
+        "t5_compare.py",
         *("--only", "eval", "--no-generate", "--methods", *methods),
-        *("--rows", "8", "--eval-batch", "2", "--beams", "2", "--tokens", "8"),
-        *("--repeats", "1", "--out-dir", str(tmp_path)),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (md,) = tmp_path.glob("t5_compare_eval_*.md")
-    (js,) = tmp_path.glob("t5_compare_eval_*.json")
-    results = json.loads(js.read_text())
+        *("--rows", "8", "--eval-batch", "2", "--beams", "2", "--tokens", "8", "--repeats", "1"),
+        out_dir=tmp_path,
+        prefix="t5_compare_eval",
+    )
     assert list(results) == list(methods)
     ddp = results["ddp"]["evaluate"]
     for method in methods:
@@ -255,6 +220,5 @@ def test_t5_compare_times_trainer_evaluate_with_the_results_of_ddp(tmp_path: Pat
     # one all-reduce deciding to keep the units gathered; none per token (ranks decode alone)
     assert stage3["all_reduce"] == 1
     assert results["fsdp2"]["evaluate"]["evaluated_as"].startswith("FSDP")
-    table = md.read_text()
     assert "| shardwrap-s3 | not run | | | | | " in table
     assert "Stage 3's evaluate() against DDP's: " in table and "DIFFERS" not in table
