@@ -3,8 +3,9 @@
 Moving a sharded model to the device its shards are on (``cpu`` and ``cpu:0``, as ``Trainer``
 does) changes nothing, and a real move or cast is refused, naming the fix; the stock
 ``Trainer``, which would save on rank 0 alone and wait for good at its first checkpoint, is
-refused when it is built, naming ``shardwrap.hf.Trainer``. ``shardwrap.hf.Trainer`` and an
-``accelerate`` loop training against DDP under torchrun: ``tests/e2e/test_hf_trainer.py``.
+refused when it is built, naming ``shardwrap.hf.Trainer``; ``shardwrap.hf.Seq2SeqTrainer``
+lets ``generate()`` choose ``synced_gpus`` unless the caller passes it. ``shardwrap.hf.Trainer``
+and an ``accelerate`` loop training against DDP under torchrun: ``tests/e2e/test_hf_trainer.py``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_trainer.py -q``
 """
@@ -49,3 +50,53 @@ def test_stock_trainer_is_refused_when_built_naming_shardwrap_trainer(tmp_path: 
         transformers.Seq2SeqTrainer(model=model, args=args)
     trainer = shardwrap.hf.Trainer(model=model, args=args)
     assert trainer.model is model
+
+
+def test_seq2seq_trainer_lets_generate_choose_synced_gpus_unless_the_caller_passes_it(
+    tmp_path: Path,
+) -> None:
+    """``shardwrap.hf.Seq2SeqTrainer``'s ``evaluate()`` and ``predict()`` pass
+    ``synced_gpus=None`` to ``generate()``, where the stock trainer passes ``True`` for a model
+    it takes as FSDP-managed (a collective per decoded token); one the caller passes is used as
+    given."""
+    import transformers
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    import shardwrap.hf
+    from tests.support.models import tiny_t5_config
+
+    torch.manual_seed(0)
+    model = ShardedModule(
+        transformers.T5ForConditionalGeneration(tiny_t5_config()), auto_wrap=T5Block
+    )
+    assert is_fsdp_managed_module(model)  # the stock trainer's default would be True
+    passed = []
+    generate = model.generate
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        passed.append(kwargs.pop("synced_gpus", "unset"))
+        return generate(*args, **kwargs)  # one rank: nobody to decode in step with
+
+    model.generate = recorded
+    rows = [{"input_ids": torch.arange(2, 10), "labels": torch.arange(2, 6)} for _ in range(2)]
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        predict_with_generate=True,
+        generation_max_length=5,
+        per_device_eval_batch_size=2,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = shardwrap.hf.Seq2SeqTrainer(
+        model=model,
+        args=args,
+        eval_dataset=rows,
+        compute_metrics=lambda prediction: {},  # without one, evaluate() generates nothing
+    )
+    trainer.evaluate()
+    trainer.predict(rows)
+    trainer.evaluate(synced_gpus=True)
+    trainer.predict(rows, synced_gpus=True)
+    assert passed == [None, None, True, True]
