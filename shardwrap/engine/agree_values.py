@@ -32,6 +32,8 @@ def _tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 
 def _summary(t: Tensor) -> tuple[float, float]:
     """(sum, 2-norm) of ``t`` accumulated in float64, without a float64 copy of ``t``."""
+    if _is_float8(t):  # torch sums no float8: its bytes are summed
+        t = t.view(torch.uint8)
     if not (t.is_floating_point() or t.is_complex()):
         t = t.double()
     return (
@@ -80,7 +82,13 @@ def copy_from_rank0(module: nn.Module, mesh: Mesh) -> None:
     groups = [g for g in (mesh.replicate, mesh.shard) if g is not None and group_size(g) > 1]
     for _, t in _tensors(module):
         staged = t if t.is_contiguous() else t.contiguous()
+        # gloo sends no float8: its bytes go as they are
+        wire = staged.view(torch.uint8) if _is_float8(staged) else staged
         for group in groups:
-            group.broadcast([staged], options).wait()
+            group.broadcast([wire], options).wait()
         if staged is not t:
             t.copy_(staged)
+
+
+def _is_float8(t: Tensor) -> bool:
+    return t.is_floating_point() and t.element_size() == 1

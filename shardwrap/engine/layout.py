@@ -3,7 +3,9 @@
 Pure arithmetic, no tensors' contents and no process groups. A flat buffer is the
 concatenation of its parameters, flattened, in a fixed order, followed by at most
 ``world_size - 1`` padding elements so that it splits into ``world_size`` equal shards.
-Rank ``r`` owns elements ``[r * shard_size, (r + 1) * shard_size)`` of it.
+Rank ``r`` owns elements ``[r * shard_size, (r + 1) * shard_size)`` of it. A buffer of no
+elements (a unit whose parameters are all empty, ``nn.Linear(h, 0)``) is padded to one element
+per rank, so that every shard, gather and reduction has memory of its own.
 
 Checkpoints key their files on the per-parameter element ranges computed here, so the
 layout of a checkpoint never depends on the world size that wrote it.
@@ -69,8 +71,8 @@ class FlatLayout:
 
     @cached_property
     def shard_size(self) -> int:
-        """Elements in each rank's shard, padding included."""
-        return -(-self.numel // self.world_size)
+        """Elements in each rank's shard, padding included (at least one)."""
+        return max(1, -(-self.numel // self.world_size))
 
     @property
     def padded_numel(self) -> int:
@@ -79,7 +81,8 @@ class FlatLayout:
 
     @property
     def padding(self) -> int:
-        """Padding elements at the end of the flat buffer (at most ``world_size - 1``)."""
+        """Padding elements at the end of the flat buffer (at most ``world_size - 1``, or
+        ``world_size`` for a buffer of no elements)."""
         return self.padded_numel - self.numel
 
     def shard_range(self, rank: int) -> tuple[int, int]:
