@@ -47,6 +47,7 @@ __all__ = [
     "all_gather",
     "all_gather_many",
     "all_reduce",
+    "broadcast",
     "packing",
     "group_rank",
     "group_size",
@@ -530,6 +531,20 @@ def _arrived(receive: dist.Work) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def broadcast(tensor: Tensor, group: Group, root: int, stats: CommStats | None = None) -> Pending:
+    """Copy ``tensor`` from the rank ``root`` of ``group`` to every rank of it, in place."""
+    if stats is not None:
+        stats.add("broadcast", tensor.numel() * tensor.element_size())
+    if group is None:
+        return Pending(None)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    try:
+        return Pending(group.broadcast([tensor], opts), what="broadcast", group=group)
+    except RuntimeError as e:
+        raise failed("broadcast", e, group) from e
 
 
 def all_reduce(

@@ -20,6 +20,7 @@ from ..comm.mesh import Mesh
 from ..comm.quantize import Codec
 from ..options import Compression, MixedPrecision
 from ..tiers.home import Home
+from . import assign
 from .checks import SHARD_ATTR
 from .extensions import may_train
 from .flat_group import FlatGroup
@@ -121,4 +122,7 @@ def build_root(
     )
     install()  # the step hooks that give shape-aware optimizers whole parameters
     weakref.finalize(root, release)
+    root.assignments = assign.Assignments(module, units, root.note_change)
+    assign.install()  # the hooks that see parameters and modules assigned after wrapping
+    weakref.finalize(root, assign.release)
     return root

@@ -140,6 +140,10 @@ class FlatGroup:
         # Differentiable uses of the views whose backward has not run; at zero, backward is
         # done reading the gathered parameters (their gradients are not yet one flat tensor).
         self.splits_pending = 0
+        # Per parameter: whether any backward since the flat gradient was last taken gave it a
+        # gradient. A parameter none gave one keeps ``.grad = None``, as in plain PyTorch,
+        # though its slot of the flat gradient holds zeros.
+        self.grads_seen = [False] * len(params)
         self._on_views_done: Callable[[FlatGroup], None] | None = None
         self.gathered_version = -1
         # 1-D uint8, codec.nbytes(padded/N): the shard as a compressed gather sent it, kept
@@ -164,6 +168,15 @@ class FlatGroup:
             self.release()
         if self._buffer is None:
             self._buffer = resident if resident is not None else self.take_buffer(dtype)
+
+    def start_training(self) -> None:
+        """A frozen group's parameter was unfrozen after wrapping (``requires_grad_(True)``):
+        from the next forward on, the group gets a flat gradient and its reduction."""
+        lo, hi = self.layout.shard_range(self.mesh.shard_rank)
+        self.requires_grad = True
+        self.full.requires_grad_(True)
+        self.home_grad = self.home.grad_buffer(hi - lo, self.grad_dtype, self.dtype)
+        self.drop_views()  # made again, tracking gradients, where the group is in use
 
     def take_buffer(self, dtype: torch.dtype) -> Tensor:
         """A full buffer of ``dtype`` from the pool (1-D, padded numel, values undefined)."""
@@ -269,10 +282,12 @@ class FlatGroup:
         """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
         the padding): one copy, which also casts, into a buffer from the pool."""
         flat = self.pool.take_scratch(self.layout.padded_numel, self.grad_dtype, self.home.device)
-        for g, offset, n in zip(grads, self.layout.offsets, self.layout.numels):
+        seen = self.grads_seen
+        for i, (g, offset, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
             if g is None:
                 flat[offset : offset + n].zero_()
             else:
+                seen[i] = True
                 flat[offset : offset + n].copy_(g.reshape(-1))
         flat[self.layout.numel :].zero_()
         return flat
@@ -316,6 +331,15 @@ class FlatGroup:
         self.drop_views()
         self.free_storage()
 
+    def assign(self, index: int, value: Tensor) -> None:
+        """Copy this rank's piece of ``value``, parameter ``index``'s new full value, into the
+        shard (a gathered buffer of it is then stale, and gathered again before use)."""
+        pc = self.pieces[index]
+        with torch.no_grad():
+            self.shard[pc.shard_offset : pc.shard_offset + pc.numel].copy_(
+                value.reshape(-1)[pc.start : pc.stop]
+            )
+
     def write_back(self) -> None:
         """Copy this rank's range of the full buffer (gathered ``exact``) back into the shard."""
         lo, hi = self.layout.shard_range(self.mesh.shard_rank)
@@ -324,20 +348,29 @@ class FlatGroup:
 
     # gradients -----------------------------------------------------------------------
 
-    def take_grad(self) -> Tensor:
+    @property
+    def has_grad(self) -> bool:
+        """Whether a backward gave any parameter a gradient since the flat one was last taken
+        (under ``no_sync``, any of the backwards since the last reduction)."""
+        return any(self.grads_seen)
+
+    def take_grad(self) -> tuple[Tensor, list[bool]]:
         """Take the flat gradient (1-D, padded numel, ``grad_dtype``) out of the leaf, for
-        reduction; zeros where this rank produced none."""
-        grad = self.full.grad
+        reduction (zeros where this rank produced none), with which parameters it holds a
+        gradient of (``grads_seen``, reset here)."""
+        grad, seen = self.full.grad, self.grads_seen
         self.full.grad = None
+        self.grads_seen = [False] * len(seen)
         if grad is None:
             grad = torch.zeros(
                 self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
             )
-        return grad
+        return grad, seen
 
     def drop_grad(self) -> None:
         """Drop the flat gradient of a backward that raised."""
         self.full.grad = None
+        self.grads_seen = [False] * len(self.grads_seen)
 
     def free_home_grad(self) -> Tensor | None:
         """The home's gradient buffer, if it may take this backward's gradient."""
@@ -353,17 +386,25 @@ class FlatGroup:
         # Held by the buffer itself and by the storage object asked; any view adds one.
         return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
 
-    def accumulate(self, new: Tensor, as_grad: Callable[[Tensor], Tensor]) -> None:
+    def accumulate(
+        self, new: Tensor, as_grad: Callable[[Tensor], Tensor], seen: list[bool]
+    ) -> list[nn.Parameter]:
         """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
 
         The ``.grad`` tensors are views of one flat buffer, typed by ``as_grad``, known here
-        only weakly: once ``zero_grad()`` drops them, their memory is freed. A shard param
-        that does not require grad now gets none, as in plain PyTorch.
+        only weakly: once ``zero_grad()`` drops them, their memory is freed. As in plain
+        PyTorch, a shard param that does not require grad now gets none, and neither does one
+        that no rank's backward gave a gradient (``seen``, agreed across ranks): its ``.grad``
+        stays as it was.
+
+        Returns:
+            The shard params whose ``.grad`` this changed.
         """
         new = new.to(self.dtype)
         params = self.shard_params
         flat = self._grad_flat()
-        every = all(p.requires_grad for p in params)
+        takes = [p.requires_grad and s for p, s in zip(params, seen)]
+        every = all(takes)
         if (
             every
             and flat is not None
@@ -381,8 +422,8 @@ class FlatGroup:
             self._grad_flat = weakref.ref(new)
             self._grad_views = [weakref.ref(v) for v in views]
         else:
-            for p, pc in zip(params, self.pieces):
-                if not p.requires_grad:
+            for p, pc, take in zip(params, self.pieces, takes):
+                if not take:
                     continue
                 piece = new[pc.shard_offset : pc.shard_offset + pc.numel].view(p.shape)
                 if p.grad is None:
@@ -390,6 +431,7 @@ class FlatGroup:
                 else:
                     p.grad.add_(piece)
             self._grad_flat, self._grad_views = _dead_ref, []
+        return [p for p, take in zip(params, takes) if take]
 
 
 def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
@@ -439,6 +481,8 @@ class _FullParams(torch.autograd.Function):
         # Weakly: the graph can outlive the model (a hook torch keeps in a cycle through the
         # graph holds this node until a collection), and must not keep the model alive.
         ctx.group = weakref.ref(group)
+        # A view backward gives no gradient stays None (not zeros): its parameter was unused.
+        ctx.set_materialize_grads(False)
         return tuple(views_of(buffer, group))
 
     @staticmethod

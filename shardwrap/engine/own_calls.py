@@ -22,7 +22,7 @@ from .unit import ShardState, Unit
 if TYPE_CHECKING:
     from .root import Root
 
-__all__ = ["OwnCalls", "ready"]
+__all__ = ["OwnCalls", "piece_hint", "ready"]
 
 
 class OwnCalls:
@@ -101,3 +101,41 @@ def ready(unit: Unit, grad: bool) -> bool:
             for g in unit.groups
         )
     )
+
+
+def piece_hint(units: list[Unit], error: BaseException) -> str | None:
+    """What to say when a forward failed on a parameter read outside its unit's forward.
+
+    Outside its unit's forward (and any module holding it called on its own) a parameter is
+    this rank's piece of it, shape ``(1, k)``: code that reads ``block.weight`` from another
+    module's forward gets the piece, and torch fails on its shape. Where ``error``'s message
+    shows a piece's shape, this names the parameter and the fixes; else ``None``.
+    """
+    message = str(error)
+    found = []
+    for unit in units[1:]:
+        for g in unit.groups:
+            for name, p in zip(g.names, g.shard_params):
+                if any(pattern in message for pattern in _shape_patterns(tuple(p.shape))):
+                    found.append(f"{name} (its piece here: {tuple(p.shape)})")
+    if not found:
+        return None
+    return (
+        f"shardwrap: forward failed on a shape that is this rank's piece of {', '.join(found)}. "
+        "A parameter read outside its unit's forward (e.g. F.linear(h, self.block.weight) in "
+        "another module's forward) is only this rank's piece of it: its unit gathers it for its "
+        "own forward. Use it inside that unit's forward (call the module that holds it), or make "
+        "a module enclosing both uses the unit (auto_wrap), or share the parameter by tying it "
+        f"before wrapping. The error: {message}"
+    )
+
+
+def _shape_patterns(shape: tuple[int, ...]) -> list[str]:
+    """How torch's messages write ``shape`` (a piece: ``(1, ..., k)``, ``(k,)`` or ``()``)."""
+    if not shape or shape[-1] <= 1:
+        return []
+    if len(shape) == 1:
+        return [f"[{shape[0]}]", f"({shape[0]})"]
+    k, ones = shape[-1], len(shape) - 1
+    listed = ", ".join(["1"] * ones + [str(k)])
+    return [f"1x{k}", f"{k}x1", f"[{listed}]", f"({listed})", f"({k})"]

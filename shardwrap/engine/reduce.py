@@ -94,23 +94,35 @@ class Reductions:
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
-        nbytes = [g.layout.padded_numel * g.grad_dtype.itemsize for g in order]
         # one rank reduces by copying: nothing to gain by waiting for a bucket
         alone = self.codec is not None or mesh.shard_size == 1
-        self._ends = bucket_ends(nbytes, 0 if alone else bucket_bytes)
+        self._bucket_bytes = 0 if alone else bucket_bytes
+        self.refresh()
         self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
         self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
         self.reset()
 
+    def refresh(self) -> None:
+        """Cut the order into buckets again, after a frozen group began to train: a frozen
+        group takes no room in a bucket, and its reduction is skipped."""
+        nbytes = [
+            g.layout.padded_numel * g.grad_dtype.itemsize if g.requires_grad else 0
+            for g in self.order
+        ]
+        self._ends = bucket_ends(nbytes, self._bucket_bytes)
+
     def reset(self) -> None:
         """Forget the previous backward."""
-        self.ready = [False] * len(self.order)
+        # a frozen group is ready from the start: it has nothing to reduce
+        self.ready = [not g.requires_grad for g in self.order]
         self.used = [False] * len(self.order)
+        # per position, once its reduction is issued: which of its parameters have a gradient
+        self.seen: list[list[bool] | None] = [None] * len(self.order)
         self._issued = 0
         self._closing = False
         # one exchange: (positions, collective, its outputs: shard gradients 1-D padded/N, its
         # full-size inputs)
-        self._pending: list[tuple[range, Pending, list[Tensor], list[Tensor]]] = []
+        self._pending: list[tuple[list[int], Pending, list[Tensor], list[Tensor]]] = []
         self._landed: list[tuple[int, Tensor]] = []
 
     def grad_ready(self, group: FlatGroup) -> None:
@@ -122,11 +134,24 @@ class Reductions:
         """End of backward: every gradient is as complete as it gets; deferred ones may go.
 
         Returns:
-            Which groups this rank used in this backward.
+            Which groups have a gradient to reduce on this rank: used in this backward, or in
+            one under ``no_sync`` since their last reduction (a backward split in several
+            calls may not reach them, yet what they accumulated is theirs to keep).
         """
+        for i in range(self._issued, len(self.order)):
+            self.used[i] = self.used[i] or self.order[i].has_grad
         self.ready = [True] * len(self.order)
         self._closing = True
         return list(self.used)
+
+    def partial(self) -> bool:
+        """Whether some group this rank used has a parameter it gave no gradient (its
+        ``.grad`` must stay ``None`` unless another rank gave it one; see ``finish``)."""
+        for i, used in enumerate(self.used):
+            seen = self.seen[i] if self.seen[i] is not None else self.order[i].grads_seen
+            if used and not all(seen):
+                return True
+        return False
 
     def ready_prefix(self) -> int:
         """How many reductions, in order, this rank could issue now."""
@@ -147,11 +172,16 @@ class Reductions:
         while self._issued < upto and self._ends[self._issued] <= upto:
             while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
                 self._complete_oldest()
-            positions = range(self._issued, self._ends[self._issued])
+            bucket = range(self._issued, self._ends[self._issued])
+            self._issued = bucket.stop
+            positions = [i for i in bucket if self.order[i].requires_grad]
+            if not positions:
+                continue
             outs, grads = [], []
             for i in positions:
                 group = self.order[i]
-                grads.append(group.take_grad())
+                grad, self.seen[i] = group.take_grad()
+                grads.append(grad)
                 outs.append(
                     self.home.reduce_into(
                         group.shard.numel(), group.grad_dtype, group.free_home_grad()
@@ -166,7 +196,6 @@ class Reductions:
                     outs[0], grads[0], self.mesh.shard, self.codec, residual, self.stats
                 )
             self._pending.append((positions, work, outs, grads))
-            self._issued = positions.stop
 
     def drain(self) -> None:
         """Land every reduction in flight, freeing the full-size gradients they hold."""
@@ -201,11 +230,31 @@ class Reductions:
             residuals[i] = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
         return residuals[i]
 
-    def finish(self, used_anywhere: list[bool]) -> None:
-        """Wait for every reduction and add the landed shards to the shard parameters' grads."""
+    def finish(self, used_anywhere: list[bool], seen_anywhere: list[list[bool]] | None) -> None:
+        """Wait for every reduction and add the landed shards to the shard parameters' grads,
+        then run each changed parameter's post-accumulate-grad hooks, as autograd runs them on
+        a plain model's.
+
+        Args:
+            used_anywhere: per position, whether any rank has a gradient for the group.
+            seen_anywhere: per position, which of its parameters any rank gave a gradient;
+                ``None`` where every rank gave one to every parameter of the groups it used.
+        """
         self.drain()
         self.home.quiesce()
         for i, out in self._landed:
             if used_anywhere[i]:
-                self.order[i].accumulate(out, self._as_grad)
+                group = self.order[i]
+                seen = seen_anywhere[i] if seen_anywhere is not None else [True] * len(group.names)
+                for p in group.accumulate(out, self._as_grad, seen):
+                    _post_accumulate(p)
         self.reset()
+
+
+def _post_accumulate(param: Tensor) -> None:
+    """Run ``param``'s post-accumulate-grad hooks (``register_post_accumulate_grad_hook``):
+    autograd never does for a shard parameter, which is not in its graph."""
+    hooks = param._post_accumulate_grad_hooks
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)

@@ -35,13 +35,14 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import CommStats
 from ..comm.mesh import Mesh
 from ..options import Compression, MixedPrecision
 from ..tiers.home import Home
 from ..tiers.offload import before_step
+from .edits import agree_edits
 from .flat_group import FlatGroup
 from .optimizers import OptimizerHooks
 from .own_calls import OwnCalls
@@ -51,6 +52,7 @@ from .reduce import Reductions
 from .saved import SavedViews
 from .schedule import Schedule
 from .strategy import Strategy
+from .trees import cast_floating, map_outputs
 from .unit import ShardState, Unit
 
 __all__ = ["Phase", "Root"]
@@ -111,7 +113,14 @@ class Root:
         self.params: list[Param]
         self.param_of: dict[int, Param]  # keyed by id(shard parameter)
         self.params, self.param_of = index_params(units)
-        order = [g for u in sorted(units, key=lambda u: -u.index) for g in u.trainable]
+        # Every group that can train, in the canonical order: a frozen one may be unfrozen after
+        # wrapping, and a fixed order keeps every rank's handshakes the same size.
+        order = [
+            g
+            for u in sorted(units, key=lambda u: -u.index)
+            for g in u.groups
+            if g.dtype.is_floating_point
+        ]
         self.reductions = Reductions(
             order,
             mesh,
@@ -136,7 +145,7 @@ class Root:
         weakref.finalize(self, self.home.close)
         self.optimizers: OptimizerHooks | None = None  # the offload tiers' optimizer hooks
         if self.home.hooks_optimizers:
-            shards = [p for u in units for g in u.trainable for p in g.shard_params]
+            shards = [p for u in units for g in u.groups for p in g.shard_params]
             self.optimizers = OptimizerHooks(shards, before_step)
             weakref.finalize(self, self.optimizers.close)
         self.phase = Phase.IDLE
@@ -151,12 +160,15 @@ class Root:
         self._backward_seen: set[int] = set()
         self._released: set[int] = set()
         self._inputs_pending: dict[int, int] = {}
+        # the frozen groups that may start to train (see ``_train_unfrozen``)
+        self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
         for unit in units:
             unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
             unit.module.register_forward_hook(self._hook_post_forward(unit))
-            unit.register_grad_hooks(self._on_grad)
-            for g in unit.trainable:
+            for g in unit.groups:
                 g.call_when_views_done(self._on_views_done)
+            for g in unit.trainable:
+                unit.register_grad_hook(g, self._on_grad)
         self.own_calls = OwnCalls(self)
 
     @property
@@ -181,7 +193,7 @@ class Root:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self._pre_forward(unit)
             if self.input_dtype is not None:
-                args, kwargs = _cast_floating((args, kwargs), self.input_dtype)
+                args, kwargs = cast_floating((args, kwargs), self.input_dtype)
             if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:
                 self._hook_inputs(unit, (args, kwargs))
             return args, kwargs
@@ -191,7 +203,7 @@ class Root:
     def _hook_post_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if unit is self.root and self.output_dtype is not None:
-                output = _cast_floating(output, self.output_dtype)
+                output = cast_floating(output, self.output_dtype)
             return self._post_forward(unit, output)
 
         return hook
@@ -204,6 +216,7 @@ class Root:
             return
         if unit is self.root:
             self.check_state()
+            self._train_unfrozen()
             self.phase = Phase.FORWARD
             self.schedule.begin_forward()
             self._recording = []
@@ -224,14 +237,15 @@ class Root:
         grad = torch.is_grad_enabled()
         # The units that run last in forward run first in backward: keep them gathered.
         kept = self._forward_kept if grad else set()
-        if (
+        release = (
             unit is not self.root
             and unit.index not in kept
             and self.release_after_forward(unit, grad)
-        ):
+        )
+        if grad or release:
+            output = self._outputs(unit, output, grad, release)
+        if release:
             unit.reshard()
-        if grad:
-            self._hook_outputs(unit, output)
         if unit is self.root:
             last = self._recording[-1] if grad else None
             if last is not None:
@@ -272,8 +286,11 @@ class Root:
         release = self.strategy.release_after_forward(grad_enabled=grad) or unit.stage3_lifetime
         return release and not (self.keeping and not grad)
 
-    def _hook_outputs(self, unit: Unit, output: Any) -> None:
-        leaves, _ = tree_flatten(output)
+    def _outputs(self, unit: Unit, output: Any, grad: bool, release: bool) -> Any:
+        """``unit``'s output, hooked so that the unit is gathered again before backward needs
+        it (``grad``); where the unit is released now (``release``), a tensor in it that views
+        the unit's gathered parameters (a module returning its own weight, in any container or
+        object) becomes a copy, which backward differentiates as the view."""
         root, index = weakref.ref(self), unit.index  # weakly: see _hook_inputs
 
         def pre_backward(grad: Tensor) -> None:
@@ -281,9 +298,22 @@ class Root:
             if live is not None:
                 live._pre_backward(live.units[index])
 
-        for t in leaves:
-            if isinstance(t, Tensor) and t.requires_grad:
+        def visit(t: Tensor) -> Tensor:
+            if release and self._views_gathered(unit, t):
+                t = t.clone()
+            if grad and t.requires_grad:
                 t.register_hook(pre_backward)
+            return t
+
+        return map_outputs(output, visit)
+
+    def _views_gathered(self, unit: Unit, t: Tensor) -> bool:
+        """Whether ``t`` views one of ``unit``'s gathered buffers."""
+        try:
+            group = self.pool.holder.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without plain storage
+            return False
+        return group is not None and self._unit_of.get(id(group)) is unit
 
     def _hook_inputs(self, unit: Unit, inputs: Any) -> None:
         """Count this call's input gradients, so frozen groups are released once they exist.
@@ -310,6 +340,29 @@ class Root:
     def _inputs_done(self, index: int) -> None:
         self._inputs_pending[index] -= 1
         self._maybe_release(self.units[index])
+
+    def _train_unfrozen(self) -> None:
+        """Frozen groups with a parameter unfrozen since (``requires_grad_(True)``: progressive
+        unfreezing) train from this forward on, as a plain model's parameters would."""
+        if not any(p.requires_grad for _, g in self._frozen for p in g.shard_params):
+            return
+        still = []
+        for unit, g in self._frozen:
+            if any(p.requires_grad for p in g.shard_params):
+                g.start_training()
+                unit.register_grad_hook(g, self._on_grad)
+                self.note_change(self.reductions.order.index(g))
+            else:
+                still.append((unit, g))
+        self._frozen = still
+        self.reductions.refresh()
+        self.reductions.reset()
+
+    def note_change(self, value: int) -> None:
+        """Fold a change made to the model since wrapping into the hash every handshake checks
+        is the same on every rank (``Schedule.changes``)."""
+        schedule = self.schedule  # + 1: a change of value 0 (zeros assigned) still counts
+        schedule.changes = (schedule.changes * 1_000_003 + value + 1) % (1 << 61)
 
     # backward ------------------------------------------------------------------------
 
@@ -469,8 +522,9 @@ class Root:
     # outside forward -----------------------------------------------------------------
 
     @contextmanager
-    def gathered(self, writeback: bool) -> Iterator[None]:
-        """Gather every unit, expose full parameters, optionally write edits back."""
+    def gathered(self, writeback: bool, modifier_rank: int | None = None) -> Iterator[None]:
+        """Gather every unit, expose full parameters, optionally write edits back: those every
+        rank made alike, or ``modifier_rank``'s (``engine/edits.py``)."""
         self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
@@ -483,16 +537,28 @@ class Root:
             unit.use_full(track_grad=False)
         self.own_calls.paused = True
         self.keeping += 1  # a forward inside (generate()) leaves the units gathered
+        raised = True
         try:
             yield
+            raised = False
         finally:
             self.keeping -= 1
             self.own_calls.paused = False
-            for unit in self.units:
-                if writeback:
-                    for g in unit.groups:
-                        g.write_back()
-                unit.reshard()
+            try:
+                if writeback and self._agree_edits(raised, modifier_rank):
+                    for unit in self.units:
+                        for g in unit.groups:
+                            g.write_back()
+            finally:
+                for unit in self.units:
+                    unit.reshard()
+
+    def _agree_edits(self, raised: bool, modifier_rank: int | None) -> bool:
+        """Whether to write back the edits made inside ``gathered()``; every rank agrees."""
+        if self.mesh.world_size == 1:
+            return not raised
+        groups = [g for u in self.units for g in u.groups]
+        return agree_edits(groups, self.mesh, self.stats, raised, modifier_rank)
 
     @contextmanager
     def keep_gathered(self) -> Iterator[None]:
@@ -519,11 +585,6 @@ class Root:
             yield
         finally:
             self.reductions.sync = previous
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with every floating-point tensor in it cast to ``dtype`` (differentiably)."""
-    return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _unit_index(unit: Unit) -> int:

@@ -137,6 +137,13 @@ class Schedule:
         self._proposing = False
         self._slots = 2 * n
         self._no_backward_handshakes = False  # this backward (see the note above)
+        # Whether, at the end of this backward, some rank gave some parameter of a group it
+        # used no gradient: the groups' parameters with a gradient are then agreed too.
+        self._partial_anywhere = False
+        # A running hash of what changed in the model since it was wrapped (a frozen parameter
+        # that trains now, a parameter assigned anew: ``Root.note_change``); every handshake
+        # checks that it is the same on every rank.
+        self.changes = 0
         self._no_proposal = [-1] * (1 + self._slots) + [1] * (1 + self._slots)
 
     @property
@@ -236,17 +243,30 @@ class Schedule:
         while True:
             ready = reductions.ready_prefix()
             used = [-int(u) for u in reductions.used]
+            partial = want == self.end_backward_priority and reductions.partial()
+            changes = self.changes
             header = [want, ready, self.passes, -self.passes, call, -call, int(alone)]
+            header += [-int(partial), changes, -changes]
             proposal = self._proposal(want, call)
             t = torch.tensor(header + used + proposal, dtype=torch.int64)
             t = t.to(self.mesh.control_device)
             all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
             agreed, ready, fewest, neg_most, low_call, neg_high_call, all_alone, *rest = t.tolist()
+            any_partial, low_changes, neg_high_changes, *rest = rest
             if fewest != -neg_most or low_call != -neg_high_call:
                 self._desynchronized(want, call, -neg_most)
+            if low_changes != -neg_high_changes:
+                raise RuntimeError(
+                    "shardwrap: the model changed differently across ranks since it was wrapped: "
+                    "a parameter was assigned (module.weight = nn.Parameter(...)), to values "
+                    "that differ, or unfrozen (requires_grad_(True)) on some ranks only. Make "
+                    "the same change on every rank, with the same values; to load values on "
+                    "one rank, write them inside model.gathered(modifier_rank=0)."
+                )
             reductions.issue(ready)
             if agreed == want:
                 self._no_backward_handshakes = all_alone == 1
+                self._partial_anywhere = any_partial < 0
                 self._used_anywhere = [u < 0 for u in rest[:groups]]
                 self._accept(proposal, rest[groups:])
                 return
@@ -406,9 +426,26 @@ class Schedule:
         if self.world > 1:
             self.abandon_backward()  # without handshakes: the rest goes out before the last
             self._negotiate(self.end_backward_priority)
+            seen = self._seen_anywhere() if self._partial_anywhere else None
         else:
             reductions.issue(reductions.ready_prefix())
-        reductions.finish(self._used_anywhere)
+            seen = [s or [] for s in reductions.seen]
+        reductions.finish(self._used_anywhere, seen)
+
+    def _seen_anywhere(self) -> list[list[bool]]:
+        """Per group, which parameters any rank gave a gradient in what it reduced now (one
+        small all-reduce, made only where some rank left a parameter of a used group without
+        one)."""
+        reductions = self.reductions
+        seen = [s or [False] * len(g.names) for s, g in zip(reductions.seen, reductions.order)]
+        flat = torch.tensor([int(x) for s in seen for x in s], dtype=torch.int64)
+        flat = flat.to(self.mesh.control_device)
+        all_reduce(flat, self.mesh.control, dist.ReduceOp.MAX, self.stats, kind="handshake").wait()
+        values, out = flat.tolist(), []
+        for s in seen:
+            out.append([v > 0 for v in values[: len(s)]])
+            values = values[len(s) :]
+        return out
 
     def abandon_backward(self) -> None:
         """Where this backward reduces without handshakes, issue every reduction not issued yet

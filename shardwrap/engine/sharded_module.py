@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.collectives import CommStats
+from ..comm.collectives import CollectiveFailed, CommStats
 from ..comm.mesh import resolve_mesh
 from ..options import Compression, MixedPrecision, Offload
 from ..tiers.home import make_home
@@ -35,9 +35,11 @@ from .checks import (
     resolve_compile,
     unit_plan,
 )
+from .edits import check_modifier_rank
 from .extensions import check_move, check_prepare, checkpoint_unit, class_habits
 from .inference import fits_gathered
 from .init import ParamInitFn, check_param_init_fn, is_meta
+from .own_calls import piece_hint
 from .recompute import compile_unit, recompute_activations
 from .root import Root
 from .strategy import Strategy
@@ -221,6 +223,19 @@ class ShardedModule(nn.Module):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Wrapping happens in ``__new__``; the wrapped module is already initialised."""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the model; a forward that fails on the shape of a parameter's piece (a
+        parameter read outside its unit's forward) raises naming it and the fixes."""
+        try:
+            return super().__call__(*args, **kwargs)
+        except (RuntimeError, ValueError, IndexError) as e:
+            if isinstance(e, CollectiveFailed):
+                raise
+            hint = piece_hint(self._shardwrap_root.units, e)
+            if hint is None:
+                raise
+            raise RuntimeError(hint) from e
+
     @property
     def _is_accelerate_prepared(self) -> bool:
         """accelerate's mark for a model it must hand back untouched: no DDP (the model reduces
@@ -276,15 +291,29 @@ class ShardedModule(nn.Module):
             yield
 
     @contextmanager
-    def gathered(self, writeback: bool = False) -> Iterator[None]:
+    def gathered(
+        self, writeback: bool | None = None, modifier_rank: int | None = None
+    ) -> Iterator[None]:
         """Make the full parameters readable (and, with ``writeback``, writable) outside forward.
 
-        Inside the block ``module.weight`` and friends are full tensors. With
-        ``writeback=True`` in-place edits are copied into the shards on exit; otherwise they
-        are discarded. Gathers every unit at once: memory of the whole model. Call on every
-        rank.
+        Inside the block ``module.weight`` and friends are full tensors. Gathers every unit at
+        once: memory of the whole model. Call on every rank.
+
+        Args:
+            writeback: copy in-place edits into the shards on exit (``None``: only where a
+                ``modifier_rank`` is given); otherwise they are discarded.
+            modifier_rank: the rank whose edits count (weights loaded on rank 0 only): its full
+                parameters are sent to every rank on exit, then written back. Without one, every
+                rank must make the same edits: they are compared on exit (one small all-reduce)
+                and, where a parameter differs across ranks, every rank raises ``ValueError``
+                naming it, writing nothing back.
+
+        Where a rank raises inside the block, no rank writes anything back (the others raise
+        ``RuntimeError`` saying so).
         """
-        with self._shardwrap_root.gathered(writeback):
+        root = self._shardwrap_root
+        writeback = check_modifier_rank(modifier_rank, writeback, root.mesh.world_size)
+        with root.gathered(writeback, modifier_rank):
             yield
 
     @contextmanager

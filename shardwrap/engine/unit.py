@@ -58,8 +58,15 @@ class Unit:
         self.stats = stats
         self.state = ShardState.SHARDED
         self._pending: list[Pending] = []
-        self.trainable = [g for g in groups if g.requires_grad]
-        self.frozen = [g for g in groups if not g.requires_grad]
+
+    @property
+    def trainable(self) -> list[FlatGroup]:
+        """The groups that get a flat gradient (a frozen one may start to: see ``Root``)."""
+        return [g for g in self.groups if g.requires_grad]
+
+    @property
+    def frozen(self) -> list[FlatGroup]:
+        return [g for g in self.groups if not g.requires_grad]
 
     @property
     def gather_nbytes(self) -> int:
@@ -146,19 +153,20 @@ class Unit:
         finally:
             group.pool.give(buffer, keep=group.dtype == group.compute_dtype)
 
-    def register_grad_hooks(self, on_grad: Callable[[Unit, FlatGroup], None]) -> None:
-        """Call ``on_grad(unit, group)`` once a group's flat gradient is complete.
+    def register_grad_hook(
+        self, group: FlatGroup, on_grad: Callable[[Unit, FlatGroup], None]
+    ) -> None:
+        """Call ``on_grad(unit, group)`` once ``group``'s flat gradient is complete.
 
-        The hooks live in autograd's C++ side, out of sight of Python's garbage collector,
-        so they hold only weak references: a dropped model is freed.
+        The hook lives in autograd's C++ side, out of sight of Python's garbage collector,
+        so it holds only weak references: a dropped model is freed.
         """
-        unit_ref = weakref.ref(self)
+        unit_ref, group_ref = weakref.ref(self), weakref.ref(group)
         callback = weakref.WeakMethod(on_grad)  # type: ignore[arg-type]
-        for i, g in enumerate(self.trainable):
 
-            def hook(_full: Tensor, i: int = i) -> None:
-                unit, fn = unit_ref(), callback()
-                if unit is not None and fn is not None:
-                    fn(unit, unit.trainable[i])
+        def hook(_full: Tensor) -> None:
+            unit, g, fn = unit_ref(), group_ref(), callback()
+            if unit is not None and g is not None and fn is not None:
+                fn(unit, g)
 
-            g.full.register_post_accumulate_grad_hook(hook)
+        group.full.register_post_accumulate_grad_hook(hook)

@@ -315,6 +315,19 @@ class HuggingFaceHabits:
             )
         return any_rank_decoding(self._shardwrap_root, this_peer_finished)
 
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused on a sharded model: it would read this rank's piece of the embedding as the
+        whole table and swap the piece's storage, breaking the flat shard without a word.
+
+        Raises:
+            ValueError: naming the order that works (resize, then wrap).
+        """
+        raise ValueError(
+            "resize_token_embeddings on a sharded model: a resize changes the flat layout every "
+            "rank shares. Resize the unwrapped model, then wrap it: "
+            "model.resize_token_embeddings(n); model = ShardedModule(model, ...)."
+        )
+
     def _set_gradient_checkpointing(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face's switch for its activation checkpointing, then the guards."""
         result = super()._set_gradient_checkpointing(*args, **kwargs)  # type: ignore[misc]

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from ..engine.layout import FlatLayout
-from ..engine.root import _cast_floating as cast_floating
+from ..engine.trees import cast_floating
 from ..engine.wrap import (
     AutoWrap,
     check_selects_something,

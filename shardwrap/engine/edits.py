@@ -1,0 +1,152 @@
+"""Edits to the full parameters outside forward: ``ShardedModule.gathered(writeback=True)``.
+
+Design note. Inside ``gathered()`` every rank holds every parameter in full, and on exit each
+rank copies back only its own shard's range. An edit the ranks did not all make alike (weights
+loaded on rank 0 only) would reach only the ranks whose ranges it touched: a patchwork of old
+and new values. So before anything is written back the ranks agree, in one small all-reduce:
+
+1. whether any rank raised inside the block: then no rank writes anything back;
+2. whose edits count: with ``modifier_rank`` that rank's full parameters are broadcast to every
+   rank first (within its replicas, then within every shard group), so the edits of one rank
+   reach all; without one, every rank must have made the same edits: a fingerprint of each
+   parameter's bits is compared, and where one differs every rank raises, naming it, before
+   anything is written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.collectives import CommStats, all_reduce, broadcast
+from ..comm.mesh import Mesh
+from .flat_group import FlatGroup
+
+__all__ = ["agree_edits", "check_modifier_rank", "fingerprint"]
+
+_CHUNK = 1 << 20  # elements fingerprinted at a time: the int64 copy stays small
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NONE = 1 << 62  # an int64 larger than any rank: "not me" in a MIN
+
+
+def check_modifier_rank(modifier_rank: int | None, writeback: bool | None, world_size: int) -> bool:
+    """Validate ``gathered()``'s arguments before any collective; returns whether edits are
+    written back (``writeback=None``: where a ``modifier_rank`` is given).
+
+    Raises:
+        TypeError: a ``modifier_rank`` that is not an int.
+        ValueError: one outside ``[0, world_size)``, or given with ``writeback=False``.
+    """
+    if modifier_rank is None:
+        return bool(writeback)
+    if type(modifier_rank) is not int:
+        raise TypeError(
+            f"gathered(modifier_rank={modifier_rank!r}): the rank whose edits every rank takes "
+            "is an int, e.g. model.gathered(modifier_rank=0)"
+        )
+    if not 0 <= modifier_rank < world_size:
+        raise ValueError(
+            f"gathered(modifier_rank={modifier_rank}): the model's ranks are 0 to "
+            f"{world_size - 1}. Pass the rank that makes the edits, e.g. modifier_rank=0."
+        )
+    if writeback is False:
+        raise ValueError(
+            "gathered(writeback=False, modifier_rank=...): a modifier rank's edits are written "
+            "back to every rank; drop writeback=False, or drop modifier_rank to discard edits."
+        )
+    return True
+
+
+def agree_edits(
+    groups: list[FlatGroup],
+    mesh: Mesh,
+    stats: CommStats,
+    raised: bool,
+    modifier_rank: int | None,
+) -> bool:
+    """Agree, on every rank, what the ``gathered()`` block being left writes back (see the note
+    above); with a ``modifier_rank``, broadcast its full parameters.
+
+    Args:
+        groups: every flat group, gathered exactly (``full_data`` in the shards' dtype).
+        raised: whether this rank's block raised.
+
+    Returns:
+        Whether to write the full parameters back (``False`` where this rank raised).
+
+    Raises:
+        RuntimeError: another rank raised inside the block (nothing is written back).
+        ValueError: ranks passed different ``modifier_rank``s, or, without one, edited some
+            parameter differently (naming it and the fix; nothing is written back).
+    """
+    me = mesh.rank
+    modifier = -1 if modifier_rank is None else modifier_rank
+    here = modifier_rank == me
+    location = [mesh.shard_rank, mesh.replicate_rank] if here else [_NONE, _NONE]
+    prints = [] if modifier_rank is not None else [h for g in groups for h in _fingerprints(g)]
+    header = [modifier, -modifier, -int(raised), len(prints), -len(prints), *location]
+    t = torch.tensor(header + prints + [-h for h in prints], dtype=torch.int64)
+    all_reduce(t.to(mesh.control_device), mesh.control, dist.ReduceOp.MIN, stats).wait()
+    low, neg_high, any_raised, n, neg_n, shard_at, replica_at, *rest = t.tolist()
+    if low != -neg_high or n != -neg_n:
+        raise ValueError(
+            "gathered(): ranks passed different modifier_rank values; every rank must pass the "
+            "same one (the rank whose edits every rank takes, or None where all edit alike)."
+        )
+    if any_raised < 0:
+        if raised:
+            return False
+        raise RuntimeError(
+            "shardwrap: a rank raised inside model.gathered(writeback=True); no rank wrote its "
+            "edits back, and the parameters are as they were before the block."
+        )
+    if modifier_rank is not None:
+        for g in groups:
+            _broadcast_from(g.full_data, mesh, stats, shard_at, replica_at)
+        return True
+    differ = _differing(groups, rest[: len(prints)], rest[len(prints) :])
+    if differ:
+        raise ValueError(
+            "gathered(writeback=True): on leaving the block these parameters differ across "
+            f"ranks: {', '.join(differ[:4])}{'...' if len(differ) > 4 else ''}; each rank "
+            "would write back its own "
+            "version of its range: a patchwork. Nothing was written back. To write one rank's "
+            "edits (weights loaded on rank 0), pass gathered(modifier_rank=0); otherwise make "
+            "the same edits on every rank."
+        )
+    return True
+
+
+def _fingerprints(group: FlatGroup) -> list[int]:
+    return [h for view in group.param_views() for h in fingerprint(view)]
+
+
+def fingerprint(t: Tensor) -> tuple[int, int]:
+    """Two 62-bit hashes of ``t``'s bits: their sum, and their sum weighted by position."""
+    bits = t.reshape(-1).view(_BITS[t.element_size()])
+    total = weighted = 0
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
+        place = torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device)
+        total += int(chunk.sum())
+        weighted += int((chunk * place).sum())
+    return total % (1 << 62), weighted % (1 << 62)
+
+
+def _differing(groups: list[FlatGroup], low: list[int], neg_high: list[int]) -> list[str]:
+    names = [n for g in groups for n in g.names]
+    return [
+        name
+        for i, name in enumerate(names)
+        if low[2 * i] != -neg_high[2 * i] or low[2 * i + 1] != -neg_high[2 * i + 1]
+    ]
+
+
+def _broadcast_from(
+    buffer: Tensor, mesh: Mesh, stats: CommStats, shard_at: int, replica_at: int
+) -> None:
+    """Copy the full ``buffer`` of the rank at (``shard_at``, ``replica_at``) to every rank."""
+    if mesh.replicate is not None and mesh.shard_rank == shard_at:
+        broadcast(buffer, mesh.replicate, replica_at, stats).wait()
+    broadcast(buffer, mesh.shard, shard_at, stats).wait()

@@ -1,0 +1,244 @@
+"""Changes a user makes to a model after wrapping it: parameters assigned anew, modules swapped,
+weights edited inside ``gathered()`` on every rank or on one (``modifier_rank``).
+
+A change the flat shards can follow takes effect exactly as on the plain model (checked against
+a deep-copied plain model given the same change, over SGD steps at 2 ranks); one they cannot
+follow is refused at the line that makes it, naming the fix, with nothing changed.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_changes_after_wrapping.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import transformers
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import ShardedModule
+from tests.support.models import tiny_gpt2_config
+from tests.support.ranks import run_ranks
+
+WORLD = 2
+STAGES = [1, 2, 3]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.a(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1 = Block()
+        self.b2 = Block()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.b2(self.b1(x)))
+
+
+@functools.cache
+def _net() -> Net:
+    """The model every test starts from; each rank wraps a copy (ranks as threads share
+    torch's random generator, so none draws its own)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Net()
+
+
+def _batches() -> list[Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4 * WORLD, 8, generator=g) for _ in range(3)]
+
+
+def _train(m: nn.Module, rank: int, world: int) -> None:
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    for x in _batches():
+        m(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _wrap(pg: ProcessGroup, stage: int = 3) -> ShardedModule:
+    return ShardedModule(copy.deepcopy(_net()), process_group=pg, auto_wrap=Block, stage=stage)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_assigned_anew_is_the_one_forward_uses(stage: int) -> None:
+    """``model.b1.a.weight = nn.Parameter(w)`` of the same shape: forward computes with ``w``
+    (before, it kept the old shard while ``full_state_dict()`` showed ``w``), it trains as the
+    plain model's does, and a ``requires_grad=False`` one stays frozen."""
+    new = torch.full((8, 8), 0.05)
+    plain = copy.deepcopy(_net())
+    plain.b1.a.weight = nn.Parameter(new.clone())
+    plain.head.bias = nn.Parameter(torch.ones(3), requires_grad=False)
+    first = plain(_batches()[0])
+    _train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[Tensor, dict[str, Tensor]]:
+        m = _wrap(pg, stage)
+        m.b1.a.weight = nn.Parameter(new.clone())
+        m.head.bias = nn.Parameter(torch.ones(3), requires_grad=False)
+        out = m(_batches()[0]).detach()
+        _train(m, rank, WORLD)
+        return out, m.full_state_dict()
+
+    for out, state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(out, first.detach(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
+    assert torch.equal(plain.head.bias, torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ("resize", "a resize or a cast"),
+        ("cast", "a resize or a cast"),
+        ("new name", "adds a parameter"),
+        ("tie", "ties the two"),
+        ("module with parameters", "swaps a module holding parameters"),
+    ],
+)
+def test_a_change_the_shards_cannot_follow_is_refused_at_its_line(
+    change: str, expected: str
+) -> None:
+    """Each is refused where it is made, naming the fix, and the model trains on unchanged."""
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(pg)
+        before = m.full_state_dict()
+        error = TypeError if change == "module with parameters" else ValueError
+        with pytest.raises(error, match=expected):
+            if change == "resize":
+                m.b1.a.weight = nn.Parameter(torch.zeros(9, 8))
+            elif change == "cast":
+                m.b1.a.weight = nn.Parameter(torch.zeros(8, 8, dtype=torch.float64))
+            elif change == "new name":
+                m.b1.scale = nn.Parameter(torch.ones(8))
+            elif change == "tie":
+                m.b2.a.weight = m.b1.a.weight
+            else:
+                m.b1.a = nn.Linear(8, 8)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        _train(m, rank, WORLD)
+
+    run_ranks(WORLD, fn, timeout=30)
+
+
+def test_a_module_without_parameters_may_be_swapped() -> None:
+    """Swapping an activation changes no shard: it is taken, as on the plain model."""
+    plain = copy.deepcopy(_net())
+    plain.b1.act = nn.Tanh()
+
+    def fn(rank: int, pg: ProcessGroup) -> Tensor:
+        m = _wrap(pg)
+        m.b1.act = nn.Tanh()
+        return m(_batches()[0]).detach()
+
+    for out in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(out, plain(_batches()[0]).detach(), atol=1e-6, rtol=0)
+
+
+def test_an_assignment_on_one_rank_only_raises_on_every_rank() -> None:
+    """A value assigned on rank 0 alone would leave each rank with pieces of different models:
+    every rank raises at the next forward."""
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(pg)
+        if rank == 0:
+            m.b1.a.weight = nn.Parameter(torch.zeros(8, 8))
+        with pytest.raises(RuntimeError, match="changed differently across ranks"):
+            m(_batches()[0])
+
+    run_ranks(WORLD, fn, timeout=30)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_edits_on_one_rank_reach_every_rank_with_modifier_rank(stage: int) -> None:
+    """Weights loaded on rank 0 inside ``gathered(modifier_rank=0)`` are the whole model's on
+    every rank, each rank's range of them included."""
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _wrap(pg, stage)
+        with m.gathered(modifier_rank=0):
+            if rank == 0:
+                for layer in (m.b1.a, m.b2.a, m.head):  # inside the block: full parameters
+                    layer.weight.fill_(0.5)
+                    layer.bias.fill_(0.5)
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in state.values())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_edits_that_differ_across_ranks_are_refused_without_modifier_rank(stage: int) -> None:
+    """With ``writeback=True`` alone every rank must edit alike: a parameter edited on rank 0
+    only makes every rank raise, naming it, and nothing is written back."""
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(pg, stage)
+        before = m.full_state_dict()
+        with pytest.raises(ValueError, match="b2.a.weight"):
+            with m.gathered(writeback=True):
+                m.b1.a.weight.fill_(2.0)  # alike on every rank: fine
+                if rank == 0:
+                    m.b2.a.weight.fill_(1.0)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        with m.gathered(writeback=True):
+            m.b1.a.weight.fill_(2.0)
+        assert torch.equal(m.full_state_dict()["b1.a.weight"], torch.full((8, 8), 2.0))
+
+    run_ranks(WORLD, fn, timeout=30)
+
+
+def test_a_rank_raising_inside_gathered_writes_nothing_on_any_rank() -> None:
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(pg)
+        before = m.full_state_dict()
+        expected = (ZeroDivisionError, "") if rank == 1 else (RuntimeError, "a rank raised")
+        with pytest.raises(expected[0], match=expected[1]):
+            with m.gathered(modifier_rank=0):
+                m.b1.a.weight.fill_(3.0)
+                if rank == 1:
+                    raise ZeroDivisionError
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+
+    run_ranks(WORLD, fn, timeout=30)
+
+
+def test_gathered_arguments_are_checked_before_any_collective() -> None:
+    m = ShardedModule(copy.deepcopy(_net()), auto_wrap=Block)
+    with pytest.raises(ValueError, match="ranks are 0 to 0"):
+        with m.gathered(modifier_rank=1):
+            pass
+    with pytest.raises(TypeError, match="is an int"):
+        with m.gathered(modifier_rank="0"):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(ValueError, match="drop writeback=False"):
+        with m.gathered(writeback=False, modifier_rank=0):
+            pass
+
+
+def test_resize_token_embeddings_is_refused_on_a_sharded_model() -> None:
+    """It would read this rank's piece as the whole table: refused, naming the order that
+    works; the model is unchanged."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    block = type(model.transformer.h[0])
+    m = ShardedModule(model, auto_wrap=block)
+    before = m.full_state_dict()
+    with pytest.raises(ValueError, match="Resize the unwrapped model, then wrap it"):
+        m.resize_token_embeddings(before["transformer.wte.weight"].shape[0] + 8)
+    torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
