@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-import shardwrap.engine.sharded_module as sharded_module
+import shardwrap.engine.wrap.sharded_module as sharded_module
 import shardwrap.planning.planner as estimate_module
 import shardwrap.tiers.home as home_module
 from benchmarks._ranks import run_ranks

@@ -458,10 +458,10 @@ class _TimedWait:
 
 def count_owner_exchange() -> CommStats:
     """Count the bytes each rank sends in the all-to-alls that step shape-aware optimizers
-    (``shardwrap.engine.whole_params``) on a statistics object of their own (the model's
+    (``shardwrap.engine.optim.whole_params``) on a statistics object of their own (the model's
     ``comm_stats`` counts them too, among its other collectives), and time them (issue to end
     of ``wait()``; the copies around them are not in it)."""
-    from shardwrap.engine import whole_params
+    from shardwrap.engine.optim import whole_params
 
     stats = CommStats()
     original = whole_params.all_to_all

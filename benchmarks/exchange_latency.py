@@ -11,7 +11,7 @@ wall time beyond the compute, the process's CPU time, and the CPU time of gloo's
 (its socket loop and worker threads), medians of ``--rounds`` launches. It shows what sets a
 small model's step on a busy CPU: with compute between exchanges each costs its peers thread
 wake-ups whatever its size, which is why shardwrap packs small units' collectives into buckets
-(``shardwrap/engine/buckets.py``).
+(``shardwrap/comm/buckets.py``).
 
 Output: ``benchmarks/results/exchange_latency/<theme>_<hardware>_<date>.md`` and a JSON file.
 """

@@ -9,7 +9,7 @@ Every cell (ranks, method, optimizer) trains the same model (the 101M GPT of
 (``benchmarks/_worker.py``): AdamW; Muon on the matrices with AdamW on the rest, as torch's
 documentation advises; Adafactor. shardwrap steps Muon's matrices and Adafactor's parameters
 whole, each on one owner rank, with one all-to-all before the step and one after
-(``shardwrap/engine/whole_params.py``); DDP steps every parameter on every rank; DeepSpeed
+(``shardwrap/engine/optim/whole_params.py``); DDP steps every parameter on every rank; DeepSpeed
 ZeRO-1 and ZeRO-2 train with DeepSpeed's own Muon (its ``"optimizer": {"type": "Muon"}``) and,
 for reference, with AdamW; Adafactor is not run under DeepSpeed (its ZeRO hands a client
 optimizer flat 1-D partitions). Cells alternate round by round so that drift of this shared

@@ -11,9 +11,9 @@ from .checkpoint.load import load_checkpoint
 from .checkpoint.save import latest_checkpoint, save_checkpoint
 from .comm.collectives import CollectiveFailed, CommStats
 from .comm.mesh import Mesh
-from .engine.grad_scaler import ShardedGradScaler
-from .engine.sharded_module import ShardedModule
-from .engine.whole_params import declare_optimizer
+from .engine.optim.grad_scaler import ShardedGradScaler
+from .engine.optim.whole_params import declare_optimizer
+from .engine.wrap.sharded_module import ShardedModule
 from .integrations import hf as _hf  # noqa: F401  (registers its habits with the engine)
 from .integrations import hf_accelerate as _hf_accelerate  # noqa: F401  (its prepare check)
 from .integrations import peft as _peft  # noqa: F401  (registers its habits with the engine)

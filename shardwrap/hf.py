@@ -38,7 +38,7 @@ import transformers
 from .checkpoint.export import load_pretrained
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
-from .engine.sharded_module import ShardedModule
+from .engine.wrap.sharded_module import ShardedModule
 from .integrations.hf_accelerate import check_trainer_arguments
 
 __all__ = ["Seq2SeqTrainer", "ShardedTrainerMixin", "Trainer"]
@@ -124,7 +124,6 @@ class ShardedTrainerMixin:
         scheduler = Path(checkpoint) / SCHEDULER
         if scheduler.is_file() and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """The stock ``evaluate``, its units gathered once for the whole evaluation where

@@ -97,7 +97,8 @@ def test_benchmarks_import_nothing_from_the_tests() -> None:
 
 
 def _module_name(path: Path) -> str:
-    """``shardwrap/engine/root.py`` -> ``shardwrap.engine.root``; a package is its folder's name."""
+    """``shardwrap/engine/step/root.py`` -> ``shardwrap.engine.step.root``; a package is its
+    folder's name."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

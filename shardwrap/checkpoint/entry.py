@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..engine.root import Phase, Root
+from ..engine.step.root import Phase, Root
 from .background import await_writes
 
 __all__ = ["wrapped_root", "writers_of"]

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from ..engine.param_index import Param
+from ..engine.shards.param_index import Param
 from .entry import wrapped_root
 from .files import (
     Entry,

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from ..engine.param_index import Param
-from ..engine.whole_params import stepped_whole
+from ..engine.optim.whole_params import stepped_whole
+from ..engine.shards.param_index import Param
 from .checksum import buffer_checksum, tensor_checksum
 from .entry import wrapped_root
 from .files import DTYPES, agree, few, is_plain_name

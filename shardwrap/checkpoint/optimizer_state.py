@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.whole_params import PIECE_ATTR, stepped_whole
+from ..engine.optim.whole_params import PIECE_ATTR, stepped_whole
 from .files import few
 
 __all__ = [

@@ -21,7 +21,7 @@ size and policy) with the saved ranges and reads only those bytes, memory-mapped
 Optimizer state is split by shape: a tensor shaped like the shard parameter (Adam's
 moments, SGD's momentum) is sharded like the parameter; a 0-d tensor or a number (``step``)
 is a scalar, equal on every rank, saved once by rank 0. An optimizer that steps parameters
-whole (Muon, Adafactor: :mod:`shardwrap.engine.whole_params`) holds a parameter's state on
+whole (Muon, Adafactor: :mod:`shardwrap.engine.optim.whole_params`) holds a parameter's state on
 its owner rank alone, in the state's own shapes (a matrix's momentum, Adafactor's row and
 column variances): the owner writes those tensors whole into its rank file (``optim/KEY/NAME``)
 and hands their shapes and its scalars to rank 0 through a small file, and the metadata records
@@ -43,7 +43,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor, nn
 
-from ..engine.param_index import Param
+from ..engine.shards.param_index import Param
 from .background import PendingSave, settle, snapshot, snapshot_plans, writer_group
 from .checksum import buffer_checksum
 from .entry import wrapped_root, writers_of

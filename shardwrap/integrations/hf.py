@@ -14,8 +14,8 @@ A wrapped ``transformers`` model's class gains :class:`HuggingFaceHabits` ahead 
   gather, exactly as shardwrap's ``checkpoint_activations`` does.
 
 The engine does not import this module: importing it registers the habits, the layers' own
-checkpointing and the refusal of the stock ``Trainer`` with the engine (``engine/extensions.py``);
-``shardwrap/__init__.py`` imports it.
+checkpointing and the refusal of the stock ``Trainer`` with the engine
+(``engine/wrap/extensions.py``); ``shardwrap/__init__.py`` imports it.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from torch import nn
 
 from ..checkpoint.export import write_export
 from ..comm.collectives import all_reduce
-from ..engine import extensions
-from ..engine.inference import decoding_alone
-from ..engine.recompute import guard_recompute
-from ..engine.root import Root
-from ..engine.unit import Unit
+from ..engine.shards.unit import Unit
+from ..engine.step.inference import decoding_alone
+from ..engine.step.recompute import guard_recompute
+from ..engine.step.root import Root
+from ..engine.wrap import extensions
 
 __all__ = [
     "HuggingFaceHabits",
@@ -292,7 +292,7 @@ class HuggingFaceHabits:
     def generate(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
         """``generate`` with its units gathered once for the whole call where memory allows
         (``keep_gathered()``); then each rank decodes on its own, with no collective per
-        token (``engine/inference.py``: ``decoding_alone``). Where the units are not kept
+        token (``engine/step/inference.py``: ``decoding_alone``). Where the units are not kept
         gathered, every rank decodes until all are done (``synced_gpus=True``).
 
         Raises:

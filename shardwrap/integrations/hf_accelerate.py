@@ -49,10 +49,10 @@ from torch import nn
 
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
-from ..engine import extensions
-from ..engine.grad_scaler import ShardedGradScaler
-from ..engine.root import Root
-from ..engine.sharded_module import ShardedModule
+from ..engine.optim.grad_scaler import ShardedGradScaler
+from ..engine.step.root import Root
+from ..engine.wrap import extensions
+from ..engine.wrap.sharded_module import ShardedModule
 
 __all__ = ["check_settings", "check_trainer_arguments"]
 

@@ -24,7 +24,7 @@ A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
   sharded when the model is wrapped).
 
 The engine does not import this module (nor ``peft``): ``shardwrap/__init__.py`` imports it,
-and it registers the habits with the engine (``engine/extensions.py``).
+and it registers the habits with the engine (``engine/wrap/extensions.py``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine import extensions
-from ..engine.inference import decoding_alone
-from ..engine.root import Root
-from ..engine.sharded_module import ShardedModule
+from ..engine.step.inference import decoding_alone
+from ..engine.step.root import Root
+from ..engine.wrap import extensions
+from ..engine.wrap.sharded_module import ShardedModule
 from .hf import any_rank_decoding, is_transformers_model, synced_decoding
 
 __all__ = ["PeftHabits", "adapter_names", "is_peft_model"]

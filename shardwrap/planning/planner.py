@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.checks import bucket_bytes
-from ..engine.strategy import Strategy
-from ..engine.wrap import AutoWrap
+from ..engine.step.strategy import Strategy
+from ..engine.wrap.checks import bucket_bytes
+from ..engine.wrap.policy import AutoWrap
 from ..options import Compression, MixedPrecision
 from .replay import Parts, Tier, replay
 from .step import OptimizerFactory, optimizer_bytes, ranks_to_plan

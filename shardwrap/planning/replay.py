@@ -2,10 +2,11 @@
 
 Design note. The meta run (``planning/trace.py``) gives activations at each unit boundary
 and each parameter's gradient. Here the engine's own decisions are replayed on top, in the
-order its hooks take them (``engine/root.py``, ``engine/schedule.py``, ``engine/reduce.py``,
-``engine/pool.py``, ``tiers/home.py``), for rank 0 (which holds the most elements). Every
-lifetime is asked of the engine's ``Strategy`` and every pooled buffer of its pool's policy
-(``Spares``, its buffers here the keys whose bytes are counted), so that the plan follows a
+order its hooks take them (``engine/step/root.py``, ``engine/step/schedule.py``,
+``engine/step/reduce.py``, ``engine/shards/pool.py``, ``tiers/home.py``), for rank 0 (which holds
+the most elements). Every lifetime is asked of the engine's ``Strategy`` and every pooled buffer of
+its pool's policy (``Spares``, its buffers here the keys whose bytes are counted), so that the plan
+follows a
 change to either:
 
 - gathers take full buffers from the pool; it hands out a spare flat gradient first, then a
@@ -41,12 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.buckets import bucket_ends, bucket_size, last_bucket
 from ..comm.collectives import packing
 from ..comm.quantize import Codec
-from ..engine.buckets import bucket_ends, bucket_size, last_bucket
-from ..engine.pool import Spares
-from ..engine.root import _successors
-from ..engine.strategy import Strategy
+from ..engine.shards.pool import Spares
+from ..engine.step.order import successors
+from ..engine.step.strategy import Strategy
 from ..options import Compression
 from .step import StepBytes
 from .trace import Trace
@@ -176,7 +177,7 @@ class _Replay:
         flat = [groups[g].flat_grad for g in self.order]
         alone = self.world == 1 or (compression is not None and compression.grads is not None)
         self.ends = bucket_ends(flat, 0 if alone else bucket_bytes)
-        # the forward plan: the last forward's gathers (engine/schedule.py), this one's so far
+        # the forward plan: the last forward's gathers (engine/step/schedule.py), this one's so far
         self.plan: list[int] = []
         self.plan_at = 0
         self.recorded: list[int] = []
@@ -188,7 +189,7 @@ class _Replay:
         self.ran = set(forward)
         backward = list(dict.fromkeys(i for kind, i, _, _ in tr.events if kind == "bwd_pre"))
         # what the first step records for the next: the order of units, the last in forward
-        self.learned = _successors(forward, int), _successors(backward, int)
+        self.learned = successors(forward, int), successors(backward, int)
         self.last = forward[-1] if len(forward) > 1 else None
         self.fwd_next: dict[int, int] = {}
         self.bwd_next: dict[int, int] = {}
@@ -258,7 +259,7 @@ class _Replay:
         return u not in self.gathered or u not in self.fresh
 
     def bucket_of(self, u: int, backward: bool) -> list[int]:
-        """``u`` and the units gathered with it (``engine/buckets.py``)."""
+        """``u`` and the units gathered with it (``comm/buckets.py``)."""
         if self.world == 1:
             return [u]
         planned = not backward and self.plan[self.plan_at : self.plan_at + 1] == [u]
@@ -478,7 +479,7 @@ class _Replay:
                             self.reshard(u, backward=False)
                     self.handshake(live)
                     # Backward reduces without handshakes where it gathers nothing: nothing
-                    # deferred, every unit that ran kept and current (engine/root.py).
+                    # deferred, every unit that ran kept and current (engine/step/root.py).
                     self.no_backward_handshakes = (
                         self.world > 1
                         and not self.strategy.defer_reductions

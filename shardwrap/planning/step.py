@@ -1,13 +1,13 @@
 """What the memory planner measures of the optimizer step on the meta device: state, temporaries.
 
 Design note. The user's optimizer is built over meta tensors shaped like one rank's shard
-parameters (each parameter's piece, in the shards' dtype, ``engine.flat_group.piece_shape``),
+parameters (each parameter's piece, in the shards' dtype, ``engine.shards.flat_group.piece_shape``),
 each trainable one with a gradient, in the wrapped model's order, and stepped twice under the
 dispatch mode that counts the trace's live bytes: what is alive after the steps is the
 optimizer's state, the most alive during them the step's peak (the first step makes the
 state, the second holds it throughout).
 
-An optimizer that the engine steps whole (``engine.whole_params``: Muon, Adafactor, classes
+An optimizer that the engine steps whole (``engine.optim.whole_params``: Muon, Adafactor, classes
 declared ``reads_shapes=True``) is stepped here as the engine's step hooks step it on that rank:
 the engine's own owner rule (``whole_params.owners``) picks the parameters the rank owns; the
 all-to-all buffers of the gather (values and gradients) are made; each owned parameter the rank
@@ -36,9 +36,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim import Optimizer
 
 from ..comm.collectives import CommStats
-from ..engine.flat_group import piece_shape
-from ..engine.grad_norm import as_shard_grad, shard_grad_owner
-from ..engine.whole_params import owners, steps_whole
+from ..engine.optim.shard_grad import as_shard_grad, shard_grad_owner
+from ..engine.optim.whole_params import owners, steps_whole
+from ..engine.shards.flat_group import piece_shape
 from ..tiers.home import DiskHome, Home
 from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
 from ..tiers.offload import stored_param
@@ -208,7 +208,7 @@ def _optimizers(optimizer: OptimizerFactory, params: list[nn.Parameter]) -> list
 
 
 def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
-    """``opt.step()`` as ``engine.whole_params`` runs it on shard rank ``rank``."""
+    """``opt.step()`` as ``engine.optim.whole_params`` runs it on shard rank ``rank``."""
     params = [p for group in opt.param_groups for p in group["params"]]
     of = [pieces[id(p)] for p in params]
     owner = owners([e.numel for e in of], [e.spans for e in of])

@@ -31,9 +31,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from ..engine.layout import FlatLayout
-from ..engine.trees import cast_floating
-from ..engine.wrap import (
+from ..engine.shards.layout import FlatLayout
+from ..engine.step.trees import cast_floating
+from ..engine.wrap.policy import (
     AutoWrap,
     check_selects_something,
     group_key,

@@ -47,7 +47,7 @@ from ..checkpoint.files import LOGBOOK, remove_folder
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import latest_checkpoint, save_checkpoint
 from ..comm.collectives import group_rank, group_size
-from ..engine.root import Root
+from ..engine.step.root import Root
 from . import runlog
 from .spikes import SpikeCheck, Spikes
 

@@ -48,8 +48,8 @@ tells, :meth:`FlatGroup.free_home_grad`); otherwise that backward lands in a new
 Host writes to a shard (the optimizer step, loads, ``gathered(writeback=True)``) must not race
 a staged copy still reading it: :meth:`Home.quiesce` waits for every copy in flight, at the end
 of backward, and :meth:`Home.check` (which quiesces, or checks the disk tier's files) runs
-before each of them (the step pre-hook of each optimizer over the shards, ``engine/optimizers.py``;
-the root's checks before a call).
+before each of them (the step pre-hook of each optimizer over the shards,
+``engine/optim/step_hooks.py``; the root's checks before a call).
 """
 
 from __future__ import annotations

@@ -9,15 +9,15 @@ Optimizer state is placed without knowing the optimizer: every torch optimizer c
 per-parameter state with ``torch.zeros_like(param)`` (Adam, AdamW, RMSprop; Muon of the
 gradient), ``full_like`` (Adagrad), a clone of the gradient (SGD momentum) or a new tensor made
 from it (Adafactor's ``grad.new_zeros`` row and column factors). The disk tier's shard
-parameters (:class:`StoredParam`) and their gradients (``engine.grad_norm.ShardGrad``, also the
-whole gradient an owner steps, ``engine/whole_params.py``) are typed so that those calls
+parameters (:class:`StoredParam`) and their gradients (``engine.optim.shard_grad.ShardGrad``, also
+the whole gradient an owner steps, ``engine/optim/whole_params.py``) are typed so that those calls
 allocate in their home's files instead.
 
 Optimizer steps: torch picks its fast multi-tensor path only for plain ``Parameter`` types
 on an accelerator, so for the disk tier's shard parameters, and for the host tier's (plain,
 but on the CPU), it would fall back to a per-tensor loop several times slower. A step
-pre-hook on each optimizer over such shard parameters (``engine/optimizers.py``) turns on the fused
-kernel for their groups that left ``fused`` and ``foreach`` unset (:func:`prefer_fused`).
+pre-hook on each optimizer over such shard parameters (``engine/optim/step_hooks.py``) turns on the
+fused kernel for their groups that left ``fused`` and ``foreach`` unset (:func:`prefer_fused`).
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
 
 def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Before a step of an optimizer over offloaded shards (its own pre-hook, registered by
-    ``engine/optimizers.py``): for groups holding shard parameters of an offload tier, prefer the
-    fused kernel; have each of their homes check itself (``Home.check``: the disk tier's
+    ``engine/optim/step_hooks.py``): for groups holding shard parameters of an offload tier, prefer
+    the fused kernel; have each of their homes check itself (``Home.check``: the disk tier's
     files are checked, the host tier's copies in flight finish before the step writes the
     shards they read)."""
     homes: dict[int, Any] = {}

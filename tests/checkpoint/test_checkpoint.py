@@ -35,7 +35,7 @@ import shardwrap
 import shardwrap.checkpoint.load
 from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, save_checkpoint
 from shardwrap.checkpoint.files import SafetensorsWriter
-from shardwrap.engine.pool import BufferPool
+from shardwrap.engine.shards.pool import BufferPool
 from tests.support.models import GPT, Block, FrozenPart, WithBatchNorm, make_batch, tiny_gpt2_config
 from tests.support.ranks import run_ranks
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
-from shardwrap.engine.unit import ShardState
+from shardwrap.engine.shards.unit import ShardState
 from tests.support.models import (
     GPT,
     Block,

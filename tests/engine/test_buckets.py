@@ -1,4 +1,4 @@
-"""Buckets (``engine/buckets.py``, ``ShardedModule(bucket_mb=...)``): small units' gathers and
+"""Buckets (``comm/buckets.py``, ``ShardedModule(bucket_mb=...)``): small units' gathers and
 small groups' reductions, each as one exchange.
 
 Proves:
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-import shardwrap.engine.buckets as buckets
+import shardwrap.comm.buckets as buckets
 from shardwrap import MixedPrecision, ShardedModule
 from tests.support.models import GPT, Block, Branch, make_batch
 from tests.support.ranks import run_ranks

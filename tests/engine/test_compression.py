@@ -36,8 +36,8 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import Compression, MixedPrecision, Offload, ShardedGradScaler, ShardedModule
 from shardwrap.comm.quantize import Codec
-from shardwrap.engine import sharded_module
-from shardwrap.engine.flat_group import FlatGroup
+from shardwrap.engine.shards.flat_group import FlatGroup
+from shardwrap.engine.wrap import sharded_module
 from shardwrap.tiers.home import Home, HostHome
 from tests.support.compression import (
     block_bound,

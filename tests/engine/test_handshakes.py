@@ -1,5 +1,5 @@
 """Handshakes per step: a forward agrees on its gathers once, and a backward that gathers
-nothing agrees once, at its end (``engine/schedule.py``).
+nothing agrees once, at its end (``engine/step/schedule.py``).
 
 Proves at 2 ranks:
 

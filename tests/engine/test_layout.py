@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwrap.engine.layout import FlatLayout, LocalPiece
+from shardwrap.engine.shards.layout import FlatLayout, LocalPiece
 
 pytestmark = pytest.mark.stage3  # pure arithmetic: no stage involved
 

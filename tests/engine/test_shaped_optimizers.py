@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 import shardwrap
 from shardwrap import MixedPrecision, Offload, ShardedModule
-from shardwrap.engine import whole_params
+from shardwrap.engine.optim import whole_params
 from tests.support.parity import (
     GLOBAL_BATCH,
     STEPS,

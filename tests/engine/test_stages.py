@@ -33,7 +33,7 @@ from torch.distributed import ProcessGroup
 
 import shardwrap
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
-from shardwrap.engine.strategy import Strategy
+from shardwrap.engine.step.strategy import Strategy
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, make_batch
 from tests.support.parity import (

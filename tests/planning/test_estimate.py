@@ -47,8 +47,8 @@ from shardwrap import (
     save_checkpoint,
     track_allocations,
 )
-from shardwrap.engine.pool import Spares
-from shardwrap.engine.strategy import Strategy
+from shardwrap.engine.shards.pool import Spares
+from shardwrap.engine.step.strategy import Strategy
 from shardwrap.estimate import MemoryEstimate, main
 from tests.support.memory import (
     FAMILIES,

@@ -55,7 +55,7 @@ from shardwrap import (
     load_checkpoint,
     save_checkpoint,
 )
-from shardwrap.engine import whole_params
+from shardwrap.engine.optim import whole_params
 from shardwrap.tiers.home import DiskHome
 from shardwrap.tiers.offload import StoreError
 from tests.support.launch import ROOT

@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed import ProcessGroup
 
-import shardwrap.engine.sharded_module as sharded_module
+import shardwrap.engine.wrap.sharded_module as sharded_module
 from shardwrap import (
     MixedPrecision,
     Offload,

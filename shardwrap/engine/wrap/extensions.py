@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from .root import Root
-    from .unit import Unit
+    from ..shards.unit import Unit
+    from ..step.root import Root
 
 __all__ = [
     "checkpoint_unit",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .unit import ShardState, Unit
+from ..shards.unit import ShardState, Unit
 
 if TYPE_CHECKING:
     from .root import Root

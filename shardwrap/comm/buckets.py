@@ -8,7 +8,7 @@ consecutive groups whose flat gradients fit in it are reduced in one. Which unit
 share a bucket depends only on what every rank knows alike (the agreed forward plan or unit,
 the canonical order of reductions, sizes), so every rank issues the same exchanges:
 
-- forward: the next gathers of the agreed plan (``engine/schedule.py``), from the one wanted;
+- forward: the next gathers of the agreed plan (``engine/step/schedule.py``), from the one wanted;
   without a plan (a pass's first, generation), the unit wanted and the units after it in the
   order of units;
 - backward: the unit wanted, then the units before it in the order of units (the reverse
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from ..comm.collectives import CommStats, Group, Pending, all_gather, all_gather_many
+from .collectives import CommStats, Group, Pending, all_gather, all_gather_many
 
 __all__ = ["Gathers", "bucket_ends", "bucket_size", "last_bucket"]
 

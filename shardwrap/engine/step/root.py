@@ -12,17 +12,18 @@ The order in which units ran in the previous forward and backward drives prefetc
 unit starts, the next one's all-gather is issued so that it overlaps this unit's compute; as
 a unit is gathered, the shards' home is told which unit follows it (the host tier starts
 copying that unit's shards to the device, ``tiers/home.py``).
-Collectives go through :class:`~shardwrap.engine.schedule.Schedule`, which keeps every rank's
+Collectives go through :class:`~shardwrap.engine.step.schedule.Schedule`, which keeps every rank's
 sequence identical.
 
-When a gathered buffer is released is the strategy's decision (``engine/strategy.py``); the hooks
-here ask it at each point. The root unit is not resharded after forward (backward needs it
+When a gathered buffer is released is the strategy's decision (``engine/step/strategy.py``); the
+hooks here ask it at each point. The root unit is not resharded after forward (backward needs it
 first), nor after a ``no_grad`` forward, so decoding loops do not re-gather it on every call;
 a gathered unit whose shard has changed since (an optimizer step, a load) is gathered afresh.
-Views of gathered buffers that autograd saves are kept by address (``engine/saved.py``).
+Views of gathered buffers that autograd saves are kept by address (``engine/shards/saved.py``).
 
-Beside the root: the parameter index (``engine/param_index.py``), the hooks of modules called on
-their own (``engine/own_calls.py``) and recomputation and compilation (``engine/recompute.py``).
+Beside the root: the parameter index (``engine/shards/param_index.py``), the hooks of modules called
+on their own (``engine/step/own_calls.py``) and recomputation and compilation
+(``engine/step/recompute.py``).
 """
 
 from __future__ import annotations
@@ -31,34 +32,32 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from ..comm.collectives import CommStats
-from ..comm.mesh import Mesh
-from ..options import Compression, MixedPrecision
-from ..tiers.home import Home
-from ..tiers.offload import before_step
+from ...comm.collectives import CommStats
+from ...comm.mesh import Mesh
+from ...options import Compression, MixedPrecision
+from ...tiers.home import Home
+from ...tiers.offload import before_step
+from ..optim.step_hooks import OptimizerHooks
+from ..shards.flat_group import FlatGroup
+from ..shards.param_index import Param, index_params
+from ..shards.pool import BufferPool
+from ..shards.saved import SavedViews
+from ..shards.unit import ShardState, Unit
 from .edits import agree_edits
-from .flat_group import FlatGroup
-from .optimizers import OptimizerHooks
+from .order import successors, unit_index
 from .own_calls import OwnCalls
-from .param_index import Param, index_params
-from .pool import BufferPool
 from .reduce import Reductions
-from .saved import SavedViews
 from .schedule import Schedule
 from .strategy import Strategy
 from .trees import cast_floating, map_outputs
-from .unit import ShardState, Unit
 
 __all__ = ["Phase", "Root"]
-
-T = TypeVar("T")
-
 
 class Phase(Enum):
     IDLE = auto()
@@ -80,7 +79,7 @@ class Root:
         compile_options: the ``torch.compile`` options units were compiled with, or ``None``.
         compression: what the collectives quantize (the reductions, here), or ``None``.
         bucket_bytes: the most bytes one exchange carries for several units' gathers or
-            several groups' reductions (``engine/buckets.py``); 0: one exchange each.
+            several groups' reductions (``comm/buckets.py``); 0: one exchange each.
     """
 
     def __init__(
@@ -152,7 +151,7 @@ class Root:
         self.keeping = 0  # keep_gathered() blocks entered
         self.keep_decided: bool | None = None  # ShardedModule.keep_gathered's, while inside
         # the units the previous forward kept for backward: its final bucket's, and the unit
-        # that ran last (engine/buckets.py)
+        # that ran last (comm/buckets.py)
         self._forward_kept: set[int] = set()
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
         self._backward_next: dict[int, Unit] = {}
@@ -265,7 +264,7 @@ class Root:
                 self._forward_kept = kept - {self.root.index}
             else:
                 self._forward_kept = set()
-            self._forward_next = _successors(self._recording, _unit_index)
+            self._forward_next = successors(self._recording, unit_index)
             self.phase = Phase.IDLE
         return output
 
@@ -447,7 +446,7 @@ class Root:
                 for g in unit.trainable:
                     g.mark_stale()
         self.schedule.finish_backward()
-        self._backward_next = _successors(self._recording, _unit_index)
+        self._backward_next = successors(self._recording, unit_index)
         self._leave_backward()
         if self.optimizers is not None:  # an optimizer steps next: hook any new one
             self.check_state()
@@ -524,7 +523,7 @@ class Root:
     @contextmanager
     def gathered(self, writeback: bool, modifier_rank: int | None = None) -> Iterator[None]:
         """Gather every unit, expose full parameters, optionally write edits back: those every
-        rank made alike, or ``modifier_rank``'s (``engine/edits.py``)."""
+        rank made alike, or ``modifier_rank``'s (``engine/step/edits.py``)."""
         self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
@@ -585,16 +584,3 @@ class Root:
             yield
         finally:
             self.reductions.sync = previous
-
-
-def _unit_index(unit: Unit) -> int:
-    return unit.index
-
-
-def _successors(order: list[T], index: Callable[[T], int]) -> dict[int, T]:
-    """For each unit, the unit that ran right after its first run, by the first's ``index``
-    (a unit's index; the memory planner replays the order of units by index alone)."""
-    nxt: dict[int, T] = {}
-    for a, b in zip(order, order[1:]):
-        nxt.setdefault(index(a), b)
-    return nxt

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.collectives import Group, all_reduce, group_size
-from ..comm.mesh import Mesh
+from ...comm.collectives import Group, all_reduce, group_size
+from ...comm.mesh import Mesh
 
 __all__ = ["check_same_values", "copy_from_rank0"]
 

@@ -52,9 +52,9 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from ..comm.collectives import all_to_all
-from ..tiers.offload import HOME_ATTR, before_step
-from .grad_norm import as_shard_grad, shard_grad_owner
+from ...comm.collectives import all_to_all
+from ...tiers.offload import HOME_ATTR, before_step
+from .shard_grad import as_shard_grad, shard_grad_owner
 
 __all__ = [
     "PIECE_ATTR",

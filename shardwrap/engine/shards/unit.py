@@ -13,8 +13,8 @@ from enum import Enum, auto
 
 from torch import Tensor, nn
 
-from ..comm.collectives import CommStats, Pending, all_gather
-from .buckets import Gathers
+from ...comm.buckets import Gathers
+from ...comm.collectives import CommStats, Pending, all_gather
 from .flat_group import FlatGroup, views_of
 
 __all__ = ["ShardState", "Unit"]
@@ -38,7 +38,7 @@ class Unit:
         stage3_lifetime: released after forward and after backward whatever the stage
             (``Strategy.stage3_lifetime``).
         bucket_bytes: the most bytes of full buffers one gather exchange carries
-            (``engine/buckets.py``).
+            (``comm/buckets.py``).
     """
 
     def __init__(

@@ -26,8 +26,8 @@ handshake: one all-reduce (MIN) of a few integers. Each rank puts in
 All ranks then gather the unit with the smallest priority (those that wanted something
 else serve the request and ask again), and issue the reduce-scatters that every rank has
 ready. The reductions themselves, their canonical order and how many are in flight belong to
-the reduction pipeline (``engine/reduce.py``). A rank that never used a unit sends zeros for it at
-the end of backward.
+the reduction pipeline (``engine/step/reduce.py``). A rank that never used a unit sends zeros for it
+at the end of backward.
 
 A forward pass agrees once, not once per unit. The all-gathers of a forward are recorded (every
 rank's list is the same: agreed collectives are). The first handshake of the next pass carries
@@ -41,7 +41,7 @@ exchanges in the same order and peers still following the plan are never left wa
 asks as above. The pass count and the call are still checked at the first handshake and at the
 end of every forward.
 
-Gathers go out in buckets (``engine/buckets.py``): a planned gather brings the plan's next
+Gathers go out in buckets (``comm/buckets.py``): a planned gather brings the plan's next
 units with it while they fit in the bucket, another gather agreed in forward the units after it,
 and one agreed in backward the units before it; a rank that serves the rest of a plan, or a
 peer's request, issues the same buckets.
@@ -65,12 +65,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import CommStats, all_reduce
-from ..comm.mesh import Mesh
-from .buckets import Gathers, bucket_size, last_bucket
-from .flat_group import FlatGroup
+from ...comm.buckets import Gathers, bucket_size, last_bucket
+from ...comm.collectives import CommStats, all_reduce
+from ...comm.mesh import Mesh
+from ..shards.flat_group import FlatGroup
+from ..shards.unit import ShardState, Unit
 from .reduce import Reductions
-from .unit import ShardState, Unit
 
 __all__ = ["CALLS", "Schedule"]
 
@@ -99,7 +99,7 @@ class Schedule:
         stats: collective counters shared by the whole model.
         reductions: the model's reduction pipeline.
         bucket_bytes: the most bytes of full buffers one exchange gathers for several units
-            (``engine/buckets.py``).
+            (``comm/buckets.py``).
     """
 
     def __init__(
@@ -122,7 +122,7 @@ class Schedule:
         self.enter_priority = 2 * n + 3
         self._used_anywhere: list[bool] = []
         self.passes = 0  # forward passes of the whole model begun on this rank
-        # Every unit is gathered on every rank for a while (engine/inference.py): forwards
+        # Every unit is gathered on every rank for a while (engine/step/inference.py): forwards
         # need no handshake, and ranks may run different numbers of them.
         self.decoding_alone = False
         self._entered = (-1, 0)  # (passes, index in CALLS) of the last call entered
@@ -166,7 +166,7 @@ class Schedule:
         self.passes += 1
 
     def gather(self, unit: Unit, backward: bool) -> list[Unit]:
-        """Start gathering ``unit`` and the units of its bucket (``engine/buckets.py``) once
+        """Start gathering ``unit`` and the units of its bucket (``comm/buckets.py``) once
         every rank has agreed to (at this pass's first handshake, where ``unit`` is the next
         gather of the forward plan).
 
@@ -389,7 +389,7 @@ class Schedule:
         self._issue(units, serving=True)
 
     def _issue(self, units: list[Unit], serving: bool) -> None:
-        """Gather ``units`` in one exchange where their sizes allow (``engine/buckets.py``).
+        """Gather ``units`` in one exchange where their sizes allow (``comm/buckets.py``).
 
         A unit this rank holds as the gather would leave it takes part into spare buffers; when
         serving a peer, a unit that was sharded is gathered and released again.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils.checkpoint
 
-from .unit import Unit
+from ..shards.unit import Unit
 
 if TYPE_CHECKING:
     from .root import Root

@@ -4,7 +4,7 @@ Design note. Every parameter a unit holds goes into one flat group per (dtype,
 ``requires_grad``) key; the group keeps this rank's shard, and the module's registered
 parameters become the shard parameters (the original parameters are retired). A model built
 on the meta device is materialised one unit at a time as it is sharded. The caller
-(``engine/sharded_module.py``) then turns the module into its sharded class.
+(``engine/wrap/sharded_module.py``) then turns the module into its sharded class.
 """
 
 from __future__ import annotations
@@ -15,23 +15,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.collectives import CommStats
-from ..comm.mesh import Mesh
-from ..comm.quantize import Codec
-from ..options import Compression, MixedPrecision
-from ..tiers.home import Home
+from ...comm.collectives import CommStats
+from ...comm.mesh import Mesh
+from ...comm.quantize import Codec
+from ...options import Compression, MixedPrecision
+from ...tiers.home import Home
+from ..optim.whole_params import PIECE_ATTR, install, release
+from ..shards.flat_group import FlatGroup
+from ..shards.pool import BufferPool
+from ..shards.unit import Unit
+from ..step.root import Root
+from ..step.strategy import Strategy
 from . import assign
 from .checks import SHARD_ATTR
 from .extensions import may_train
-from .flat_group import FlatGroup
-from .init import Materializer, ParamInitFn, agree_seed, is_meta
-from .pool import BufferPool
+from .meta_init import Materializer, ParamInitFn, agree_seed, is_meta
+from .policy import Placement, group_key
 from .retired import retire
-from .root import Root
-from .strategy import Strategy
-from .unit import Unit
-from .whole_params import PIECE_ATTR, install, release
-from .wrap import Placement, group_key
 
 __all__ = ["build_root"]
 
@@ -49,7 +49,7 @@ def build_root(
     bucket_bytes: int = 0,
 ) -> Root:
     """Shard ``module``'s parameters into the units ``placement`` chose and return their root
-    (``bucket_bytes``: see ``engine/buckets.py``)."""
+    (``bucket_bytes``: see ``comm/buckets.py``)."""
     device = mesh.device
     param_codec = (
         compression and compression.params and Codec(compression.params, compression.block)

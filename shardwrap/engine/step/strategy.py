@@ -30,7 +30,7 @@ groups keep their full buffers; its frozen groups are gathered for its forward a
 
 Kept parameters are refreshed lazily: after an optimizer step (or a load) changes a shard,
 the unit is gathered again before it is next read. The root unit, the unit that ran last in
-forward and the units of forward's final bucket (``engine/buckets.py``) are kept after forward
+forward and the units of forward's final bucket (``comm/buckets.py``) are kept after forward
 whatever the strategy: backward starts with them.
 """
 
@@ -98,7 +98,7 @@ class Strategy:
         deferred, and no gather in backward carries them (stage 2, and stage 3 kept after
         forward), so they still overlap backward. Where every rank's backward gathers nothing
         they go out without handshakes; otherwise each unit's backward begins with one that
-        issues those every rank has ready (``engine/schedule.py``)."""
+        issues those every rank has ready (``engine/step/schedule.py``)."""
         return not self.gathers_in_backward and not self.defer_reductions
 
     @property

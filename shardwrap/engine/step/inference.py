@@ -29,9 +29,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import all_reduce
+from ...comm.collectives import all_reduce
+from ..shards.unit import ShardState
 from .root import Root
-from .unit import ShardState
 
 __all__ = ["decoding_alone", "fits_gathered", "gathered_bytes"]
 

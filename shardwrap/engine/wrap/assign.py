@@ -26,10 +26,10 @@ from collections.abc import Callable
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..shards.flat_group import FlatGroup
+from ..shards.unit import Unit
+from ..step.edits import fingerprint
 from .checks import SHARD_ATTR
-from .edits import fingerprint
-from .flat_group import FlatGroup
-from .unit import Unit
 
 __all__ = ["Assignments", "install", "release"]
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import CommStats, all_reduce, broadcast
-from ..comm.mesh import Mesh
-from .flat_group import FlatGroup
+from ...comm.collectives import CommStats, all_reduce, broadcast
+from ...comm.mesh import Mesh
+from ..shards.flat_group import FlatGroup
 
 __all__ = ["agree_edits", "check_modifier_rank", "fingerprint"]
 

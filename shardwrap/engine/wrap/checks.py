@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.collectives import Group, all_reduce, group_size
-from ..options import Compression, MixedPrecision, Offload
-from .wrap import AutoWrap, Placement, group_key, resolve_policy
+from ...comm.collectives import Group, all_reduce, group_size
+from ...options import Compression, MixedPrecision, Offload
+from .policy import AutoWrap, Placement, group_key, resolve_policy
 
 __all__ = [
     "bucket_bytes",

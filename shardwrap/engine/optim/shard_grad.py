@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import CommStats, Group, all_reduce
-from ..tiers.offload import count_fused_write
+from ...comm.collectives import CommStats, Group, all_reduce
+from ...tiers.offload import count_fused_write
 
 if TYPE_CHECKING:
-    from ..tiers.home import Home
+    from ...tiers.home import Home
 
 __all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "shard_grad_owner"]
 

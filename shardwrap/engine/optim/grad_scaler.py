@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import Group, all_reduce
+from ...comm.collectives import Group, all_reduce
 
 __all__ = ["ShardedGradScaler"]
 

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..comm.collectives import CommStats, Pending, all_gather
-from ..comm.compressed import all_gather_quantized
-from ..comm.mesh import Mesh
-from ..comm.quantize import Codec
-from ..tiers.home import Home
-from .buckets import Gathers
+from ...comm.buckets import Gathers
+from ...comm.collectives import CommStats, Pending, all_gather
+from ...comm.compressed import all_gather_quantized
+from ...comm.mesh import Mesh
+from ...comm.quantize import Codec
+from ...tiers.home import Home
 from .layout import FlatLayout, LocalPiece
 from .pool import BufferPool
 
@@ -215,7 +215,7 @@ class FlatGroup:
 
         The buffer is in ``compute_dtype``, quantized on the wire where the group has a
         ``codec``; or with ``exact`` in the shards' own dtype, exactly. A plain gather joins
-        ``batch`` where one is given (``engine/buckets.py``).
+        ``batch`` where one is given (``comm/buckets.py``).
         """
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.mark_gathered()

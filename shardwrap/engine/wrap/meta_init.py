@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from ..comm.collectives import Group, all_reduce, group_rank
+from ...comm.collectives import Group, all_reduce, group_rank
 
 __all__ = ["Materializer", "ParamInitFn", "agree_seed", "check_param_init_fn", "is_meta"]
 

@@ -4,8 +4,8 @@ Design note. Each trainable flat group's gradient is averaged over the shard gro
 reduce-scatter straight from the flat layout; with hybrid sharding the resulting shard is
 then averaged over the replicate group. Reductions are issued in one canonical order, reverse
 unit index, which is also the usual order in which backward completes them, so on the common
-path nothing waits; the schedule (``engine/schedule.py``) tells this pipeline how far every rank is
-ready.
+path nothing waits; the schedule (``engine/step/schedule.py``) tells this pipeline how far every
+rank is ready.
 
 At most ``MAX_REDUCTIONS_IN_FLIGHT`` are in flight: each holds a unit's full-size flat
 gradient, and one overlaps the next unit's backward (a reduction takes less time than a unit's
@@ -36,15 +36,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import CommStats, Pending, all_reduce, reduce_scatter_many
-from ..comm.compressed import all_reduce_quantized, reduce_scatter_quantized
-from ..comm.mesh import Mesh
-from ..comm.quantize import Codec
-from ..options import Compression
-from ..tiers.home import Home
-from .buckets import bucket_ends
-from .flat_group import FlatGroup
-from .grad_norm import as_shard_grad, shard_grad_owner
+from ...comm.buckets import bucket_ends
+from ...comm.collectives import CommStats, Pending, all_reduce, reduce_scatter_many
+from ...comm.compressed import all_reduce_quantized, reduce_scatter_quantized
+from ...comm.mesh import Mesh
+from ...comm.quantize import Codec
+from ...options import Compression
+from ...tiers.home import Home
+from ..optim.shard_grad import as_shard_grad, shard_grad_owner
+from ..shards.flat_group import FlatGroup
 
 __all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions"]
 

@@ -14,7 +14,7 @@ import logging
 
 from torch import nn
 
-from .root import Root
+from ..step.root import Root
 
 __all__ = ["log_summary", "summarize"]
 

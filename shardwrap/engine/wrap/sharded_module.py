@@ -16,10 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.collectives import CollectiveFailed, CommStats
-from ..comm.mesh import resolve_mesh
-from ..options import Compression, MixedPrecision, Offload
-from ..tiers.home import make_home
+from ...comm.collectives import CollectiveFailed, CommStats
+from ...comm.mesh import resolve_mesh
+from ...options import Compression, MixedPrecision, Offload
+from ...tiers.home import make_home
+from ..step.edits import check_modifier_rank
+from ..step.inference import fits_gathered
+from ..step.own_calls import piece_hint
+from ..step.recompute import compile_unit, recompute_activations
+from ..step.root import Root
+from ..step.strategy import Strategy
 from .agree_values import check_same_values, copy_from_rank0
 from .build import build_root
 from .checks import (
@@ -35,21 +41,10 @@ from .checks import (
     resolve_compile,
     unit_plan,
 )
-from .edits import check_modifier_rank
 from .extensions import check_move, check_prepare, checkpoint_unit, class_habits
-from .inference import fits_gathered
-from .init import ParamInitFn, check_param_init_fn, is_meta
-from .own_calls import piece_hint
-from .recompute import compile_unit, recompute_activations
-from .root import Root
-from .strategy import Strategy
+from .meta_init import ParamInitFn, check_param_init_fn, is_meta
+from .policy import AutoWrap, check_selects_something, place_parameters, resolve_policy
 from .summary import log_summary, summarize
-from .wrap import (
-    AutoWrap,
-    check_selects_something,
-    place_parameters,
-    resolve_policy,
-)
 
 __all__ = ["ShardedModule"]
 
