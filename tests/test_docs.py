@@ -128,3 +128,17 @@ def test_readme_is_at_most_300_lines() -> None:
         f"README.md has {count} lines, more than {README_MAX_LINES}: move the detail into a page "
         "under docs/ and link it from the README's feature map"
     )
+
+
+def test_the_module_map_names_every_module_of_the_package_and_no_other() -> None:
+    """docs/concepts.md's module map lists each module by its path under ``shardwrap/``."""
+    package = ROOT / "shardwrap"
+    modules = {
+        str(p.relative_to(package)) for p in package.rglob("*.py") if p.name != "__init__.py"
+    }
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    start = text.index("**Where each decision lives**")
+    found = re.findall(r"`([\w/]+\.py)`", text[start : text.index("\n\n", start)])
+    listed = {path for path in found if not path.startswith("tests/")}
+    assert modules - listed == set(), f"missing from the module map: {sorted(modules - listed)}"
+    assert listed - modules == set(), f"in the map, not in the package: {sorted(listed - modules)}"

@@ -36,6 +36,11 @@ FLOORS = {
     "integrations": 6,
 }
 TOP = len(FLOORS)
+# engine/'s rooms, by the phase their code serves, lowest first, ruled alike: optim (optimizer
+# steps, shard gradients) and shards (flat buffers) share the lowest floor and import neither of
+# each other; step (a training step's hooks, order and reductions) builds on both; wrap (the
+# public wrapper and building) on all. engine/__init__.py sits above them.
+ROOMS = {"optim": 0, "shards": 0, "step": 1, "wrap": 2}
 
 
 def _imports(path: Path) -> set[str]:
@@ -104,8 +109,9 @@ def _module_name(path: Path) -> str:
 
 
 def _package_imports(path: Path, modules: set[str]) -> list[tuple[int, str]]:
-    """The modules of ``modules`` that ``path`` imports (line, module), at module level and inside
-    functions alike, leaving out ``if TYPE_CHECKING:`` blocks (annotations only, never run)."""
+    """The modules of ``modules`` that ``path`` imports (line, module), at module level, inside
+    functions and inside ``if TYPE_CHECKING:`` blocks alike: an import for annotations only is
+    still a dependency, and a cycle through one is still a cycle."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[int, str]] = []
@@ -116,11 +122,6 @@ def _package_imports(path: Path, modules: set[str]) -> list[tuple[int, str]]:
         found.extend((line, m) for m in subs or ([base] if base in modules else []))
 
     def visit(node: ast.AST) -> None:
-        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-        if getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
-            body = node.orelse
-        else:
-            body = list(ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
             found.extend((node.lineno, a.name) for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -130,7 +131,7 @@ def _package_imports(path: Path, modules: set[str]) -> list[tuple[int, str]]:
             else:
                 base = node.module or ""
             resolve(node.lineno, base, [a.name for a in node.names])
-        for child in body:
+        for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(ast.parse(path.read_text()))
@@ -143,6 +144,28 @@ def _floor(module: str) -> tuple[int, str]:
     if folder in FLOORS:
         return FLOORS[folder], folder
     return TOP, ""
+
+
+def _room(module: str) -> tuple[int, str]:
+    """An engine module's room and its floor among the rooms (``""`` atop them)."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[2] in ROOMS:
+        return ROOMS[parts[2]], parts[2]
+    return len(ROOMS), ""
+
+
+def _wrong_way(module: str, target: str) -> str | None:
+    """Why ``module`` may not import ``target`` (up a floor, or across to a folder or room of
+    its own floor), or ``None``."""
+    (floor, folder), (to_floor, to_folder) = _floor(module), _floor(target)
+    if to_floor > floor or (to_floor == floor and to_folder != folder):
+        return f"{to_folder or 'the top'}, floor {to_floor}, from {folder or 'the top'} ({floor})"
+    if folder == to_folder == "engine":
+        (room, name), (to_room, to_name) = _room(module), _room(target)
+        if to_room > room or (to_room == room and to_name != name):
+            to, at = to_name or "the top", name or "the top"
+            return f"engine room {to} ({to_room}) from {at} ({room})"
+    return None
 
 
 def test_no_module_of_the_package_is_longer_than_600_lines() -> None:
@@ -158,18 +181,18 @@ def test_the_package_imports_only_down_its_floors_and_in_no_cycle() -> None:
     paths = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert folders == set(FLOORS) - {"options"}, "give each folder of shardwrap/ its floor"
+    rooms = {p.name for p in (PACKAGE / "engine").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == set(ROOMS), "give each room of shardwrap/engine/ its floor"
+    loose = [p.name for p in (PACKAGE / "engine").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"engine/ holds rooms only; put {loose} in one"
     graph: dict[str, set[str]] = {m: set() for m in paths}
     wrong = []
     for module, path in paths.items():
-        floor, folder = _floor(module)
         for line, target in _package_imports(path, set(paths)):
             graph[module].add(target)
-            to_floor, to_folder = _floor(target)
-            if to_floor > floor or (to_floor == floor and to_folder != folder):
-                wrong.append(
-                    f"{path.relative_to(ROOT)}:{line} imports {target} ({to_folder or 'the top'}, "
-                    f"floor {to_floor}) from {folder or 'the top'} (floor {floor})"
-                )
+            why = _wrong_way(module, target)
+            if why is not None:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({why})")
     assert not wrong, "imports up the floors; move the shared name down:\n" + "\n".join(wrong)
     assert sum(map(len, graph.values())) > 100  # the imports were found, and read
 

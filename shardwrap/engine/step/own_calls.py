@@ -11,30 +11,49 @@ and the hooks do nothing; inside ``gathered()`` (``paused``) every parameter is 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 
-if TYPE_CHECKING:
-    from .root import Root
+__all__ = ["Driver", "OwnCalls", "piece_hint", "ready"]
 
-__all__ = ["OwnCalls", "piece_hint", "ready"]
+
+class Driver(Protocol):
+    """What the own-call hooks ask of the root that drives the units (``step/root.py``)."""
+
+    saved: SavedViews
+
+    @property
+    def root(self) -> Unit: ...
+
+    @property
+    def idle(self) -> bool: ...
+
+    @property
+    def in_backward(self) -> bool: ...
+
+    def settle(self) -> None: ...
+
+    def ensure_gathered(self, unit: Unit, backward: bool) -> None: ...
+
+    def release_after_forward(self, unit: Unit, grad: bool) -> bool: ...
 
 
 class OwnCalls:
     """The own-call hooks of one model's modules, driven by its root."""
 
-    def __init__(self, root: Root) -> None:
+    def __init__(self, root: Driver, units: list[Unit]) -> None:
         self._root = root
         self.paused = False  # gathered() exposes exact full parameters: leave them be
         self._called_alone: dict[int, list[Unit]] = {}  # id(module) -> units its call gathered
         self._hooks: dict[int, list[RemovableHandle]] = {}  # id(module) -> its call hooks
         owners: dict[int, tuple[nn.Module, list[Unit]]] = {}
-        for unit in root.units:
+        for unit in units:
             for g in unit.groups:
                 for slots in g.slots:
                     for module, _ in slots:

@@ -8,20 +8,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils.checkpoint
 
 from ..shards.unit import Unit
+from .own_calls import OwnCalls
 
-if TYPE_CHECKING:
-    from .root import Root
-
-__all__ = ["compile_unit", "guard_recompute", "recompute_activations"]
+__all__ = ["Regathers", "compile_unit", "guard_recompute", "recompute_activations"]
 
 
-def recompute_activations(root: Root, unit: Unit) -> None:
+class Regathers(Protocol):
+    """What a recomputation asks of the root that drives the units (``step/root.py``)."""
+
+    @property
+    def in_backward(self) -> bool: ...
+
+    def ensure_gathered(self, unit: Unit, backward: bool) -> None: ...
+
+
+def recompute_activations(root: Regathers, unit: Unit) -> None:
     """Recompute ``unit``'s activations in backward rather than keep them (non-reentrant).
 
     The checkpoint encloses the module's ``forward``, inside the sharding hooks. By the time
@@ -42,7 +49,9 @@ def recompute_activations(root: Root, unit: Unit) -> None:
     unit.module.forward = checkpointed
 
 
-def guard_recompute(root: Root, unit: Unit, function: Callable[..., Any]) -> Callable[..., Any]:
+def guard_recompute(
+    root: Regathers, unit: Unit, function: Callable[..., Any]
+) -> Callable[..., Any]:
     """``function``, a checkpointed piece of ``unit``'s forward, made safe to recompute.
 
     Backward recomputes it after pre-backward gathered the unit, but with the module's
@@ -59,11 +68,11 @@ def guard_recompute(root: Root, unit: Unit, function: Callable[..., Any]) -> Cal
     return recompute_or_run
 
 
-def compile_unit(root: Root, unit: Unit, options: dict[str, Any]) -> None:
+def compile_unit(own_calls: OwnCalls, unit: Unit, options: dict[str, Any]) -> None:
     """Compile ``unit``'s ``forward`` with ``torch.compile(**options)``; hooks stay outside.
 
     The modules inside lose their own-call hooks, which would break the graph at every
     module: within a compiled unit only the unit as a whole may be called.
     """
-    root.own_calls.unhook(unit.module)
+    own_calls.unhook(unit.module)
     unit.module.forward = torch.compile(unit.module.forward, **options)

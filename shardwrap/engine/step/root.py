@@ -168,7 +168,7 @@ class Root:
                 g.call_when_views_done(self._on_views_done)
             for g in unit.trainable:
                 unit.register_grad_hook(g, self._on_grad)
-        self.own_calls = OwnCalls(self)
+        self.own_calls = OwnCalls(self, units)
 
     @property
     def root(self) -> Unit:

@@ -1,0 +1,8 @@
+"""Wrapping a model. ``sharded_module.py`` is the public ``ShardedModule``; ``policy.py`` chooses
+the units and places tied parameters; ``checks.py`` refuses bad arguments before any flat buffer
+is made and agrees the rest across ranks (``agree_values.py``: the weights too); ``build.py``
+shards each unit's parameters into flat groups and builds the root; ``meta_init.py``
+materialises a meta-device model one unit at a time; ``retired.py`` frees the original
+parameters; ``assign.py`` takes parameters assigned after wrapping, or refuses them;
+``summary.py`` says what a wrap produced; ``extensions.py`` is where integrations plug in.
+"""

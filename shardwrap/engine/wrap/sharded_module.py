@@ -209,7 +209,7 @@ class ShardedModule(nn.Module):
         for unit in root.units[1:]:
             inner = (m for m in unit.module.modules() if m is not unit.module)
             if compile_options is not None and not any(id(m) in unit_modules for m in inner):
-                compile_unit(root, unit, compile_options)
+                compile_unit(root.own_calls, unit, compile_options)
             if checkpoint(unit.module) and not checkpoint_unit(root, unit):
                 recompute_activations(root, unit)
         log_summary(module, root)
