@@ -223,11 +223,13 @@ def test_a_parameter_read_outside_its_unit_raises_naming_it() -> None:
     """At stage 3 ``self.block.weight`` read in the root's forward is this rank's piece: the
     forward fails, and the error names the parameter, its piece and the fixes."""
 
+    torch.manual_seed(0)
+    model = ReadsBlockWeight()  # each rank a copy: ranks as threads share the random generator
+
     def fn(rank: int, pg: ProcessGroup) -> str:
-        torch.manual_seed(0)
-        m = ShardedModule(ReadsBlockWeight(), process_group=pg, auto_wrap=nn.Linear)
+        m = ShardedModule(copy.deepcopy(model), process_group=pg, auto_wrap=nn.Linear)
         with pytest.raises(RuntimeError, match="piece of block.weight") as info:
-            m(torch.randn(2, 16))
+            m(torch.ones(2, 16))
         return str(info.value)
 
     for message in run_ranks(WORLD, fn, timeout=30):
