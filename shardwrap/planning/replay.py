@@ -47,6 +47,7 @@ from ..comm.collectives import packing
 from ..comm.quantize import Codec
 from ..engine.shards.pool import Spares
 from ..engine.step.order import successors
+from ..engine.step.reduce import reduces_alone, reduction_order
 from ..engine.step.strategy import Strategy
 from ..options import Compression
 from .step import StepBytes
@@ -125,11 +126,13 @@ class _Replay:
         # is a slice of one in its own dtype (not staged), else the full buffer is a pooled one,
         # kept for good.
         self.resident = [
-            keeps
-            and (not self.stage3[g.unit] or g.requires_grad)
-            and g.compute_dtype == g.dtype
-            and not tier.staged
-            and not (quantized and g.dtype.is_floating_point)
+            strategy.keeps_resident(
+                stage3_lifetime=self.stage3[g.unit],
+                requires_grad=g.requires_grad,
+                same_dtype=g.compute_dtype == g.dtype,
+                staged=tier.staged,
+                quantized=quantized and g.dtype.is_floating_point,
+            )
             for g in groups
         ]
         self.kept = {
@@ -167,15 +170,13 @@ class _Replay:
             and self.world > 1
         )
         self.residuals: dict[int, int] = {}
-        self.order = [
-            i
-            for u in reversed(range(self.units))
-            for i in self.unit_groups[u]
-            if groups[i].requires_grad
-        ]
+        self.order = reduction_order(
+            [[i for i in ids if groups[i].requires_grad] for ids in self.unit_groups]
+        )
         # the reductions' buckets: where the one beginning at each bucket's first position ends
         flat = [groups[g].flat_grad for g in self.order]
-        alone = self.world == 1 or (compression is not None and compression.grads is not None)
+        quantized_grads = compression is not None and compression.grads is not None
+        alone = reduces_alone(quantized_grads, self.world)
         self.ends = bucket_ends(flat, 0 if alone else bucket_bytes)
         # the forward plan: the last forward's gathers (engine/step/schedule.py), this one's so far
         self.plan: list[int] = []

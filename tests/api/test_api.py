@@ -539,3 +539,13 @@ def test_a_dropped_model_whose_forward_had_no_backward_is_freed_by_one_collectio
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_profiler_trace_names_shardwrap_phases() -> None:
+    """Under ``torch.profiler`` each hook of a step shows as a ``shardwrap::<phase>`` range."""
+    model = ShardedModule(GPT(), auto_wrap=Block)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(*make_batch(0, 2)).backward()
+    names = {event.key for event in prof.key_averages()}
+    phases = ["pre_forward", "post_forward", "pre_backward", "post_backward", "end_backward"]
+    assert {f"shardwrap::{p}" for p in [*phases, "reduce"]} <= names, sorted(names)

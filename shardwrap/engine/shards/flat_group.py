@@ -54,9 +54,9 @@ class FlatGroup:
         compute_dtype: dtype of the gathered parameters (default: ``dtype``).
         grad_dtype: dtype of the flat gradient and its reduction (default: ``compute_dtype``).
         resident: keep the full buffer for good, with the shard as this rank's slice of it
-            (stages 1 and 2, when the parameters compute in the shards' dtype): the full
-            parameters then cost no memory beyond the shard's own, and a gather only fills
-            the other ranks' slices.
+            (``Strategy.keeps_resident``: stages 1 and 2, where the parameters compute in the
+            shards' dtype, exactly, on the compute device): the full parameters then cost no
+            memory beyond the shard's own, and a gather only fills the other ranks' slices.
         home: where the shard, its gradient buffer and the optimizer state live, and how the
             shard reaches the compute device (``tiers/home.py``); default: on the mesh's device,
             read in place.
@@ -102,7 +102,7 @@ class FlatGroup:
         lo, hi = self.layout.shard_range(rank)
         # 1-D, padded numel, compute_dtype: the full buffer kept for good (resident groups only).
         self._resident: Tensor | None = None
-        if resident and self.compute_dtype == self.dtype and not home.staged and codec is None:
+        if resident:
             self._resident = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
             pool.claim(self._resident, self)
             self.shard: Tensor = self._resident[lo:hi].zero_()  # 1-D, padded/N

@@ -21,9 +21,12 @@ __all__ = ["ShardState", "Unit"]
 
 
 class ShardState(Enum):
-    SHARDED = auto()
-    GATHERING = auto()
-    GATHERED = auto()
+    """A unit's buffers; every transition goes through ``start_gather``, ``finish_gather`` or
+    ``reshard``."""
+
+    SHARDED = auto()  # only this rank's shards; the module's attributes are the shard params
+    GATHERING = auto()  # all-gathers in flight into full buffers; nothing may read them yet
+    GATHERED = auto()  # full buffers hold every rank's shards; views may stand for the params
 
 
 class Unit:

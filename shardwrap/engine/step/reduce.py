@@ -31,6 +31,8 @@ gradients accumulated under ``no_sync`` carry them once, at the reduction that s
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,10 +47,27 @@ from ...options import Compression
 from ...tiers.home import Home
 from ..optim.shard_grad import as_shard_grad, shard_grad_owner
 from ..shards.flat_group import FlatGroup
+from .profile import label
 
-__all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions"]
+__all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions", "reduces_alone", "reduction_order"]
 
 MAX_REDUCTIONS_IN_FLIGHT = 1
+
+G = TypeVar("G")
+
+
+def reduction_order(groups_by_unit: Sequence[Sequence[G]]) -> list[G]:
+    """The canonical order of reductions: units by reverse index, the order in which backward
+    usually completes them, and each unit's groups in their own order. The memory planner's
+    replay orders its groups by the same rule (``planning/replay.py``)."""
+    return [g for groups in reversed(groups_by_unit) for g in groups]
+
+
+def reduces_alone(quantized: bool, shard_size: int) -> bool:
+    """Whether each group's reduction is an exchange of its own rather than part of a bucket:
+    where it is quantized (each has its own codec payload), or on one rank (a copy, nothing
+    to wait for)."""
+    return quantized or shard_size == 1
 
 
 class Reductions:
@@ -94,8 +113,7 @@ class Reductions:
         self.defer = defer
         self.sync = True
         self._position = {id(g): i for i, g in enumerate(order)}
-        # one rank reduces by copying: nothing to gain by waiting for a bucket
-        alone = self.codec is not None or mesh.shard_size == 1
+        alone = reduces_alone(self.codec is not None, mesh.shard_size)
         self._bucket_bytes = 0 if alone else bucket_bytes
         self.refresh()
         self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
@@ -167,8 +185,12 @@ class Reductions:
     def issue(self, upto: int) -> None:
         """Issue the reductions before position ``upto`` not issued yet (every rank agrees), a
         bucket at a time: a bucket not all before ``upto`` waits."""
-        if not self.sync:
+        if not self.sync or self._issued >= upto:
             return
+        with label("reduce"):
+            self._issue(upto)
+
+    def _issue(self, upto: int) -> None:
         while self._issued < upto and self._ends[self._issued] <= upto:
             while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
                 self._complete_oldest()

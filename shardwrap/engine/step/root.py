@@ -52,17 +52,21 @@ from ..shards.unit import ShardState, Unit
 from .edits import agree_edits
 from .order import successors, unit_index
 from .own_calls import OwnCalls
-from .reduce import Reductions
+from .profile import label
+from .reduce import Reductions, reduction_order
 from .schedule import Schedule
 from .strategy import Strategy
 from .trees import cast_floating, map_outputs
 
 __all__ = ["Phase", "Root"]
 
+
 class Phase(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD = auto()
+    """Where the model is in a training step; the hooks check it before every transition."""
+
+    IDLE = auto()  # outside forward and backward: saves, loads, gathered(), an optimizer step
+    FORWARD = auto()  # from the root unit's pre-forward hook to its forward hook
+    BACKWARD = auto()  # from the first pre-backward or gradient hook to the end of backward
 
 
 class Root:
@@ -114,12 +118,7 @@ class Root:
         self.params, self.param_of = index_params(units)
         # Every group that can train, in the canonical order: a frozen one may be unfrozen after
         # wrapping, and a fixed order keeps every rank's handshakes the same size.
-        order = [
-            g
-            for u in sorted(units, key=lambda u: -u.index)
-            for g in u.groups
-            if g.dtype.is_floating_point
-        ]
+        order = reduction_order([[g for g in u.groups if g.dtype.is_floating_point] for u in units])
         self.reductions = Reductions(
             order,
             mesh,
@@ -190,20 +189,22 @@ class Root:
 
     def _hook_pre_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            self._pre_forward(unit)
-            if self.input_dtype is not None:
-                args, kwargs = cast_floating((args, kwargs), self.input_dtype)
-            if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:
-                self._hook_inputs(unit, (args, kwargs))
-            return args, kwargs
+            with label("pre_forward"):
+                self._pre_forward(unit)
+                if self.input_dtype is not None:
+                    args, kwargs = cast_floating((args, kwargs), self.input_dtype)
+                if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:
+                    self._hook_inputs(unit, (args, kwargs))
+                return args, kwargs
 
         return hook
 
     def _hook_post_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if unit is self.root and self.output_dtype is not None:
-                output = cast_floating(output, self.output_dtype)
-            return self._post_forward(unit, output)
+            with label("post_forward"):
+                if unit is self.root and self.output_dtype is not None:
+                    output = cast_floating(output, self.output_dtype)
+                return self._post_forward(unit, output)
 
         return hook
 
@@ -295,7 +296,8 @@ class Root:
         def pre_backward(grad: Tensor) -> None:
             live = root()
             if live is not None:
-                live._pre_backward(live.units[index])
+                with label("pre_backward"):
+                    live._pre_backward(live.units[index])
 
         def visit(t: Tensor) -> Tensor:
             if release and self._views_gathered(unit, t):
@@ -406,12 +408,13 @@ class Root:
             self.reductions.drain()
 
     def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
-        if self.phase is not Phase.BACKWARD:
-            self._start_backward()
-        self._release_after_backward(group)
-        self._released.add(id(group))
-        self._maybe_release(unit)
-        self.schedule.grad_ready(group)
+        with label("post_backward"):
+            if self.phase is not Phase.BACKWARD:
+                self._start_backward()
+            self._release_after_backward(group)
+            self._released.add(id(group))
+            self._maybe_release(unit)
+            self.schedule.grad_ready(group)
 
     def _release_after_backward(self, group: FlatGroup) -> None:
         """Backward no longer reads ``group``: drop its views (and buffer, if the strategy says)."""
@@ -436,6 +439,12 @@ class Root:
             unit.drop_views()
 
     def _end_backward(self) -> None:
+        """The callback autograd runs once backward is done: release what is still gathered,
+        reduce what is left and land every gradient (``Schedule.finish_backward``)."""
+        with label("end_backward"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         for unit in self.units:
             if unit.state is not ShardState.SHARDED:
                 self._release_unit_after_backward(unit)

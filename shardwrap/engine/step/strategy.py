@@ -76,6 +76,24 @@ class Strategy:
         in its shards' dtype then keeps its full buffer for good, the shard a slice of it."""
         return self.stage in (1, 2)
 
+    def keeps_resident(
+        self,
+        *,
+        stage3_lifetime: bool,
+        requires_grad: bool,
+        same_dtype: bool,
+        staged: bool,
+        quantized: bool,
+    ) -> bool:
+        """Whether a flat group keeps its full buffer for good, its shard a slice of it: at
+        stages 1 and 2 (a unit with stage 3's lifetime: its trainable groups only), where the
+        parameters compute in the shards' own dtype (``same_dtype``), the shard lives on the
+        compute device (not ``staged`` by an offload tier) and gathers are exact (not
+        ``quantized``: the shard, as the master copy, must not take decoded values). The
+        memory planner's replay asks the same (``planning/replay.py``)."""
+        keeps = self.keeps_params and (not stage3_lifetime or requires_grad)
+        return keeps and same_dtype and not staged and not quantized
+
     def stage3_lifetime(self, *, frozen_numel: int, trainable_numel: int) -> bool:
         """Whether a unit is released after forward and after backward as at stage 3 whatever
         the stage: at stages 1 and 2, a unit whose parameters are mostly frozen (see the note

@@ -78,17 +78,26 @@ def build_root(
             names = [n for n, _, _ in entries]
             originals = [p for _, p, _ in entries]
             dtype = originals[0].dtype
+            compute = precision.compute_dtype(dtype) if precision else dtype
+            codec = param_codec if dtype.is_floating_point else None
+            resident = strategy.keeps_resident(
+                stage3_lifetime=stage3,
+                requires_grad=grad,
+                same_dtype=compute == dtype,
+                staged=home is not None and home.staged,
+                quantized=codec is not None,
+            )
             fg = FlatGroup(
                 names,
                 originals,
                 [s for _, _, s in entries],
                 mesh,
                 pool,
-                precision.compute_dtype(dtype) if precision else None,
+                compute,
                 precision.gradient_dtype(dtype) if precision else None,
-                resident=strategy.keeps_params and (not stage3 or grad),
+                resident=resident,
                 home=home,
-                codec=param_codec if dtype.is_floating_point else None,
+                codec=codec,
                 requires_grad=grad,
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
