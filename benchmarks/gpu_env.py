@@ -4,8 +4,8 @@ build, with nothing downloaded. Standard library only: it runs before any enviro
     python3 benchmarks/gpu_env.py .venv-gpu [--python PATH] [--wheels DIR]
 
 Why not ``make test``'s ``.venv``: it pins ``torch==2.13.0``, which pip resolves to a CPU build
-from this project's wheel sources, and a GPU machine lent for a check may reach no network and
-no wheel source at all (a CUDA build of torch is gigabytes, too large to carry). So:
+from this project's wheel sources, and a GPU machine for a check may reach no network and no
+wheel source at all (a CUDA build of torch is gigabytes, too large to carry). So:
 
 1. The interpreter: ``--python`` if given, else the first of ``.venv/bin/python`` and
    ``python3`` (then this one) whose ``torch.cuda.is_available()`` is true; where none sees a
@@ -14,7 +14,7 @@ no wheel source at all (a CUDA build of torch is gigabytes, too large to carry).
    report says which, and warns where ``pyproject.toml`` admits another.
 2. The environment: ``python -m venv --system-site-packages``, plus a ``.pth`` file naming
    the interpreter's own site-packages: where the interpreter is itself a virtual
-   environment (as on the GPU machines lent here, ``/opt/torch/.venv``), ``venv`` would
+   environment (as on the project's GPU machines, ``/opt/torch/.venv``), ``venv`` would
    otherwise see its base's packages, not its torch. shardwrap is not installed (its
    ``torch>=2.13,<2.14`` would make pip replace torch): the check puts this checkout on
    ``PYTHONPATH``.
