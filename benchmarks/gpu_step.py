@@ -185,6 +185,32 @@ def run(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the hostname may resolve nowhere
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results, rounds = _rounds(cfg, precisions, methods, limit_s, device, source)
+    finally:
+        dist.destroy_process_group()
+    for by_method in results.values():
+        for entry in by_method.values():
+            if entry["step_times"]:
+                entry["step_s"] = statistics.median(entry["step_times"])
+                entry["tokens_per_s"] = cfg.batch * cfg.context / entry["step_s"]
+    return {
+        "params": params,
+        "config": asdict(cfg),
+        "rounds": rounds,
+        "results": results,
+    }
+
+
+def _rounds(
+    cfg: Config,
+    precisions: list[str],
+    methods: list[str],
+    limit_s: float,
+    device: torch.device,
+    source: nn.Module,
+) -> tuple[dict[str, dict[str, dict[str, Any]]], int]:
+    """Each precision's results by method, and how many rounds ran."""
     start = time.monotonic()
     results: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in precisions}
     rounds = 0
@@ -205,18 +231,7 @@ def run(
                 entry["step_times"] += got["step_times"]
                 entry["peak_bytes"] = max(entry.get("peak_bytes") or 0, got["peak_bytes"] or 0)
                 entry["losses"] = got["losses"]
-    dist.destroy_process_group()
-    for by_method in results.values():
-        for entry in by_method.values():
-            if entry["step_times"]:
-                entry["step_s"] = statistics.median(entry["step_times"])
-                entry["tokens_per_s"] = cfg.batch * cfg.context / entry["step_s"]
-    return {
-        "params": params,
-        "config": asdict(cfg),
-        "rounds": rounds,
-        "results": results,
-    }
+    return results, rounds
 
 
 def main(argv: list[str] | None = None) -> None:
