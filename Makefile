@@ -1,6 +1,7 @@
 # make test: build .venv (once per change to pyproject.toml or this file), then run the suite.
 # make demo: the same .venv, then train a small GPT under torchrun (see examples/train_gpt.py).
 # make bench: the same .venv plus the `bench` extra (DeepSpeed), then benchmarks/compare.py.
+# make gpu-check: on a GPU machine, the CUDA tier and the GPU benchmark in 8 minutes (below).
 
 PYTHON ?= python3
 VENV := .venv
@@ -21,7 +22,17 @@ BENCH_STAMP := $(VENV)/.bench-stamp
 
 export OMP_NUM_THREADS := 1
 
-.PHONY: test demo bench
+# make gpu-check: its environment takes torch from a Python whose torch is a CUDA build
+# (GPU_PYTHON, else the first of .venv/bin/python and python3 whose torch sees a GPU), since a
+# GPU machine may reach no network and $(TORCH) is a CPU build; GPU_WHEELS names a folder of
+# wheels for what else it lacks. See benchmarks/gpu_env.py and docs/tests.md.
+GPU_VENV := .venv-gpu
+GPU_PYTHON ?=
+GPU_WHEELS ?=
+# Flags for the driver, e.g. make gpu-check GPU_CHECK_ARGS='--budget-s 300'.
+GPU_CHECK_ARGS ?=
+
+.PHONY: test demo bench gpu-check
 
 # Lint, then three tiers: in-process tests (threads as ranks) on three workers, at ZeRO stage 3
 # and again at stages 1 and 2 (leaving out stage 3's own lifetime tests), then the torchrun runs
@@ -41,6 +52,13 @@ demo: $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/compare.py $(BENCH_ARGS)
+
+# Every CUDA check (tests/tiers/test_gpu*.py, tests/e2e/test_gpu*.py) and the GPU benchmark,
+# one line per check and a report (benchmarks/gpu_check.py); without a GPU each says SKIPPED.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_env.py $(GPU_VENV) $(if $(GPU_PYTHON),--python $(GPU_PYTHON)) \
+		$(if $(GPU_WHEELS),--wheels $(GPU_WHEELS))
+	$(GPU_VENV)/bin/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # One environment for both: the process tier runs the demo, so tests need its extra too.
 $(STAMP): pyproject.toml Makefile

@@ -31,32 +31,15 @@ Run: ``pytest tests/test_benchmarks.py``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.support.launch import ROOT
+from tests.support.benchmarks import load_benchmark
 
 pytestmark = pytest.mark.stage3  # no stage of the tests' own is involved: once is enough
-
-
-def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as its script runs: its folder first on the path while it
-    loads, where it finds ``_launch`` and ``compare``."""
-    folder = str(ROOT / "benchmarks")
-    spec = importlib.util.spec_from_file_location(name, f"{folder}/{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # as an import would: dataclasses look their module up
-    sys.path.insert(0, folder)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
-    return module
 
 
 def load_compare() -> ModuleType:

@@ -34,23 +34,10 @@ from shardwrap.comm.compressed import (
     reduce_scatter_quantized,
 )
 from shardwrap.comm.quantize import Codec
+from tests.support.compression import element_bound as bound
 from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.stage3  # collectives alone: no stage involved
-
-EPS = 1e-6  # float32 rounding of the scale and the product, relative to the block's magnitude
-HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14}
-
-
-def bound(x: Tensor, codec: Codec) -> Tensor:
-    """Per element of ``x`` (1-D), how far its decoded value may be from it."""
-    n = x.numel()
-    pad = codec.blocks(n) * codec.block - n
-    absmax = torch.nn.functional.pad(x.abs().float(), (0, pad)).view(-1, codec.block).amax(1)
-    m = absmax.repeat_interleave(codec.block)[:n]
-    if codec.fmt == "fp8":
-        return x.abs() * 2**-4 + m / 448 * 2**-10 + m * EPS
-    return m * (HALF_STEP[codec.fmt] + EPS)
 
 
 def _data(n: int, seed: int) -> Tensor:

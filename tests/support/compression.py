@@ -26,7 +26,15 @@ from shardwrap import Compression, ShardedModule
 from shardwrap.comm.quantize import Codec
 from tests.support.models import Block, make_batch
 
-__all__ = ["block_bound", "capture", "decoded_params", "flat", "groups", "train_checked"]
+__all__ = [
+    "block_bound",
+    "capture",
+    "decoded_params",
+    "element_bound",
+    "flat",
+    "groups",
+    "train_checked",
+]
 
 LR = 0.05
 STEPS = 3
@@ -71,6 +79,20 @@ def capture(m: nn.Module) -> dict[str, Tensor]:
 
             module.register_forward_pre_hook(hook)
     return seen
+
+
+EPS = 1e-6  # float32 rounding of the scale and the product, relative to the block's magnitude
+
+
+def element_bound(x: Tensor, codec: Codec) -> Tensor:
+    """Per element of ``x`` (1-D), how far its decoded value may be from it, in any format."""
+    n = x.numel()
+    pad = codec.blocks(n) * codec.block - n
+    absmax = torch.nn.functional.pad(x.abs().float(), (0, pad)).view(-1, codec.block).amax(1)
+    m = absmax.repeat_interleave(codec.block)[:n]
+    if codec.fmt == "fp8":
+        return x.abs() * 2**-4 + m / 448 * 2**-10 + m * EPS
+    return m * (HALF_STEP[codec.fmt] + EPS)
 
 
 def block_bound(x: Tensor, codec: Codec) -> Tensor:

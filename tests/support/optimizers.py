@@ -31,3 +31,23 @@ class SGDKeepingGrads(torch.optim.SGD):
 
 
 shardwrap.declare_optimizer(SGDKeepingGrads, reads_shapes=False)  # its own step, elementwise
+
+
+class MuonAndAdamW:
+    """Muon over the matrices and AdamW over the rest, stepped as one, as torch's documentation
+    advises Muon be used."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        self.optimizers = (
+            torch.optim.Muon([p for p in params if p.ndim == 2]),
+            torch.optim.AdamW([p for p in params if p.ndim != 2], lr=3e-3),
+        )
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()

@@ -231,15 +231,23 @@ def train_recipe(
     batches: list = GPT_BATCHES,
     make_optimizer: MakeOptimizer = sgd,
     loss_fn: LossFn = gpt_loss,
+    cast_buffers: bool = True,
 ) -> tuple[list, dict]:
     """Plain mixed precision: fp32 masters, a ``dtype`` copy per rank slice, fp32 mean grads.
 
     With ``dtype=torch.float32`` this is the unwrapped model trained on each global batch by
     gradient accumulation over the ranks' slices: the ranks' own summation order, for
-    optimizers whose step amplifies rounding (Muon's bf16 Newton-Schulz iteration).
+    optimizers whose step amplifies rounding (Muon's bf16 Newton-Schulz iteration). With
+    ``cast_buffers=False`` only the parameters are cast, as ``MixedPrecision`` casts them (a
+    Llama's rotary frequencies stay float32).
     """
     master = copy.deepcopy(model)
-    work = copy.deepcopy(model).to(dtype)
+    work = copy.deepcopy(model)
+    if cast_buffers:
+        work.to(dtype)
+    else:
+        for p in work.parameters():
+            p.data = p.data.to(dtype)
     optimizer = make_optimizer(p for p in master.parameters() if p.requires_grad)
     losses = []
     for inputs, targets in batches:

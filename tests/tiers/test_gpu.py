@@ -2,18 +2,27 @@
 cannot reach (it runs the same logic staged on a CPU device: ``tests/tiers/test_offload_host.py``).
 
 Every test is marked ``gpu`` and skipped, with its reason, where ``torch.cuda.is_available()``
-is false. Proves, against the unwrapped model on the same GPU over the whole global batch:
+is false; ``make gpu-check`` runs them all on a GPU machine. Proves, against the unwrapped
+model on the same GPU over the whole global batch:
 
-- the host tier on one GPU (world size 1, no process group): SGD with momentum parameters
-  within 1e-5, AdamW losses within 1e-5, a tied GPT; shards and gradients in pinned host
-  memory, optimizer state on the host, the step fused on the CPU;
+- the host tier on one GPU (world size 1, no process group, and over NCCL's default group of
+  one rank): SGD with momentum parameters within 1e-5, AdamW losses within 1e-5, a tied GPT,
+  at stages 1, 2 and 3; shards and gradients in pinned host memory, optimizer state on the
+  host, the step fused on the CPU; copies on two side streams of the home's own;
+- the host tier with Muon (matrices stepped whole) and AdamW: parameters within 1e-4 of the
+  same recipe by hand (forward and backward on the GPU, the optimizer on CPU masters);
+- the host tier under bf16 mixed precision: losses within 1e-5 of the same run without
+  offload;
+- staging: every gather reads a device copy of its shard made on the side stream (an event
+  recorded there), never the shard; after the first step each is staged ahead, but the
+  root's first gather of the step;
 - the host tier at world size 2 over NCCL (two GPUs, one process each): the same parity;
 - device memory: with the host tier, what stays allocated on the GPU between steps holds no
   fp32 shard and no optimizer state (``torch.cuda.memory_allocated``), and the peak during a
   step is the working set of a few units, while without offload it holds all of them;
 - the disk tier with a CUDA device is refused by name;
-- a non-blocking save (pinned snapshot, side stream) holds the state at the call while the
-  model trains on; compressed gathers compute with the decoded weights on a GPU.
+- a non-blocking save, from shards on the GPU (a pinned snapshot filled on a side stream) and
+  from the host tier's pinned shards, holds the state at the call while the model trains on.
 
 Run: ``.venv/bin/python -m pytest -m gpu tests/tiers/test_gpu.py -q -ra``
 """
@@ -30,18 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwrap import Compression, Offload, ShardedModule, load_checkpoint, save_checkpoint
-from shardwrap.comm.quantize import Codec
+from shardwrap import MixedPrecision, Offload, ShardedModule, load_checkpoint, save_checkpoint
 from shardwrap.tiers.home import HostHome
+from tests.support.cuda import NEEDS_CUDA, gpu, nccl_world
 from tests.support.models import GPT, Block, make_batch
+from tests.support.optimizers import MuonAndAdamW
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.stage3,  # stages are chosen here explicitly
-    pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() false)"
-    ),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.stage3, NEEDS_CUDA]  # stages chosen here
 
 STEPS, GLOBAL_BATCH = 3, 4
 
@@ -58,7 +62,7 @@ OPTIMIZERS = {"sgd": sgd, "adamw": adamw}
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = gpu()
     losses = []
     for step in range(STEPS):
         x, y = (t.to(device) for t in make_batch(step, GLOBAL_BATCH))
@@ -75,7 +79,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -
 
 def check_host_tier(rank: int, world: int, optimizer: str, tied: bool, stage: int) -> None:
     """Train the host tier and the plain model on this GPU; assert parity and placement."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = gpu()
     torch.manual_seed(0)
     model = GPT(tied=tied)  # on the CPU: the full model never needs to fit on the GPU
     ref = copy.deepcopy(model).to(device)
@@ -96,6 +100,10 @@ def check_host_tier(rank: int, world: int, optimizer: str, tied: bool, stage: in
     for state in opt.state.values():
         assert all(v.device.type == "cpu" for v in state.values() if v.dim() > 0)
     assert all(group["fused"] for group in opt.param_groups)
+    home = m._shardwrap_root.home
+    compute = torch.cuda.current_stream(device)
+    assert home._up is not None and home._down is not None
+    assert compute not in (home._up, home._down)  # copies overlap compute on streams of their own
     if optimizer == "sgd":
         state = m.full_state_dict()
         torch.testing.assert_close(
@@ -107,6 +115,103 @@ def check_host_tier(rank: int, world: int, optimizer: str, tied: bool, stage: in
 @pytest.mark.parametrize(("optimizer", "tied"), [("sgd", False), ("adamw", False), ("sgd", True)])
 def test_host_tier_on_one_gpu(optimizer: str, tied: bool, stage: int) -> None:
     check_host_tier(0, 1, optimizer, tied, stage)
+
+
+def test_host_tier_over_nccl_world_of_one() -> None:
+    with nccl_world():
+        check_host_tier(0, 1, "adamw", False, 3)
+
+
+def _offloaded_recipe(model: nn.Module, make_opt: Any) -> tuple[list[float], dict[str, Any]]:
+    """The host tier by hand: forward and backward on the GPU, the optimizer stepping fp32
+    masters on the CPU, which are copied back to the GPU after each step."""
+    work = copy.deepcopy(model).to(gpu())
+    master = copy.deepcopy(model)
+    opt = make_opt(master.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(gpu()) for t in make_batch(step, GLOBAL_BATCH))
+        loss = work(x, y)
+        loss.backward()
+        for m, w in zip(master.parameters(), work.parameters()):
+            m.grad, w.grad = w.grad.cpu(), None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, w in zip(master.parameters(), work.parameters()):
+                w.copy_(m)
+        losses.append(loss.item())
+    return losses, master.state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_tier_steps_muon_whole_like_the_recipe_by_hand(stage: int) -> None:
+    """Muon orthogonalises each matrix's update in bf16 on the host: within 1e-4."""
+    torch.manual_seed(0)
+    model = GPT()
+    ref_losses, ref_state = _offloaded_recipe(model, MuonAndAdamW)
+    m = ShardedModule(
+        copy.deepcopy(model),
+        auto_wrap=Block,
+        device=gpu(),
+        stage=stage,
+        offload=Offload(device="cpu"),
+    )
+    losses = train(m, MuonAndAdamW(m.parameters()), 0, 1)
+    torch.testing.assert_close(losses, ref_losses, atol=1e-4, rtol=0)
+    torch.testing.assert_close(m.full_state_dict(), ref_state, atol=1e-4, rtol=0)
+
+
+def test_host_tier_under_bf16_trains_like_the_same_run_without_offload() -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    runs = []
+    for offload in (None, Offload(device="cpu")):
+        m = ShardedModule(
+            copy.deepcopy(model),
+            auto_wrap=Block,
+            device=gpu(),
+            mixed_precision=precision,
+            offload=offload,
+        )
+        runs.append(train(m, adamw(m.parameters()), 0, 1))
+    # the same casts on the same GPU; the AdamW step on the CPU rounds like the GPU's
+    torch.testing.assert_close(runs[1], runs[0], atol=1e-5, rtol=0)
+
+
+def test_gathers_read_copies_staged_ahead_on_the_side_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    m = ShardedModule(GPT(), auto_wrap=Block, device=gpu(), offload=Offload(device="cpu"))
+    opt = adamw(m.parameters())
+    ahead: list[bool] = []  # per gather: whether its shard's copy was staged ahead
+    on_side_stream: list[bool] = []  # per gather: whether its copy's event was recorded
+    staged_inputs: list[torch.Tensor] = []
+    gather_input = HostHome.gather_input
+
+    def spy(self: HostHome, shard: torch.Tensor) -> torch.Tensor:
+        staged = self._staged.get(id(shard))
+        ahead.append(staged is not None and staged.version == shard._version)
+        on_side_stream.append(staged is None or staged.done is not None)
+        out = gather_input(self, shard)
+        staged_inputs.append(out)
+        return out
+
+    monkeypatch.setattr(HostHome, "gather_input", spy)
+    for step in range(STEPS):
+        ahead.clear()  # the last step's
+        x, y = (t.to(gpu()) for t in make_batch(step, GLOBAL_BATCH))
+        m(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(on_side_stream)
+    assert all(t.device == gpu() for t in staged_inputs)
+    shards = {g.shard.data_ptr() for u in m._shardwrap_root.units for g in u.groups}
+    assert not shards & {t.data_ptr() for t in staged_inputs}  # copies, never the shard
+    # After a step, only the root's gather in forward comes first, with nothing before it.
+    assert ahead.count(False) == len(m._shardwrap_root.root.groups), ahead
 
 
 def _nccl_worker(rank: int, init_file: str, optimizer: str, stage: int) -> None:
@@ -135,7 +240,7 @@ def test_host_tier_over_nccl_at_world_size_2(tmp_path: Path, optimizer: str, sta
 
 def _memory(offload: bool) -> tuple[int, int, int]:
     """(allocated between steps, peak during a step, fp32 bytes of the model) on this GPU."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = gpu()
     torch.manual_seed(0)
     model = GPT(width=256, heads=4, depth=24)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -178,7 +283,7 @@ def test_the_disk_tier_with_a_cuda_device_is_refused(tmp_path: Path) -> None:
 def test_a_nonblocking_save_on_a_gpu_holds_the_state_at_the_call(tmp_path: Path) -> None:
     """The snapshot is copied on a side stream into pinned memory; the steps that follow on the
     compute stream wait for it and change nothing of what is written."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = gpu()
     torch.manual_seed(0)
     model = GPT()
     m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, device=device)
@@ -193,25 +298,26 @@ def test_a_nonblocking_save_on_a_gpu_holds_the_state_at_the_call(tmp_path: Path)
     torch.testing.assert_close(fresh.full_state_dict(), at_call, atol=0, rtol=0)
 
 
-def test_compressed_gathers_on_a_gpu_compute_with_the_decoded_weights() -> None:
-    """At world size 1 a compressed gather still decodes its own shard: forward equals the
-    plain model's with every parameter packed and decoded, and the shards stay exact."""
-    device = torch.device("cuda", torch.cuda.current_device())
+def test_a_nonblocking_save_from_the_host_tiers_pinned_shards_holds_the_state_at_the_call(
+    tmp_path: Path,
+) -> None:
+    """The host tier's shards and optimizer state are in host memory: the snapshot copies them
+    at the call, and the steps after it change nothing of what is written."""
     torch.manual_seed(0)
-    model = GPT().to(device)
-    codec = Codec("int8", 256)
-    m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, compression=Compression(params="int8"))
-    ref = copy.deepcopy(model)
-    x, y = (t.to(device) for t in make_batch(0, GLOBAL_BATCH))
-    got = m(x, y)
-    exact = m.full_state_dict()
-    torch.testing.assert_close(exact, model.state_dict(), atol=0, rtol=0)
-    for g in (g for u in m._shardwrap_root.units for g in u.groups):
-        full = torch.zeros(g.layout.padded_numel, device=device)
-        for name, offset, n in zip(g.names, g.layout.offsets, g.layout.numels):
-            full[offset : offset + n] = exact[name].reshape(-1).float()
-        decoded = codec.round_trip(full)
-        with torch.no_grad():
-            for name, offset, n in zip(g.names, g.layout.offsets, g.layout.numels):
-                ref.get_parameter(name).copy_(decoded[offset : offset + n].view_as(exact[name]))
-    torch.testing.assert_close(got, ref(x, y), atol=0, rtol=0)
+    model = GPT()
+
+    def wrapped() -> nn.Module:
+        return ShardedModule(
+            copy.deepcopy(model), auto_wrap=Block, device=gpu(), offload=Offload(device="cpu")
+        )
+
+    m = wrapped()
+    opt = adamw(m.parameters())
+    train(m, opt, 0, 1)
+    pending = save_checkpoint(tmp_path / "ckpt", m, opt, blocking=False, step=STEPS)
+    at_call = m.full_state_dict()
+    train(m, opt, 0, 1)
+    pending.wait()
+    fresh = wrapped()
+    assert load_checkpoint(tmp_path / "ckpt", fresh, adamw(fresh.parameters())) == {"step": STEPS}
+    torch.testing.assert_close(fresh.full_state_dict(), at_call, atol=0, rtol=0)
