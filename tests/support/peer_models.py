@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MLP", "ChunkedHead", "DoubleLinear", "Residual", "stack"]
+__all__ = ["MLP", "ChunkedHead", "DoubleLinear", "FirstLinear", "Residual", "stack"]
 
 
 class MLP(nn.Module):
@@ -45,13 +45,17 @@ def stack(depth: int = 3, dim: int = 9) -> nn.Sequential:
     )
 
 
+class FirstLinear(nn.Linear):
+    """``DoubleLinear.lin1``'s own class, so that a policy can make it a unit alone."""
+
+
 class DoubleLinear(nn.Module):
     """Two linear layers; with ``use_second_linear`` both outputs are returned, else ``lin2``
     is never used (FSDP2's unused-output and unused-module cases)."""
 
     def __init__(self, dim: int = 11, use_second_linear: bool = True) -> None:
         super().__init__()
-        self.lin1 = nn.Linear(dim, dim)
+        self.lin1 = FirstLinear(dim, dim)
         self.lin2 = nn.Linear(dim, dim)
         self.use_second_linear = use_second_linear
 
