@@ -162,8 +162,11 @@ def _train(
     make_optimizer: MakeOptimizer,
     batches: list[Batch],
     step: Step,
+    prepare: Callable[[Side], None] | None,
     finish: Callable[[Side], Any] | None,
 ) -> Run:
+    if prepare is not None:
+        prepare(side)
     opt = make_optimizer(side.model.parameters())
     losses = []
     for batch in batches:
@@ -183,11 +186,12 @@ def run_reference(
     make_optimizer: MakeOptimizer,
     batches: list[Batch],
     step: Step,
+    prepare: Callable[[Side], None] | None = None,
     finish: Callable[[Side], Any] | None = None,
 ) -> Run:
     """Train a deep copy of ``model``, unwrapped, on every global batch whole."""
     side = Side(copy.deepcopy(model), 0, 1, None, sharded=False)
-    return _train(side, make_optimizer, batches, step, finish)
+    return _train(side, make_optimizer, batches, step, prepare, finish)
 
 
 def run_sharded(
@@ -196,21 +200,30 @@ def run_sharded(
     make_optimizer: MakeOptimizer,
     batches: list[Batch],
     step: Step,
+    prepare: Callable[[Side], None] | None = None,
     finish: Callable[[Side], Any] | None = None,
     group: Callable[[ProcessGroup], Any] | None = None,
+    build: Callable[[int], nn.Module] | None = None,
     **wrap: Any,
 ) -> list[Run]:
     """Train a ``ShardedModule`` deep copy of ``model`` on every rank, each on its slice.
 
-    ``group(pg)`` makes the ``process_group`` argument from the rank's group (a mesh, a
-    subgroup); world size 1 runs on this thread without a process group.
+    ``group(pg)`` makes the ``process_group`` argument from the rank's group: a mesh (the
+    ranks still split the data over the whole world) or a subgroup (its ranks split it, and
+    each subgroup trains alike). ``build(rank)`` makes the model a rank wraps instead of the
+    deep copy (weights on rank 0 only, a meta-device model). World size 1 runs on this thread
+    without a process group.
     """
 
     def fn(rank: int, pg: ProcessGroup | None) -> Run:
         process_group = group(pg) if group and pg is not None else pg
-        sharded = ShardedModule(copy.deepcopy(model), process_group=process_group, **wrap)
-        side = Side(sharded, rank, world_size, pg, sharded=True)
-        return _train(side, make_optimizer, batches, step, finish)
+        module = build(rank) if build else copy.deepcopy(model)
+        sharded = ShardedModule(module, process_group=process_group, **wrap)
+        if isinstance(process_group, ProcessGroup) and process_group is not pg:
+            side = Side(sharded, process_group.rank(), process_group.size(), process_group, True)
+        else:
+            side = Side(sharded, rank, world_size, pg, sharded=True)
+        return _train(side, make_optimizer, batches, step, prepare, finish)
 
     return [fn(0, None)] if world_size == 1 else run_ranks(world_size, fn, timeout=30.0)
 
@@ -223,6 +236,7 @@ def assert_peer_parity(
     step: Step,
     world_size: int = 2,
     make_optimizer: MakeOptimizer = sgd,
+    prepare: Callable[[Side], None] | None = None,
     finish: Callable[[Side], Any] | None = None,
     trains: bool = True,
     compare_parameters: bool | None = None,
@@ -231,19 +245,23 @@ def assert_peer_parity(
     """Train the reference and the sharded copies (at ``stage``, ``wrap`` passed on) and assert
     loss parity, parameter parity with SGD and equal notes; return both for further checks.
 
-    ``trains``: the reference must have moved its parameters, or parity would prove nothing.
-    ``compare_parameters``: also compare the parameters after the last step (default: with
-    ``sgd``, whose steps keep rounding small).
+    ``prepare(side)`` runs on each side before its optimizer is built, ``finish(side)`` after
+    the last step (both may note). ``trains``: the reference must have moved its parameters,
+    or parity would prove nothing. ``compare_parameters``: also compare the parameters after
+    the last step (default: with ``sgd``, whose steps keep rounding small).
     """
     if compare_parameters is None:
         compare_parameters = make_optimizer is sgd
-    ref = run_reference(model, make_optimizer, batches, step, finish)
+    ref = run_reference(model, make_optimizer, batches, step, prepare, finish)
     if trains:
         before = model.state_dict()
-        moved = max(((ref.state[k] - v).abs().max().item() for k, v in before.items()), default=0)
+        moved = max(
+            ((ref.state[k].double() - v.double()).abs().max().item() for k, v in before.items()),
+            default=0,
+        )
         assert moved > 1e-4, "the reference did not train; parity would prove nothing"
     runs = run_sharded(
-        model, world_size, make_optimizer, batches, step, finish, stage=stage, **wrap
+        model, world_size, make_optimizer, batches, step, prepare, finish, stage=stage, **wrap
     )
     for rank, run in enumerate(runs):
         where = f"stage {stage}, rank {rank}"
