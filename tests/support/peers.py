@@ -172,13 +172,22 @@ def _train(
     for batch in batches:
         losses.append(side.mean(step(side, opt, batch)))
         side.step_index += 1
-    model = side.model
-    if isinstance(model, ShardedModule):
-        state = model.full_state_dict()
-    else:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = _full_state(side.model)
     finished = finish(side) if finish else None
     return Run(losses, state, side.notes, finished)
+
+
+def _full_state(model: nn.Module) -> dict[str, Tensor]:
+    """The plain model's state dict of ``model``: wrapped whole, wrapped child by child, or
+    plain."""
+    if isinstance(model, ShardedModule):
+        return model.full_state_dict()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name, child in model.named_children():
+        if isinstance(child, ShardedModule):
+            state = {k: v for k, v in state.items() if not k.startswith(f"{name}.")}
+            state.update({f"{name}.{k}": v for k, v in child.full_state_dict().items()})
+    return state
 
 
 def run_reference(
@@ -204,6 +213,7 @@ def run_sharded(
     finish: Callable[[Side], Any] | None = None,
     group: Callable[[ProcessGroup], Any] | None = None,
     build: Callable[[int], nn.Module] | None = None,
+    children: tuple[str, ...] = (),
     **wrap: Any,
 ) -> list[Run]:
     """Train a ``ShardedModule`` deep copy of ``model`` on every rank, each on its slice.
@@ -211,14 +221,21 @@ def run_sharded(
     ``group(pg)`` makes the ``process_group`` argument from the rank's group: a mesh (the
     ranks still split the data over the whole world) or a subgroup (its ranks split it, and
     each subgroup trains alike). ``build(rank)`` makes the model a rank wraps instead of the
-    deep copy (weights on rank 0 only, a meta-device model). World size 1 runs on this thread
-    without a process group.
+    deep copy (weights on rank 0 only, a meta-device model). ``children``: wrap these children
+    of the model, each a ``ShardedModule`` of its own, instead of the model (several wrapped
+    models in one loop). World size 1 runs on this thread without a process group.
     """
 
     def fn(rank: int, pg: ProcessGroup | None) -> Run:
         process_group = group(pg) if group and pg is not None else pg
         module = build(rank) if build else copy.deepcopy(model)
-        sharded = ShardedModule(module, process_group=process_group, **wrap)
+        if children:
+            for name in children:
+                wrapped = ShardedModule(getattr(module, name), process_group=process_group, **wrap)
+                setattr(module, name, wrapped)
+            sharded = module
+        else:
+            sharded = ShardedModule(module, process_group=process_group, **wrap)
         if isinstance(process_group, ProcessGroup) and process_group is not pg:
             side = Side(sharded, process_group.rank(), process_group.size(), process_group, True)
         else:
