@@ -18,7 +18,7 @@ Run: ``PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/peers/tes
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
@@ -100,11 +100,6 @@ def test_unit_never_used_in_forward(stage: int) -> None:
 
 
 NT = collections.namedtuple("NT", "x y")
-
-
-class Pair(NamedTuple):
-    x: Tensor
-    y: Tensor
 
 
 def _pack(kind: str, x: Tensor) -> Any:

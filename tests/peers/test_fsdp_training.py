@@ -298,22 +298,12 @@ def test_two_partial_forwards_then_one_backward(stage: int) -> None:
     assert_peer_parity(model, stage=stage, batches=TOKENS, step=step, auto_wrap=_head_policy)
 
 
-class Nested(nn.Module):
-    """A block whose attention and MLP are units inside the block's unit."""
-
-    def __init__(self, width: int = 12) -> None:
-        super().__init__()
-        self.block = Block(width, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.block(x)
-
-
 @stages
 def test_two_forwards_before_backward_with_nested_units_and_checkpointing(stage: int) -> None:
     """Mirrors test_fully_shard_training.py::test_double_forward_with_nested_fsdp_and_checkpoint
     (the DPO pattern): two forwards of the model, then one backward of a loss over both, with
-    units nested (attention and MLP inside each block) and every unit recomputed."""
+    units nested (each block's attention a unit inside the block's) and every unit
+    recomputed."""
 
     def policy(module: nn.Module) -> bool:
         return isinstance(module, Block) or type(module).__name__ == "CausalSelfAttention"

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MLP", "ChunkedHead", "DoubleLinear", "FirstLinear", "Residual", "stack"]
+__all__ = ["MLP", "ChunkedHead", "DoubleLinear", "FirstLinear"]
 
 
 class MLP(nn.Module):
@@ -23,26 +23,6 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: (..., dim)
         return self.out_proj(F.relu(self.in_proj(x)))
-
-
-class Residual(nn.Module):
-    """A residual MLP block with a norm: every parameter gets a gradient of its own."""
-
-    def __init__(self, dim: int = 9) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.mlp = MLP(dim)
-
-    def forward(self, x: Tensor) -> Tensor:  # x: (..., dim)
-        return x + self.mlp(self.norm(x))
-
-
-def stack(depth: int = 3, dim: int = 9) -> nn.Sequential:
-    """``depth`` residual blocks between an input and an output projection, seeded."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(dim, dim), *(Residual(dim) for _ in range(depth)), nn.Linear(dim, dim)
-    )
 
 
 class FirstLinear(nn.Linear):
