@@ -56,6 +56,17 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
+def _module_marks(tree: ast.Module) -> set[str]:
+    """The marks a module's ``pytestmark`` names."""
+    return {
+        n.attr
+        for node in tree.body
+        if isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0])
+        for n in ast.walk(node.value)
+        if isinstance(n, ast.Attribute)
+    }
+
+
 def _tiers(test: ast.FunctionDef, module: set[str]) -> set[str]:
     """The marks among ``process`` and ``faults`` that ``test`` carries, its module's included."""
     marks = set(module)
@@ -74,13 +85,7 @@ def test_runs_in_processes_of_their_own_are_exactly_those_in_e2e() -> None:
     seen = 0
     for path in sorted(TESTS.rglob("test_*.py")):
         tree = ast.parse(path.read_text())
-        module = {
-            n.attr
-            for node in tree.body
-            if isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0])
-            for n in ast.walk(node.value)
-            if isinstance(n, ast.Attribute)
-        }
+        module = _module_marks(tree)
         in_e2e = path.parent == TESTS / "e2e"
         for test in tree.body:
             if isinstance(test, ast.FunctionDef) and test.name.startswith("test_"):
@@ -91,6 +96,20 @@ def test_runs_in_processes_of_their_own_are_exactly_those_in_e2e() -> None:
                 )
                 seen += in_e2e
     assert seen >= 10  # the process and fault tiers were found, and read
+
+
+def test_the_peers_tier_is_exactly_the_modules_in_tests_peers() -> None:
+    """``make test`` runs the peers tier apart (``-m peers``) and leaves it out of the
+    in-process passes (``not peers``): a module of it without the mark would run in those
+    passes too, a module marked elsewhere would leave them."""
+    seen = 0
+    for path in sorted(TESTS.rglob("test_*.py")):
+        marked = "peers" in _module_marks(ast.parse(path.read_text()))
+        in_peers = path.parent == TESTS / "peers"
+        where = path.relative_to(ROOT)
+        assert marked == in_peers, f"{where}: tests/peers modules, and only they, are marked peers"
+        seen += in_peers
+    assert seen >= 5  # the tier was found, and read
 
 
 def test_benchmarks_import_nothing_from_the_tests() -> None:
