@@ -517,8 +517,15 @@ _CLASSES: dict[type, type] = {}
 
 def _sharded_class(cls: type) -> type:
     if cls not in _CLASSES:
+
+        def plain(_: type, *args: Any, **kwargs: Any) -> nn.Module:
+            """The model's own code making another of its class (``Sequential`` slices with
+            ``self.__class__(...)``) gets a plain one, as on the unwrapped model."""
+            return cls(*args, **kwargs)
+
         bases = (ShardedModule, *class_habits(cls), cls)
-        _CLASSES[cls] = type(cls.__name__, bases, {"__module__": cls.__module__})
+        namespace = {"__module__": cls.__module__, "__new__": plain}
+        _CLASSES[cls] = type(cls.__name__, bases, namespace)
     return _CLASSES[cls]
 
 
