@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ from ..engine.wrap.policy import AutoWrap
 from ..options import Compression, MixedPrecision
 from .replay import Parts, Tier, replay
 from .step import OptimizerFactory, optimizer_bytes, ranks_to_plan
-from .trace import causal_loss, meta_twin, trace
+from .trace import Trace, causal_loss, meta_twin, trace
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "estimate_memory"]
 
@@ -220,8 +221,43 @@ def estimate_memory(
     _check(world_size, stages, tiers, batch, seq, optimizer, device)
     bucket = bucket_bytes(bucket_mb)
     name, model, is_hf = _meta_model(model_or_config, kwargs or {})
-    ids = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
     feed, inputs = _hf_inputs(model, batch, seq) if is_hf else ({}, f"seq {seq}")
+    loss_of = _loss_of(is_hf, feed, torch.zeros(batch, seq, dtype=torch.int64, device="meta"))
+    wrap = auto_wrap if auto_wrap is not None else _default_wrap(model)
+    tr = trace(model, wrap, world_size, mixed_precision, loss_of, fused_dropout=device == "cuda")
+    make_optimizer = _optimizer(optimizer)
+    rows = [
+        row
+        for tier in tiers
+        for row in _rows(
+            tr, make_optimizer, stages, tier, device, compression, bucket, nonblocking_saves
+        )
+    ]
+    rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
+    return MemoryPlan(
+        model=name,
+        params=sum(p.numel() for p in model.parameters()),
+        units=len(tr.units),
+        world_size=world_size,
+        batch=batch,
+        seq=seq,
+        inputs=inputs,
+        precision=_precision_name(mixed_precision),
+        device=device,
+        rows=tuple(rows),
+    )
+
+
+def _precision_name(mixed_precision: MixedPrecision | None) -> str:
+    if mixed_precision is None or mixed_precision.param_dtype is None:
+        return "fp32"
+    return f"{str(mixed_precision.param_dtype).removeprefix('torch.')} mixed precision"
+
+
+def _loss_of(is_hf: bool, feed: dict[str, Any], ids: Tensor) -> Callable[..., tuple[Tensor, Any]]:
+    """How the trace scores a model: its own loss from ``feed`` (a ``transformers`` model), else
+    next-token cross-entropy of ``ids``; with the outputs, which a training loop keeps until
+    the next forward."""
 
     def loss_of(m: nn.Module) -> tuple[Tensor, Any]:
         if is_hf:
@@ -233,55 +269,47 @@ def estimate_memory(
                     "...ForCausalLM, ...ForImageClassification), or a factory whose "
                     "forward(ids) returns the loss ('module:factory')."
                 )
-            return out.loss, out  # a training loop keeps the outputs until the next forward
+            return out.loss, out
         out = m(ids)
         return causal_loss(out, ids), out
 
-    wrap = auto_wrap if auto_wrap is not None else _default_wrap(model)
-    tr = trace(model, wrap, world_size, mixed_precision, loss_of, fused_dropout=device == "cuda")
-    make_optimizer = _optimizer(optimizer)
-    ranks = ranks_to_plan(tr, make_optimizer)
+    return loss_of
+
+
+def _rows(
+    tr: Trace,
+    make_optimizer: OptimizerFactory | None,
+    stages: tuple[int, ...],
+    tier: str | None,
+    device: str,
+    compression: Compression | None,
+    bucket: int,
+    nonblocking_saves: bool,
+) -> list[MemoryEstimate]:
+    """The estimates of one offload tier, one per stage it allows."""
+    where = _tier(tier, device)
+    # The offload tiers step with torch's fused kernel where the user left the choice.
+    fuse = where.staged or where.disk
+    steps = {
+        optimizer_bytes(tr, make_optimizer, device, fuse, rank, disk=where.disk)
+        for rank in ranks_to_plan(tr, make_optimizer)
+    }
+    # a non-blocking save's host copy: every shard, and the largest rank's optimizer state
+    shards = sum(g.shard for g in tr.groups)
+    snapshot = shards + max(step.state for step in steps) if nonblocking_saves else 0
     rows = []
-    for tier in tiers:
-        where = _tier(tier, device)
-        # The offload tiers step with torch's fused kernel where the user left the choice.
-        fuse = where.staged or where.disk
-        steps = {
-            optimizer_bytes(tr, make_optimizer, device, fuse, rank, disk=where.disk)
-            for rank in ranks
-        }
-        # a non-blocking save's host copy: every shard, and the largest rank's optimizer state
-        shards = sum(g.shard for g in tr.groups)
-        snapshot = shards + max(step.state for step in steps) if nonblocking_saves else 0
-        for s in stages:
-            if tier != "disk" or s == 3:
-                # the rank that holds the most (ranks differ only in their optimizer step)
-                parts = max(
-                    (
-                        replay(tr, Strategy(stage=s), where, step, device, compression, bucket)
-                        for step in steps
-                    ),
-                    key=_peak,
-                )
-                rows.append(
-                    MemoryEstimate(s, tier, *dataclasses.astuple(parts), checkpoint=snapshot)
-                )
-    rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
-    precision = "fp32"
-    if mixed_precision is not None and mixed_precision.param_dtype is not None:
-        precision = f"{str(mixed_precision.param_dtype).removeprefix('torch.')} mixed precision"
-    return MemoryPlan(
-        model=name,
-        params=sum(p.numel() for p in model.parameters()),
-        units=len(tr.units),
-        world_size=world_size,
-        batch=batch,
-        seq=seq,
-        inputs=inputs,
-        precision=precision,
-        device=device,
-        rows=tuple(rows),
-    )
+    for s in stages:
+        if tier != "disk" or s == 3:
+            # the rank that holds the most (ranks differ only in their optimizer step)
+            parts = max(
+                (
+                    replay(tr, Strategy(stage=s), where, step, device, compression, bucket)
+                    for step in steps
+                ),
+                key=_peak,
+            )
+            rows.append(MemoryEstimate(s, tier, *dataclasses.astuple(parts), checkpoint=snapshot))
+    return rows
 
 
 def _check(

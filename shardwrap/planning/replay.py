@@ -112,50 +112,8 @@ class _Replay:
         self.unit_groups = [
             [i for i, g in enumerate(groups) if g.unit == u] for u in range(self.units)
         ]
-        keeps = strategy.keeps_params
-        self.stage3 = [
-            strategy.stage3_lifetime(
-                frozen_numel=sum(
-                    groups[i].layout.numel for i in ids if not groups[i].requires_grad
-                ),
-                trainable_numel=sum(groups[i].layout.numel for i in ids if groups[i].requires_grad),
-            )
-            for ids in self.unit_groups
-        ]
-        # Stages 1 and 2 keep full buffers (a mostly frozen unit, its trainable ones): the shard
-        # is a slice of one in its own dtype (not staged), else the full buffer is a pooled one,
-        # kept for good.
-        self.resident = [
-            strategy.keeps_resident(
-                stage3_lifetime=self.stage3[g.unit],
-                requires_grad=g.requires_grad,
-                same_dtype=g.compute_dtype == g.dtype,
-                staged=tier.staged,
-                quantized=quantized and g.dtype.is_floating_point,
-            )
-            for g in groups
-        ]
-        self.kept = {
-            i
-            for i, g in enumerate(groups)
-            if keeps and not self.stage3[g.unit] and not self.resident[i]
-        }
-        shards = sum(g.shard for i, g in enumerate(groups) if not self.resident[i])
-        trainable = [g for g in groups if g.requires_grad]
-        home_grads = sum(g.shard for g in trainable) if tier.staged else 0
-        in_memory = not (tier.disk or tier.apart)
-        self.fixed_params = sum(g.full for i, g in enumerate(groups) if self.resident[i])
-        self.fixed_params += shards if in_memory else 0
-        self.fixed_grads = home_grads if in_memory else 0
-        state, step_most = step.state, step.most
-        self.state = state if in_memory else 0
-        self.step_most = step_most if in_memory else 0
-        if tier.disk:  # what the tier does not make in its files is in memory
-            self.state = state - step.in_files
-            self.step_most = step_most - step.in_files
-        self.host_fixed = shards + home_grads if tier.apart else 0
-        self.host_state = state if tier.apart else 0
-        self.host_step = step_most - state if tier.apart else 0
+        self._lifetimes(strategy, tier, quantized)
+        self._fixed_bytes(tier, step)
         self.receive_peers = self.world - 1 if device == "cpu" and self.world > 2 else 0
         self.packs = device == "cpu" and self.world > 1  # exchanges of several go packed
         self.unit_full = [sum(groups[g].full for g in ids) for ids in self.unit_groups]
@@ -170,14 +128,7 @@ class _Replay:
             and self.world > 1
         )
         self.residuals: dict[int, int] = {}
-        self.order = reduction_order(
-            [[i for i in ids if groups[i].requires_grad] for ids in self.unit_groups]
-        )
-        # the reductions' buckets: where the one beginning at each bucket's first position ends
-        flat = [groups[g].flat_grad for g in self.order]
-        quantized_grads = compression is not None and compression.grads is not None
-        alone = reduces_alone(quantized_grads, self.world)
-        self.ends = bucket_ends(flat, 0 if alone else bucket_bytes)
+        self._reductions(compression, bucket_bytes)
         # the forward plan: the last forward's gathers (engine/step/schedule.py), this one's so far
         self.plan: list[int] = []
         self.plan_at = 0
@@ -217,6 +168,70 @@ class _Replay:
         self.best: tuple[int, ...] = (-1,)
         self.phase = self.best_phase = "forward"
         self.host_peak = 0
+
+    def _lifetimes(self, strategy: Strategy, tier: Tier, quantized: bool) -> None:
+        """Which units take stage 3's lifetime, which groups keep their full buffer for good
+        (resident) and which keep a pooled one between steps (kept): as the engine decides."""
+        groups = self.tr.groups
+        self.stage3 = [
+            strategy.stage3_lifetime(
+                frozen_numel=sum(
+                    groups[i].layout.numel for i in ids if not groups[i].requires_grad
+                ),
+                trainable_numel=sum(groups[i].layout.numel for i in ids if groups[i].requires_grad),
+            )
+            for ids in self.unit_groups
+        ]
+        # Stages 1 and 2 keep full buffers (a mostly frozen unit, its trainable ones): the shard
+        # is a slice of one in its own dtype (not staged), else the full buffer is a pooled one,
+        # kept for good.
+        self.resident = [
+            strategy.keeps_resident(
+                stage3_lifetime=self.stage3[g.unit],
+                requires_grad=g.requires_grad,
+                same_dtype=g.compute_dtype == g.dtype,
+                staged=tier.staged,
+                quantized=quantized and g.dtype.is_floating_point,
+            )
+            for g in groups
+        ]
+        self.kept = {
+            i
+            for i, g in enumerate(groups)
+            if strategy.keeps_params and not self.stage3[g.unit] and not self.resident[i]
+        }
+
+    def _fixed_bytes(self, tier: Tier, step: StepBytes) -> None:
+        """What stays allocated between steps, in memory and (the host tier) on the host."""
+        groups = self.tr.groups
+        shards = sum(g.shard for i, g in enumerate(groups) if not self.resident[i])
+        trainable = [g for g in groups if g.requires_grad]
+        home_grads = sum(g.shard for g in trainable) if tier.staged else 0
+        in_memory = not (tier.disk or tier.apart)
+        self.fixed_params = sum(g.full for i, g in enumerate(groups) if self.resident[i])
+        self.fixed_params += shards if in_memory else 0
+        self.fixed_grads = home_grads if in_memory else 0
+        state, step_most = step.state, step.most
+        self.state = state if in_memory else 0
+        self.step_most = step_most if in_memory else 0
+        if tier.disk:  # what the tier does not make in its files is in memory
+            self.state = state - step.in_files
+            self.step_most = step_most - step.in_files
+        self.host_fixed = shards + home_grads if tier.apart else 0
+        self.host_state = state if tier.apart else 0
+        self.host_step = step_most - state if tier.apart else 0
+
+    def _reductions(self, compression: Compression | None, bucket_bytes: int) -> None:
+        """The reductions' order and buckets, by the engine's rules (``engine/step/reduce.py``)."""
+        groups = self.tr.groups
+        self.order = reduction_order(
+            [[i for i in ids if groups[i].requires_grad] for ids in self.unit_groups]
+        )
+        # the reductions' buckets: where the one beginning at each bucket's first position ends
+        flat = [groups[g].flat_grad for g in self.order]
+        quantized_grads = compression is not None and compression.grads is not None
+        alone = reduces_alone(quantized_grads, self.world)
+        self.ends = bucket_ends(flat, 0 if alone else bucket_bytes)
 
     def key(self, g: int) -> Key:
         return self.tr.groups[g].layout.padded_numel, self.tr.groups[g].compute_dtype
