@@ -36,6 +36,7 @@ costs one dictionary lookup per step; its kind is looked up once.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 import weakref
@@ -139,7 +140,7 @@ def _kind(cls: type) -> str:
         if base is Optimizer or base is object:
             break
         if base in _declared or base in REFUSED or base in ELEMENTWISE or base in WHOLE:
-            if base is not cls and getattr(cls, "step", None) is not getattr(base, "step", None):
+            if base is not cls and _step_of(cls) is not _step_of(base):
                 return "undeclared"  # a subclass with a step of its own
             if base in _declared:
                 return "whole" if _declared[base] else "pieces"
@@ -147,6 +148,13 @@ def _kind(cls: type) -> str:
                 return "refused"
             return "whole" if base in WHOLE else "pieces"
     return "undeclared"
+
+
+def _step_of(cls: type) -> object:
+    """``cls.step`` as written: torch wraps the ``step`` of a class at its first instance
+    (``Optimizer._patch_step_function``), on the subclass itself when that comes first, so a
+    subclass that keeps its base's step can hold a wrapper of it of its own."""
+    return inspect.unwrap(getattr(cls, "step", None))
 
 
 # the process-wide hooks ----------------------------------------------------------------
