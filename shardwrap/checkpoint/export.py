@@ -50,7 +50,8 @@ from .files import (
     tensor_nbytes,
     write_file,
 )
-from .save import persistent_buffers, saves_in
+from .folder import saves_in
+from .format import persistent_buffers
 
 __all__ = ["export", "load_pretrained", "write_export"]
 

@@ -26,7 +26,16 @@ from ..engine.param_index import Param
 from ..engine.whole_params import stepped_whole
 from .checksum import buffer_checksum, tensor_checksum
 from .entry import wrapped_root
-from .files import DTYPES, agree, few, is_plain_name
+from .files import DTYPES, agree, few
+from .format import (
+    BUFFERS,
+    METADATA,
+    OPTIMIZER,
+    extra_file,
+    persistent_buffers,
+    read_metadata,
+    resolve_folder,
+)
 from .optimizer_state import (
     Optimizers,
     as_list,
@@ -36,16 +45,6 @@ from .optimizer_state import (
     optimizer_problem,
     owns,
     saved_optimizers,
-)
-from .save import (
-    BUFFERS,
-    FORMAT,
-    METADATA,
-    OPTIMIZER,
-    VERSION,
-    extra_file,
-    persistent_buffers,
-    resolve_folder,
 )
 
 __all__ = ["load_checkpoint"]
@@ -116,7 +115,7 @@ class _Loader:
         stack: ExitStack,
     ) -> None:
         self.folder = resolve_folder(path)
-        self.meta = _read_metadata(self.folder)
+        self.meta = read_metadata(self.folder)
         self.params = params
         self.buffers = persistent_buffers(model, params)
         self.optimizers = optimizers
@@ -437,123 +436,3 @@ def _kind_mismatch(cls: str, saved_whole: bool) -> str:
         f"this {cls} {now}. Declare it as it was when saved, before loading: "
         f"shardwrap.declare_optimizer({cls}, reads_shapes={declare})"
     )
-
-
-def _read_metadata(folder: Path) -> dict[str, Any]:
-    path = folder / METADATA
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {path} is not a shardwrap checkpoint's metadata")
-    if meta.get("version") not in (2, VERSION):
-        raise ValueError(
-            f"load_checkpoint: {path} has format version {meta.get('version')}; this "
-            f"shardwrap reads 2 to {VERSION}"
-        )
-    problem = _metadata_problem(meta)
-    if problem is not None:
-        raise ValueError(f"load_checkpoint: {path} is malformed: {problem}")
-    return meta
-
-
-def _metadata_problem(meta: dict[str, Any]) -> str | None:
-    """What is wrong with the structure of a checkpoint's metadata, or ``None``.
-
-    Every file it names must be a plain name inside the checkpoint's folder.
-    """
-
-    def bad_int(v: object, least: int = 0) -> bool:
-        return not isinstance(v, int) or isinstance(v, bool) or v < least
-
-    def bad_file(v: object) -> bool:
-        return not is_plain_name(v)
-
-    def bad_shape(v: object) -> bool:
-        return not isinstance(v, list) or any(bad_int(d) for d in v)
-
-    for key in ("world_size", "files", "params", "buffers", "optimizer", "checksums"):
-        if key not in meta:
-            return f'it lacks the "{key}" entry'
-    if bad_int(meta["world_size"], 1) or bad_int(meta.get("ranks", 1), 1):
-        return '"world_size" and "ranks" must be positive integers'
-    files = meta["files"]
-    if not isinstance(files, dict) or any(bad_file(f) or bad_int(n) for f, n in files.items()):
-        return '"files" must map plain file names inside the folder to sizes in bytes'
-    params = meta["params"]
-    if not isinstance(params, dict):
-        return '"params" must map parameter names to their entries'
-    for name, entry in params.items():
-        if not isinstance(entry, dict) or bad_shape(entry.get("shape")):
-            return f'parameter "{name}" needs a "shape" (a list of sizes)'
-        if not isinstance(entry.get("dtype"), str):
-            return f'parameter "{name}" needs a "dtype" name'
-        pieces = entry.get("pieces")
-        if not isinstance(pieces, list) or any(
-            not isinstance(pc, list)
-            or len(pc) != 3
-            or bad_file(pc[0])
-            or bad_int(pc[1])
-            or bad_int(pc[2], pc[1] if isinstance(pc[1], int) else 0)
-            for pc in pieces
-        ):
-            return (
-                f'parameter "{name}": "pieces" must be a list of [file, start, stop], the file '
-                "a plain name inside the folder"
-            )
-    buffers = meta["buffers"]
-    if not isinstance(buffers, dict) or any(
-        not isinstance(b, dict) or bad_shape(b.get("shape")) or not isinstance(b.get("dtype"), str)
-        for b in buffers.values()
-    ):
-        return '"buffers" must map buffer names to their "shape" and "dtype"'
-    optimizer = meta["optimizer"]
-    if optimizer is not None and (
-        not isinstance(optimizer, dict)
-        or not isinstance(optimizer.get("state_keys"), dict)
-        or any(
-            not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
-            for keys in optimizer["state_keys"].values()
-        )
-    ):
-        return '"optimizer" must be null or hold "state_keys": parameter name to key names'
-    stepped = (optimizer or {}).get("stepped_whole", False)
-    whole = (optimizer or {}).get("whole_state", {})
-    if (
-        not all(isinstance(b, bool) for b in (stepped if isinstance(stepped, list) else [stepped]))
-        or not isinstance(whole, dict)
-        or any(
-            not isinstance(by_key, dict)
-            or any(
-                not isinstance(at, dict) or bad_file(at.get("file")) or bad_shape(at.get("shape"))
-                for at in by_key.values()
-            )
-            for by_key in whole.values()
-        )
-    ):
-        return (
-            '"optimizer": "stepped_whole" must be true or false (a list of them for a list of '
-            'optimizers), and "whole_state" map parameter names to key names to the "file" (a '
-            'plain name inside the folder) and "shape"'
-        )
-    sums = meta.get("checksums")
-    if (
-        not isinstance(sums, dict)
-        or not isinstance(sums.get("tensors"), dict)
-        or not isinstance(sums.get("files"), dict)
-        or any(
-            not isinstance(by_key, dict)
-            or any(
-                not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, str) for x in v)
-                for v in by_key.values()
-            )
-            for by_key in sums["tensors"].values()
-        )
-        or any(not isinstance(v, str) for v in sums["files"].values())
-    ):
-        return (
-            '"checksums" must hold "tensors" (file to key to [dtype, checksum]) and "files" '
-            "(file to checksum)"
-        )
-    return None
