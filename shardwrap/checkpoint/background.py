@@ -26,9 +26,17 @@ the last one. The cost is one more gloo group (a few sockets per rank, no memory
 Every rank's writer reaches the same outcome (the agreement makes a failure anywhere a failure
 everywhere), and a failure is raised on every rank by :meth:`PendingSave.wait`, or else by the
 next save. One save per control group is in flight at a time (the writer group serves one at a
-time, in the order every rank started them): the next, of any model on those ranks, waits. At
-interpreter exit, pending writes are waited for; a process killed meanwhile leaves at most a
-hidden ``.NAME.partial`` folder, never a checkpoint marked complete or pointed at by ``latest``.
+time, in the order every rank started them): the next, of any model on those ranks, waits.
+
+At interpreter exit (the main thread ended, or an error ended the program on every rank or on
+one), pending writes are waited for before anything else shardwrap does at exit, in particular
+before the model's groups are released (``comm/mesh.py``): each rank's writer then completes
+the save with its peers' and the checkpoint is committed once, or the writers agree that it
+failed and it is abandoned, ``latest`` and the checkpoints before it untouched. Each rank says
+on stderr which of the two happened, and what ``latest`` names then. A save that failed before
+the exit without any ``wait()`` or later save raising its error is reported there too. A process
+killed meanwhile leaves at most a hidden ``.NAME.partial`` folder, never a checkpoint marked
+complete or pointed at by ``latest``.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import Group, group_rank, group_size, group_timeout
+from .files import LATEST
+from .format import latest_checkpoint
 from .optimizer_state import OptimizerPlan
 
 __all__ = ["PendingSave", "await_writes", "settle", "snapshot", "snapshot_plans", "writer_group"]
@@ -65,14 +75,16 @@ class PendingSave:
         path: the checkpoint folder the save creates.
     """
 
-    def __init__(self, path: Path, write: Callable[[], None]) -> None:
+    def __init__(self, path: Path, rank: int, write: Callable[[], None]) -> None:
         self.path = path
+        self._rank = rank  # among every rank of the model, for what it says at exit
         self._error: BaseException | None = None
         self._raised = False
         self._thread = threading.Thread(
             target=self._run, args=(write,), name=f"shardwrap save {path.name}", daemon=True
         )
         _PENDING.add(self)
+        _wait_first_at_exit()
         self._thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
@@ -159,20 +171,61 @@ def await_writes(writers: object) -> None:
         pending._thread.join()
 
 
-@atexit.register
 def _wait_at_exit() -> None:
-    """Let every pending write end (commit or clean up) before the interpreter goes; then drop
-    the writer groups while Python is whole (see ``comm/mesh.py``'s note on groups at exit)."""
-    for pending in list(_PENDING):
+    """Let every pending write end (commit or clean up) before the interpreter goes, say how
+    each ended, then drop the writer groups while Python is whole (see ``comm/mesh.py``'s note
+    on groups at exit)."""
+    writing = list(_PENDING)
+    for pending in {*writing, *_IN_FLIGHT.values()}:
         pending._thread.join()
-        if pending._error is not None and not pending._raised:
-            print(
-                f"shardwrap: the checkpoint save to {pending.path} failed while the program "
-                f"ended: {pending._error!r}. The previous checkpoint and 'latest' are intact.",
-                file=sys.stderr,
-                flush=True,
-            )
+        said = _said_at_exit(pending, pending in writing)
+        if said:
+            print(said, file=sys.stderr, flush=True)
     _WRITERS.clear()
+
+
+def _said_at_exit(pending: PendingSave, writing: bool) -> str:
+    """What this rank says at exit of ``pending``: a save still being written when the program
+    ended (``writing``), or one whose failure nothing raised; else nothing."""
+    who = f"shardwrap (rank {pending._rank})"
+    if pending._error is None:
+        if not writing:
+            return ""
+        return (
+            f"{who}: the program ended while the checkpoint {pending.path} was being written; "
+            f"it was completed first, and {_latest_now(pending.path)}."
+        )
+    if pending._raised:
+        return ""
+    when = "while the program ended" if writing else "and no wait() or later save raised it"
+    return (
+        f"{who}: the checkpoint save to {pending.path} failed {when}: {pending._error!r}. "
+        f"It was abandoned on every rank: nothing of it was kept, and {_latest_now(pending.path)} "
+        "(the checkpoints before it are as they were). Call pending.wait() before the program "
+        "ends to see such errors where they happen."
+    )
+
+
+def _latest_now(path: Path) -> str:
+    """What ``path.parent/latest`` names now, for a message."""
+    try:
+        latest = latest_checkpoint(path.parent)
+    except (OSError, ValueError) as e:
+        return f"'{LATEST}' could not be read ({e})"
+    if latest is None:
+        return f"there is no '{LATEST}' in {path.parent}"
+    return f"'{LATEST}' names {latest}"
+
+
+def _wait_first_at_exit() -> None:
+    """Have :func:`_wait_at_exit` run before every exit handler registered so far.
+
+    NOTE: exit handlers run last registered first, and the mesh's release of its groups is
+    registered when ``comm/mesh.py`` is first imported, which may come after this module: a
+    writer must finish before it, or its save would outlive the groups it was started on.
+    """
+    atexit.unregister(_wait_at_exit)
+    atexit.register(_wait_at_exit)
 
 
 # the writer group --------------------------------------------------------------------

@@ -204,7 +204,7 @@ def save_checkpoint(
     # NOTE: the writer thread agrees over a group of its own: on the control group its
     # collectives would interleave with the training loop's (see background.py).
     group = writer_group(control)
-    pending = PendingSave(save.target, lambda: save.write(group, torch.device("cpu")))
+    pending = PendingSave(save.target, save.me, lambda: save.write(group, torch.device("cpu")))
     settle(writers, pending)
     return pending
 
@@ -215,6 +215,10 @@ class _Save:
     Built on the caller's thread; :meth:`prepare` runs there inside the first agreement, and
     :meth:`write` on the caller's thread or a writer thread. Everything it needs from the model
     is read at the call, and a write reads nothing of the model afterwards.
+
+    NOTE: who this rank is (its ranks, whether it writes its shard) is read from the mesh once,
+    here: at interpreter exit the mesh drops its groups (``comm/mesh.py``) while a writer
+    thread may still be writing, and a mesh without groups answers rank 0 of 1.
     """
 
     def __init__(
@@ -228,11 +232,14 @@ class _Save:
         blocking: bool,
         extra: dict[str, Any],
     ) -> None:
-        self.root, self.model, self.mesh = root, model, root.mesh
+        self.root, self.model = root, model
+        mesh = root.mesh
         self.target, self.tmp = target, partial_path(target)
         self.optimizers, self.listed = optimizers, listed
         self.keep_last, self.blocking, self.extra = keep_last, blocking, extra
-        self.rank, self.world = self.mesh.shard_rank, self.mesh.shard_size
+        self.rank, self.world = mesh.shard_rank, mesh.shard_size  # in the shard group
+        self.me, self.ranks = mesh.rank, mesh.world_size  # among every rank of the model
+        self.writes = mesh.writes  # this rank writes its shard's file (the first replica)
         self.params: list[Param] = root.params
         self.plans: list[OptimizerPlan] = []
         self.extra_bytes = b""
@@ -245,11 +252,10 @@ class _Save:
 
     def prepare(self) -> int:
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
-        mesh = self.mesh
         refuse_to_replace(self.target)
         self.extra_bytes = extra_bytes_of(self.extra)
         self.plans = plan_optimizers(self.model, self.optimizers)
-        for p in self.params if mesh.writes else ():
+        for p in self.params if self.writes else ():
             if p.shard.numel() == 0:
                 continue
             self.entries.append((f"model/{p.name}", (p.shard.numel(),), p.shard.dtype))
@@ -259,15 +265,15 @@ class _Save:
             ):
                 self.entries.append((f"optim/{key}/{p.name}", (value.numel(),), value.dtype))
                 self.tensors.append(value.reshape(-1))
-        for plan in self.plans if mesh.writes else ():
+        for plan in self.plans if self.writes else ():
             for name, state in plan.owned.items():
                 for key, value in state.items():  # stepped whole: in the state's own shape
                     self.entries.append((f"optim/{key}/{name}", tuple(value.shape), value.dtype))
                     self.tensors.append(value)
         needed = len(self.extra_bytes)
-        if mesh.writes:
+        if self.writes:
             needed += safetensors_nbytes(self.entries, {"format": "pt"})
-        if mesh.rank == 0:
+        if self.me == 0:
             self.buffers = persistent_buffers(self.model, self.params)
             needed += safetensors_nbytes(
                 [(k, tuple(v.shape), v.dtype) for k, v in self.buffers.items()], {"format": "pt"}
@@ -277,7 +283,7 @@ class _Save:
             n = len(self.tensors)
             self.tensors, self.plans = copies[:n], snapshot_plans(self.plans)
             self.buffers = dict(zip(self.buffers, copies[n:]))
-        if mesh.rank == 0:
+        if self.me == 0:
             begin_folder(self.target)
         return needed
 
@@ -288,8 +294,8 @@ class _Save:
         agreement tells rank 0 every shard file's size.
         """
         self.copied()  # a snapshot on a GPU is filled by now
-        write_file(self.tmp / extra_file(self.mesh.rank), self.extra_bytes)
-        if not self.mesh.writes:
+        write_file(self.tmp / extra_file(self.me), self.extra_bytes)
+        if not self.writes:
             return 0
         rank, world = self.rank, self.world
         # a snapshot is the save's own memory: written from it, not through copies
@@ -309,7 +315,7 @@ class _Save:
 
     def finish(self, codes: list[int]) -> int:
         """Rank 0: write the metadata, commit the folder, point ``latest`` at it, prune."""
-        if self.mesh.rank != 0:
+        if self.me != 0:
             return 0
         world, parent = self.world, self.target.parent
         sizes = [0] * world
@@ -328,7 +334,7 @@ class _Save:
 
     def undo(self) -> None:
         """After a failure anywhere: rank 0 deletes what this save wrote and did not commit."""
-        if self.mesh.rank == 0:
+        if self.me == 0:
             remove_folder(self.tmp)
             if self.staged is not None:
                 self.staged.unlink(missing_ok=True)
@@ -371,7 +377,7 @@ class _Save:
             left = tmp / checksum_file(r)
             tensor_sums[rank_file(r, world)] = json.loads(left.read_bytes())
             left.unlink()
-        for r in range(self.mesh.world_size):
+        for r in range(self.ranks):
             file_sums[extra_file(r)] = buffer_checksum((tmp / extra_file(r)).read_bytes())
         entries: dict[str, Any] = {}
         for p in self.params:
@@ -410,7 +416,7 @@ class _Save:
             "saved_at_ns": time.time_ns(),
             "sequence": sequence,
             "world_size": world,
-            "ranks": self.mesh.world_size,
+            "ranks": self.ranks,
             "files": files,
             "params": entries,
             "buffers": {
