@@ -24,9 +24,15 @@ at it, as soon as every rank has written it: a run that crashes between two save
 the last one. The cost is one more gloo group (a few sockets per rank, no memory to speak of).
 
 Every rank's writer reaches the same outcome (the agreement makes a failure anywhere a failure
-everywhere), and a failure is raised on every rank by :meth:`PendingSave.wait`, or else by the
-next save. One save per control group is in flight at a time (the writer group serves one at a
-time, in the order every rank started them): the next, of any model on those ranks, waits.
+everywhere), and a failure is raised by :meth:`PendingSave.wait` on each rank that calls it.
+The next save, called on every rank, agrees on it first (:func:`raise_unseen`): where any rank
+has not had the error raised by ``wait()``, it raises on every rank and saves nothing, so the
+ranks never part ways over who saw an error (one rank raising while the others go on to the
+save's collectives, which then pair with the wrong calls). Starting a save agrees too: the
+writer group and the writer thread are made inside an agreement, so a rank that cannot make
+them (out of memory) fails the save on every rank. One save per control group is in flight at
+a time (the writer group serves one at a time, in the order every rank started them): the
+next, of any model on those ranks, waits.
 
 At interpreter exit (the main thread ended, or an error ended the program on every rank or on
 one), pending writes are waited for before anything else shardwrap does at exit, in particular
@@ -57,11 +63,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import Group, group_rank, group_size, group_timeout
-from .files import LATEST
+from .files import LATEST, PeerFailed, agree
 from .format import latest_checkpoint
 from .optimizer_state import OptimizerPlan
 
-__all__ = ["PendingSave", "await_writes", "settle", "snapshot", "snapshot_plans", "writer_group"]
+__all__ = [
+    "PendingSave",
+    "await_writes",
+    "begin",
+    "forget_writer_group",
+    "previous_save",
+    "raise_unseen",
+    "snapshot",
+    "snapshot_plans",
+    "writer_group",
+]
 
 _ALIGN = 64  # bytes: every piece of a host snapshot starts aligned for any dtype
 _WRITER_TIMEOUT = timedelta(minutes=30)  # where the control group's timeout cannot be read
@@ -73,6 +89,9 @@ class PendingSave:
 
     Attributes:
         path: the checkpoint folder the save creates.
+
+    Its thread starts at once but writes only after :meth:`go` (every rank started one), or
+    ends without writing after :meth:`cancel`.
     """
 
     def __init__(self, path: Path, rank: int, write: Callable[[], None]) -> None:
@@ -80,14 +99,29 @@ class PendingSave:
         self._rank = rank  # among every rank of the model, for what it says at exit
         self._error: BaseException | None = None
         self._raised = False
+        self._go = threading.Event()
+        self._cancelled = False
         self._thread = threading.Thread(
             target=self._run, args=(write,), name=f"shardwrap save {path.name}", daemon=True
         )
-        _PENDING.add(self)
         _wait_first_at_exit()
         self._thread.start()
 
+    def go(self) -> None:
+        """Let the writer write: every rank has started its own."""
+        _PENDING.add(self)
+        self._go.set()
+
+    def cancel(self) -> None:
+        """End the writer without writing: some rank could not start its own."""
+        self._cancelled = True
+        self._go.set()
+        self._thread.join()
+
     def _run(self, write: Callable[[], None]) -> None:
+        self._go.wait()
+        if self._cancelled:
+            return
         try:
             _yield_to_training()
             write()
@@ -144,22 +178,60 @@ _IN_FLIGHT: weakref.WeakKeyDictionary[object, PendingSave] = weakref.WeakKeyDict
 _PENDING: set[PendingSave] = set()
 
 
-def settle(writers: object, pending: PendingSave | None = None) -> None:
-    """Wait for the save still in flight over ``writers`` (a control group, whose writer group
-    one save at a time uses; a model's root at world size 1), then make ``pending``, if
-    given, the one in flight.
-
-    Raises:
-        Exception: the error of that save, unless :meth:`PendingSave.wait` already raised it.
-    """
+def previous_save(writers: object) -> PendingSave | None:
+    """The last non-blocking save over ``writers`` (a control group, whose writer group one
+    save at a time uses; a model's root at world size 1), ended, and no longer in flight: every
+    rank of those ranks gets the same one, as every rank started it."""
     previous = _IN_FLIGHT.pop(writers, None)
     if previous is not None:
         previous._thread.join()
-        if previous._error is not None and not previous._raised:
-            previous._raised = True
-            raise previous._error
-    if pending is not None:
-        _IN_FLIGHT[writers] = pending
+    return previous
+
+
+def begin(writers: object, pending: PendingSave) -> None:
+    """Make ``pending`` the save in flight over ``writers`` and let it write."""
+    _IN_FLIGHT[writers] = pending
+    pending.go()
+
+
+def raise_unseen(
+    previous: PendingSave, group: Group, device: torch.device | None, caller: str
+) -> None:
+    """Raise the failure of the ``previous`` save on every rank alike, unless ``wait()`` raised
+    it on every rank already. Call on every rank, with the previous save failed on each (its
+    writers agreed on that).
+
+    Raises:
+        Exception: on a rank where no ``wait()`` raised it, the previous save's own error;
+            elsewhere a ``RuntimeError`` naming those ranks and the fix.
+    """
+
+    def unseen() -> int:
+        if previous._raised:
+            return 0
+        previous._raised = True
+        error = previous._error
+        if not isinstance(error, Exception):  # a BaseException stays with its thread
+            error = RuntimeError(f"the writer thread ended with {error!r}")
+        error.add_note(
+            f"{caller} raises it: the background save to {previous.path} failed on every rank "
+            "and no pending.wait() on this rank raised it; nothing of this save was written. "
+            "Call pending.wait() on every rank to see such errors where they happen."
+        )
+        raise error
+
+    seen_here = previous._raised
+    try:
+        agree(group, device, caller, unseen)
+    except PeerFailed as e:
+        if not seen_here:  # this rank's own error: the previous save's, raised by unseen()
+            raise
+        raise RuntimeError(
+            f"{caller}: the background save to {previous.path} failed on every rank; "
+            f"pending.wait() raised its error on this rank, but not on rank(s) "
+            f"{sorted(e.errnos)}, where this save raises it now. So no rank saves: call "
+            "pending.wait() on every rank (it raises the same failure on each), then save again"
+        ) from e
 
 
 def await_writes(writers: object) -> None:
@@ -233,6 +305,7 @@ def _wait_first_at_exit() -> None:
 _WRITERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
     weakref.WeakKeyDictionary()
 )
+_ATTEMPTS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 def writer_group(control: Group) -> Group:
@@ -247,7 +320,9 @@ def writer_group(control: Group) -> Group:
     group = _WRITERS.get(control)
     if group is not None:
         return group
-    store = dist.PrefixStore("shardwrap/checkpoint-writer", control.get_group_store())
+    attempt = _ATTEMPTS.get(control, 0)  # keys of an attempt that failed somewhere are stale
+    prefix = f"shardwrap/checkpoint-writer/{attempt}"
+    store = dist.PrefixStore(prefix, control.get_group_store())
     options = dist.ProcessGroupGloo._Options()
     options._timeout = group_timeout(control) or _WRITER_TIMEOUT
     try:  # the interfaces the control group's gloo backend uses, if it has one
@@ -261,6 +336,14 @@ def writer_group(control: Group) -> Group:
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     _WRITERS[control] = group
     return group
+
+
+def forget_writer_group(control: Group) -> None:
+    """Drop ``control``'s writer group after a start that failed on some rank (every rank calls
+    it): the next save makes a new one, under keys of its own."""
+    if control is not None:
+        _WRITERS.pop(control, None)
+        _ATTEMPTS[control] = _ATTEMPTS.get(control, 0) + 1
 
 
 # snapshots ---------------------------------------------------------------------------

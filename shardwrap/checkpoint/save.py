@@ -40,7 +40,16 @@ from torch import Tensor, nn
 
 from ..engine.param_index import Param
 from ..engine.root import Root
-from .background import PendingSave, settle, snapshot, snapshot_plans, writer_group
+from .background import (
+    PendingSave,
+    begin,
+    forget_writer_group,
+    previous_save,
+    raise_unseen,
+    snapshot,
+    snapshot_plans,
+    writer_group,
+)
 from .checksum import buffer_checksum
 from .entry import wrapped_root, writers_of
 from .extra import extra_bytes_of
@@ -176,13 +185,19 @@ def save_checkpoint(
         OSError: a full disk or quota (``errno`` ``ENOSPC`` or ``EDQUOT``), on every rank,
             naming the checkpoint, the bytes it needs and those free, once its temporary
             files are deleted.
-        Exception: with ``blocking=False``, errors met while writing are raised on every rank
-            by the handle's ``wait()``, or else by the next save on those ranks, which then
-            saves nothing; the checks above still raise at the call.
+        Exception: with ``blocking=False``, errors met while writing are raised by the
+            handle's ``wait()`` on each rank that calls it; unless ``wait()`` raised it on every
+            rank, the next save raises it on every rank and saves nothing (on the ranks that
+            had seen it, a ``RuntimeError`` naming those that had not). Starting the write
+            (its thread, its group) raises on every rank if it fails on one. The checks above
+            still raise at the call.
     """
     root = wrapped_root(model, "save_checkpoint")
     writers = writers_of(root)
-    settle(writers)  # the previous save, if still writing; raises its error
+    previous = previous_save(writers)  # waited for by wrapped_root
+    control, device = root.mesh.control, root.mesh.control_device
+    if previous is not None and previous._error is not None:
+        raise_unseen(previous, control, device, "save_checkpoint")
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now
@@ -190,7 +205,6 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     listed = isinstance(optimizer, (list, tuple))
     save = _Save(root, model, Path(path), optimizers, listed, keep_last, blocking, extra)
-    control, device = root.mesh.control, root.mesh.control_device
     try:
         save.needed = sum(agree(control, device, "save_checkpoint", save.prepare, save.undo))
     except Exception as e:
@@ -201,12 +215,10 @@ def save_checkpoint(
     if blocking:
         save.write(control, device)
         return save.target
-    # NOTE: the writer thread agrees over a group of its own: on the control group its
-    # collectives would interleave with the training loop's (see background.py).
-    group = writer_group(control)
-    pending = PendingSave(save.target, save.me, lambda: save.write(group, torch.device("cpu")))
-    settle(writers, pending)
-    return pending
+    agree(control, device, "save_checkpoint", save.start, save.abandon)
+    assert save.pending is not None
+    begin(writers, save.pending)
+    return save.pending
 
 
 class _Save:
@@ -249,6 +261,7 @@ class _Save:
         self.staged: Path | None = None
         self.buffers: dict[str, Tensor] = {}  # rank 0's
         self.copied: Callable[[], None] = _filled  # waits until a snapshot is filled
+        self.pending: PendingSave | None = None  # a non-blocking save's writer, once started
 
     def prepare(self) -> int:
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
@@ -286,6 +299,26 @@ class _Save:
         if self.me == 0:
             begin_folder(self.target)
         return needed
+
+    def start(self) -> int:
+        """Start a non-blocking save's writer thread, held until every rank has started its
+        own (:meth:`PendingSave.go`)."""
+        control = self.root.mesh.control
+        # NOTE: the writer thread agrees over a group of its own: on the control group its
+        # collectives would interleave with the training loop's (see background.py).
+        group = writer_group(control)
+        self.pending = PendingSave(
+            self.target, self.me, lambda: self.write(group, torch.device("cpu"))
+        )
+        return 0
+
+    def abandon(self) -> None:
+        """After a start that failed anywhere: no writer writes, and a writer group that some
+        rank lacks is made again next time; then what :meth:`undo` deletes."""
+        if self.pending is not None:
+            self.pending.cancel()
+        forget_writer_group(self.root.mesh.control)
+        self.undo()
 
     def write_rank_files(self) -> int:
         """Write this rank's extra, and its shard's file if it is the shard's writing replica.
