@@ -31,6 +31,7 @@ from .format import (
     BUFFERS,
     METADATA,
     OPTIMIZER,
+    dtype_name,
     extra_file,
     persistent_buffers,
     read_metadata,
@@ -41,10 +42,12 @@ from .optimizer_state import (
     as_list,
     check_count,
     check_optimizer,
+    check_whole_state,
     names_by_id,
     optimizer_problem,
     owns,
     saved_optimizers,
+    whole_state_shapes,
 )
 
 __all__ = ["load_checkpoint"]
@@ -100,6 +103,7 @@ def load_checkpoint(
 
 
 Read = tuple[str, int, int, int]  # file, saved piece's start, overlap [lo, hi) in the parameter
+_DTYPES = {name: dtype for dtype, name in DTYPES.items()}  # safetensors name -> torch dtype
 
 
 class _Loader:
@@ -126,6 +130,7 @@ class _Loader:
         # file -> optimizer tensors read whole into fresh memory: checked there, while read
         self._checked_when_read: dict[str, set[str]] = {}
         self._names = names_by_id(model)
+        self._shapes = {p.name: tuple(p.shape) for p in params}  # full shapes, by name
         self._stepping: list[Any] = []  # per optimizer: how it steps whole parameters, or None
         self._check_model()
         self.saved_optimizers = self._check_optimizers() if optimizers else []
@@ -137,6 +142,8 @@ class _Loader:
                 raise ValueError(
                     f"load_checkpoint: {self.folder / BUFFERS} lacks buffers {few(missing)}"
                 )
+            for k, v in self.buffers.items():
+                self._check_stored(BUFFERS, k, tuple(v.shape), v.dtype)
             self._read_keys.setdefault(BUFFERS, set()).update(self.buffers)
         for file, keys in self._read_keys.items():
             self._verify(file, keys - self._checked_when_read.get(file, set()))
@@ -202,11 +209,17 @@ class _Loader:
             raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
         saved, stepped = found
         check_count(self.optimizers, saved)
+        whole = self.meta["optimizer"].get("whole_state", {})
         for optimizer, entry, saved_whole in zip(self.optimizers, saved, stepped):
             check_optimizer(optimizer, entry, self._names)
             self._stepping.append(stepped_whole(optimizer))
             if saved_whole != (self._stepping[-1] is not None):
                 raise ValueError(_kind_mismatch(type(optimizer).__name__, saved_whole))
+            for name in (self._names[id(p)] for g in optimizer.param_groups for p in g["params"]):
+                if saved_whole and name in whole:  # before any of it is read, on every rank
+                    shapes = {key: tuple(at["shape"]) for key, at in whole[name].items()}
+                    where = str(self.folder / METADATA)
+                    check_whole_state(optimizer, name, self._shapes[name], shapes, where)
         return saved
 
     def _open(self, file: str) -> Any:
@@ -256,21 +269,46 @@ class _Loader:
             lo, hi = max(piece.start, start), min(piece.stop, stop)
             if lo >= hi:
                 continue
-            handle = self._open(file)
             for key in keys:
-                if key not in self._keys[file] or handle.get_slice(key).get_shape() != [
-                    stop - start
-                ]:
-                    raise ValueError(
-                        f"load_checkpoint: {self.folder / file} lacks '{key}' of "
-                        f"{stop - start} elements"
-                    )
+                self._check_stored(file, key, (stop - start,), p.shard.dtype)
             reads.append((file, start, lo, hi))
             self._read_keys.setdefault(file, set()).update(keys)
             if (lo, hi) == (start, stop) and lo == piece.start:
                 whole = {k for k in keys if k.startswith("optim/")}
                 self._checked_when_read.setdefault(file, set()).update(whole)
         return reads
+
+    def _check_stored(
+        self, file: str, key: str, shape: tuple[int, ...], dtype: torch.dtype | None
+    ) -> None:
+        """Raise unless ``file`` stores ``key`` at ``shape`` in a dtype that loads into
+        ``dtype`` (any floating point into floating point, as ``load_state_dict`` casts; any
+        other exactly; ``None``: any), from the file's header alone: before any memory is
+        taken for it."""
+        handle = self._open(file)
+        if key not in self._keys[file]:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} lacks '{key}' of shape {shape}"
+            )
+        stored = handle.get_slice(key)
+        got, kind = tuple(stored.get_shape()), _DTYPES.get(stored.get_dtype())
+        recorded = self.meta["checksums"]["tensors"].get(file, {}).get(key)
+        if recorded is not None and recorded[0] != stored.get_dtype():
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} stores '{key}' as {stored.get_dtype()}, "
+                f"but it was written as {recorded[0]}: the file was altered after the save"
+            )
+        fits = kind is not None and (
+            dtype is None or kind == dtype or (kind.is_floating_point and dtype.is_floating_point)
+        )
+        if got != shape or not fits:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} stores '{key}' as {got} "
+                f"{stored.get_dtype()}, where the model needs {shape} "
+                f"{dtype_name(dtype) if dtype is not None else ''}. The "
+                "file was altered or written for another model: load a checkpoint saved for "
+                "this one"
+            )
 
     def _verify_file(self, file: str, data: bytes) -> None:
         """Check a whole ``.pt`` file against the checksum recorded when it was written."""
@@ -343,16 +381,13 @@ class _Loader:
         for optimizer, state in zip(self.optimizers, self.optimizer_states):
             optimizer.load_state_dict(state)
 
-    def _read_whole(self, key: str, at: dict[str, Any]) -> Tensor:
+    def _read_whole(self, key: str, at: dict[str, Any], dtype: torch.dtype | None) -> Tensor:
         """The whole-stepped state tensor ``key`` as saved, from the file ``at`` names, checked
-        against its recorded shape and checksum."""
+        against its recorded shape (checked against the optimizer's rule already), ``dtype``
+        (see :meth:`_check_stored`) and checksum."""
         file = at["file"]
-        handle = self._open(file)
-        if key not in self._keys[file] or handle.get_slice(key).get_shape() != at["shape"]:
-            raise ValueError(
-                f"load_checkpoint: {self.folder / file} lacks '{key}' of shape {tuple(at['shape'])}"
-            )
-        value = handle.get_tensor(key)
+        self._check_stored(file, key, tuple(at["shape"]), dtype)
+        value = self._open(file).get_tensor(key)
         recorded = self.meta["checksums"]["tensors"].get(file, {}).get(key)
         as_saved = recorded is not None and recorded[0] == DTYPES.get(value.dtype)
         got = tensor_checksum(value) if as_saved else None
@@ -386,8 +421,10 @@ class _Loader:
                 if stepping is not None:
                     if (name in whole or name in scalars) and owns(stepping, param):
                         entry = dict(scalars.get(name, {}))
+                        known = whole_state_shapes(optimizer, self._shapes[name]) is not None
                         for key, at in whole.get(name, {}).items():
-                            value = self._read_whole(f"optim/{key}/{name}", at)
+                            dtype = param.dtype if known else None  # its rule: floating point
+                            value = self._read_whole(f"optim/{key}/{name}", at, dtype)
                             entry[key] = _made_from(param, value)
                         state[index] = entry
                 elif name in keys or name in scalars:

@@ -9,6 +9,7 @@ the metadata says of each whether it stepped whole; per-parameter state stays ke
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "as_list",
     "check_count",
     "check_optimizer",
+    "check_whole_state",
     "names_by_id",
     "optimizer_problem",
     "optimizer_record",
@@ -32,6 +34,7 @@ __all__ = [
     "owns",
     "plan_optimizers",
     "saved_optimizers",
+    "whole_state_shapes",
 ]
 
 # one optimizer, or several over disjoint parameters (Muon's matrices and AdamW's rest)
@@ -281,3 +284,68 @@ def optimizer_problem(saved: object) -> str | None:
                     f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
                 )
     return None
+
+
+def _steps_like(optimizer: torch.optim.Optimizer, name: str) -> bool:
+    """Whether ``optimizer`` steps as torch's optimizer class ``name`` does (that class or a
+    subclass keeping its ``step``), so that its state is made by that class's rule."""
+    cls = getattr(torch.optim, name, None)
+    return cls is not None and (inspect.unwrap(type(optimizer).step) is inspect.unwrap(cls.step))
+
+
+def whole_state_shapes(
+    optimizer: torch.optim.Optimizer, shape: tuple[int, ...]
+) -> dict[str, tuple[int, ...]] | None:
+    """The state tensors ``optimizer`` makes for a parameter of ``shape`` stepped whole, by key
+    and shape, as torch's Muon and Adafactor make them; ``None`` for a class declared
+    ``reads_shapes=True``, whose rule is its own."""
+    if _steps_like(optimizer, "Muon"):
+        return {"momentum_buffer": shape}
+    if _steps_like(optimizer, "Adafactor"):
+        if len(shape) > 1:  # factored: a row and a column of the second moment
+            return {"row_var": (*shape[:-1], 1), "col_var": (*shape[:-2], 1, shape[-1])}
+        return {"variance": shape}
+    return None
+
+
+def check_whole_state(
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    shape: tuple[int, ...],
+    saved: dict[str, tuple[int, ...]],
+    where: str,
+) -> None:
+    """Raise unless the state a checkpoint holds for parameter ``name`` (of ``shape``) stepped
+    whole, ``saved`` (key to shape, as the metadata ``where`` says), is what ``optimizer``
+    makes: read before any memory is taken for it, so a crafted or mismatched file cannot make
+    a load allocate what the model never would.
+
+    1. Muon, Adafactor: each key one of theirs, at the shape they make it.
+    2. A class declared ``reads_shapes=True``: no more dimensions than the parameter has (at
+       least 2: a preconditioner of a vector is a matrix) and none larger than its largest.
+    """
+    cls = type(optimizer).__name__
+    expected = whole_state_shapes(optimizer, shape)
+    for key, got in saved.items():
+        if expected is not None:
+            want = expected.get(key)
+            if want == got:
+                continue
+            what = (
+                f"of shape {want}"
+                if want is not None
+                else f"no state '{key}' ({few(sorted(expected))} only)"
+            )
+            raise ValueError(
+                f"load_checkpoint: {where} holds {cls} state '{key}' of '{name}' with shape "
+                f"{got}, but {cls} keeps for a parameter of shape {shape} {what}. The file was "
+                "altered or written for another model: load a checkpoint saved for this one"
+            )
+        largest = max(shape, default=1)
+        if len(got) > max(len(shape), 2) or any(d > largest for d in got):
+            raise ValueError(
+                f"load_checkpoint: {where} holds {cls} state '{key}' of '{name}' with shape "
+                f"{got}, larger than any state of a parameter of shape {shape} (at most "
+                f"{max(len(shape), 2)} dimensions of at most {largest}). The file was altered "
+                "or written for another model: load a checkpoint saved for this one"
+            )
