@@ -10,11 +10,18 @@ A checkpoint folder (:mod:`shardwrap.checkpoint.save` says how each rank's part 
     optimizer.pt                      optimizer class, param_groups by name, scalar state
                                       (of each optimizer, for a list of them)
     extra-00000.pt, extra-00001.pt    each rank's ``**extra``
+
+Everything read here comes from disk and is trusted for nothing: a metadata file that is not
+a regular file, not JSON, nested past reason or of the wrong shape is refused naming the file,
+and a ``latest`` pointer that is a symbolic link is never followed (its target's content would
+end up in an error message).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +55,8 @@ VERSION = 3  # 2: content checksums of every stored tensor and file; 3: whole-st
 METADATA = "metadata.json"
 BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
+_POINTER_BYTES = 4096  # a latest pointer holds one folder name; anything longer is not one
+_SHOWN = 80  # characters of a malformed pointer quoted in its error
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -85,10 +94,30 @@ def persistent_buffers(model: nn.Module, params: list[Param]) -> dict[str, Tenso
 # what a folder holds -----------------------------------------------------------------------
 
 
-def metadata_of(folder: Path) -> dict[str, Any] | None:
-    """The metadata of the checkpoint ``folder`` is, or ``None`` if it is none."""
+def _regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself: not a link, a folder, a FIFO or a device
+    (reading a FIFO would block, and a link leads elsewhere)."""
     try:
-        meta = json.loads((folder / METADATA).read_text())
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _parse(path: Path) -> Any:
+    """``path``'s JSON. Raises ``ValueError`` for text that is not JSON or nests too deep."""
+    try:
+        return json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError("it nests deeper than JSON metadata can") from None
+
+
+def metadata_of(folder: Path) -> dict[str, Any] | None:
+    """The metadata of the checkpoint ``folder`` is, or ``None`` if it is none: a folder
+    itself (not a link to one) holding shardwrap's ``metadata.json`` as a regular file."""
+    if folder.is_symlink() or not _regular(folder / METADATA):
+        return None
+    try:
+        meta = _parse(folder / METADATA)
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
@@ -102,15 +131,30 @@ def own_files(meta: dict[str, Any]) -> set[str]:
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The checkpoint that ``folder/latest`` points to, or ``None`` if there is none yet."""
+    """The checkpoint that ``folder/latest`` points to, or ``None`` if there is none yet.
+
+    Raises:
+        ValueError: ``latest`` is not a pointer shardwrap wrote: a symbolic link (never
+            followed), not a regular file, or not the name of a folder beside it.
+    """
     pointer = Path(folder) / LATEST
-    if not pointer.is_file():
+    if not os.path.lexists(pointer):
         return None
-    name = pointer.read_text().strip()
-    if not is_plain_name(name):
+    if pointer.is_symlink() or not _regular(pointer):
+        kind = "a symbolic link" if pointer.is_symlink() else "not a regular file"
         raise ValueError(
-            f"{pointer} names {name!r}, not a checkpoint inside {folder}: a latest pointer "
-            "holds the name of a folder beside it. Rewrite it or delete it."
+            f"{pointer} is {kind}; shardwrap writes 'latest' as a small file naming a checkpoint "
+            "folder beside it, and does not follow anything else. Delete it (what it leads to is "
+            "not touched); the next save writes it again"
+        )
+    with open(pointer, "rb") as f:
+        raw = f.read(_POINTER_BYTES + 1)
+    name = raw.decode("utf-8", "replace").strip()
+    if len(raw) > _POINTER_BYTES or not is_plain_name(name):
+        shown = name[:_SHOWN] + ("..." if len(name) > _SHOWN else "")
+        raise ValueError(
+            f"{pointer} holds {shown!r}, not a checkpoint inside {folder}: a latest "
+            "pointer holds the name of a folder beside it. Rewrite it or delete it."
         )
     return Path(folder) / name
 
@@ -119,7 +163,7 @@ def resolve_folder(path: Path) -> Path:
     """The checkpoint ``path`` names: a checkpoint folder, or a folder whose ``latest`` names
     one (a copy moved aside by a replacing save that was killed counts as the folder)."""
     path = surviving(path)
-    if (path / METADATA).is_file():
+    if _regular(path / METADATA):
         return path
     latest = latest_checkpoint(path)
     if latest is None:
@@ -128,7 +172,7 @@ def resolve_folder(path: Path) -> Path:
             f"'{LATEST}' pointer (no save to it has completed yet)"
         )
     latest = surviving(latest)
-    if not (latest / METADATA).is_file():
+    if not _regular(latest / METADATA):
         raise FileNotFoundError(
             f"load_checkpoint: {path / LATEST} points to {latest}, which has no {METADATA}"
         )
@@ -147,7 +191,7 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     """
     path = folder / METADATA
     try:
-        meta = json.loads(path.read_text())
+        meta = _parse(path)
     except ValueError as e:
         raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:

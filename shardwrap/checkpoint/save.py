@@ -68,7 +68,7 @@ from .files import (
     stage_latest,
     write_file,
 )
-from .folder import completed, prune, refuse_to_replace, restore_all_moved_aside
+from .folder import check_latest, completed, prune, refuse_to_replace, restore_all_moved_aside
 from .format import (
     BUFFERS,
     FORMAT,
@@ -266,6 +266,7 @@ class _Save:
     def prepare(self) -> int:
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
         refuse_to_replace(self.target)
+        check_latest(self.target.parent)
         self.extra_bytes = extra_bytes_of(self.extra)
         self.plans = plan_optimizers(self.model, self.optimizers)
         for p in self.params if self.writes else ():

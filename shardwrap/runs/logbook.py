@@ -43,7 +43,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..checkpoint.background import PendingSave
-from ..checkpoint.files import LOGBOOK, remove_folder
+from ..checkpoint.files import LOGBOOK
+from ..checkpoint.folder import delete_checkpoint
+from ..checkpoint.format import metadata_of
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import latest_checkpoint, save_checkpoint
 from ..comm.collectives import group_rank, group_size
@@ -364,7 +366,7 @@ class Logbook:
         if self._mesh.rank == 0:
             for later, later_path in _saved(self.checkpoints):
                 if later > step:  # saved within the bad path: never resume from it
-                    remove_folder(later_path)
+                    delete_checkpoint(later_path, "Logbook")
 
     def _target(self, before: int) -> tuple[int, Path] | None:
         """Where a spike in step ``before + 1`` rolls back to: the newest checkpoint at least
@@ -437,7 +439,7 @@ class Logbook:
             keep |= {target[1]} if target else set()
             for old in saved:
                 if old not in keep and old != path:
-                    remove_folder(old)
+                    delete_checkpoint(old, "Logbook")
 
     # communication and files -------------------------------------------------------------
 
@@ -467,13 +469,14 @@ class Logbook:
 
 
 def _saved(folder: Path) -> list[tuple[int, Path]]:
-    """The completed checkpoints in ``folder`` named ``step-N``, oldest first."""
+    """The completed checkpoints in ``folder`` named ``step-N``, oldest first (folders of
+    shardwrap's: a link or anything else there is someone else's, and left alone)."""
     if not folder.is_dir():
         return []
     found = []
     for child in folder.iterdir():
         match = _CHECKPOINT.fullmatch(child.name)
-        if match and (child / "metadata.json").is_file():
+        if match and metadata_of(child) is not None:
             found.append((int(match.group(1)), child))
     return sorted(found)
 

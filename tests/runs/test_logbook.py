@@ -6,7 +6,8 @@ batches from there to the spike, lowers the learning rate and goes on, and that 
 trains is exactly plain training on the batches and learning rates its logbook records for
 the steps that survived (SGD with momentum, parameters within 1e-5). Also: a spike the run
 cannot get past stops it with a clear error; a resumed run continues the same logbook; the
-summary and plots are drawn from the file; bad options are refused before any collective.
+summary and plots are drawn from the file; bad options are refused before any collective; a
+link among the checkpoints is left alone.
 Checkpoints are saved in the background (the default) except where ``blocking_saves=True``.
 The end-to-end run under torchrun, against the same run without bad batches, is in
 ``tests/e2e/test_logbook_torchrun.py``.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -128,6 +131,21 @@ def test_normal_noise_triggers_no_rollback(tmp_path: Path, base: nn.Module) -> N
     # Beside the newest, the one a spike in the next step would roll back to is kept.
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert saved == ["step-00000040", "step-00000045"]
+
+
+@pytest.mark.stage3
+def test_a_link_among_the_checkpoints_is_left_alone(tmp_path: Path, base: nn.Module) -> None:
+    """A link named like an old checkpoint, to a copy of one kept elsewhere, is not one of the
+    run's: pruning leaves it and what it leads to alone."""
+    train(base, tmp_path / "run", 20, keep_last=1)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(checkpoints / "step-00000020", tmp_path / "kept")
+    (checkpoints / "step-00000001").symlink_to(tmp_path / "kept")
+    train(base, tmp_path / "run", 35, keep_last=1)
+    assert os.readlink(checkpoints / "step-00000001") == str(tmp_path / "kept")
+    assert (tmp_path / "kept" / "metadata.json").is_file()
+    saved = sorted(p.name for p in checkpoints.glob("step-*") if not p.is_symlink())
+    assert saved == ["step-00000030", "step-00000035"]
 
 
 @pytest.mark.stage3
