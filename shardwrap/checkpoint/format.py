@@ -10,6 +10,7 @@ A checkpoint folder (:mod:`shardwrap.checkpoint.save` says how each rank's part 
     optimizer.pt                      optimizer class, param_groups by name, scalar state
                                       (of each optimizer, for a list of them)
     extra-00000.pt, extra-00001.pt    each rank's ``**extra``
+    residuals-00000.safetensors, ...  each rank's error-feedback residuals (compression only)
 
 Everything read here comes from disk and is trusted for nothing: a metadata file that is not
 a regular file, not JSON, nested past reason or of the wrong shape is refused naming the file,
@@ -48,10 +49,14 @@ __all__ = [
     "rank_file",
     "read_metadata",
     "resolve_folder",
+    "residuals_file",
 ]
 
 FORMAT = "shardwrap.checkpoint"
-VERSION = 3  # 2: content checksums of every stored tensor and file; 3: whole-stepped state
+# 2: content checksums of every stored tensor and file; 3: whole-stepped state. Residuals of
+# error feedback (an optional "residuals" entry and files) need no new version: a reader that
+# does not know them loads the rest, and its residuals start at zero as before they were saved.
+VERSION = 3
 METADATA = "metadata.json"
 BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -72,9 +77,15 @@ def owned_file(rank: int) -> str:
     return f".optimizer-{rank:05d}.pt"
 
 
-def checksum_file(rank: int) -> str:
-    """Where a rank leaves its rank file's checksums for rank 0 (merged into the metadata)."""
-    return f".checksums-{rank:05d}.json"
+def residuals_file(rank: int) -> str:
+    """Rank ``rank``'s error-feedback residuals (every rank's own: they differ per rank)."""
+    return f"residuals-{rank:05d}.safetensors"
+
+
+def checksum_file(name: str) -> str:
+    """Where the writer of ``name`` leaves its tensors' checksums for rank 0 (merged into the
+    metadata, then removed)."""
+    return f".checksums-{name}.json"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -237,6 +248,7 @@ def _metadata_problem(meta: dict[str, Any]) -> str | None:
         or _buffers_problem(meta["buffers"])
         or _optimizer_problem(meta["optimizer"])
         or _checksums_problem(meta["checksums"])
+        or _residuals_problem(meta.get("residuals"))
     )
 
 
@@ -323,5 +335,25 @@ def _checksums_problem(sums: object) -> str | None:
         return (
             '"checksums" must hold "tensors" (file to key to [dtype, checksum]) and "files" '
             "(file to checksum)"
+        )
+    return None
+
+
+def _residuals_problem(residuals: object) -> str | None:
+    if residuals is None:
+        return None
+    if (
+        not isinstance(residuals, dict)
+        or _bad_int(residuals.get("shard"), 1)
+        or _bad_int(residuals.get("replicate"), 1)
+        or not isinstance(residuals.get("groups"), list)
+        or any(
+            not isinstance(g, list) or not all(isinstance(n, str) for n in g)
+            for g in residuals["groups"]
+        )
+    ):
+        return (
+            '"residuals" must be null or hold the "shard" and "replicate" sizes it was saved at '
+            'and "groups": each reduced group\'s parameter names, in order'
         )
     return None

@@ -14,6 +14,7 @@ import io
 import json
 import mmap
 import struct
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ..engine.param_index import Param
+from ..engine.root import Root
 from ..engine.whole_params import stepped_whole
 from .checksum import buffer_checksum, tensor_checksum
 from .entry import wrapped_root
@@ -35,6 +37,7 @@ from .format import (
     extra_file,
     persistent_buffers,
     read_metadata,
+    residuals_file,
     resolve_folder,
 )
 from .optimizer_state import (
@@ -49,6 +52,7 @@ from .optimizer_state import (
     saved_optimizers,
     whole_state_shapes,
 )
+from .residuals import expected_residuals, restore, start_at_zero
 
 __all__ = ["load_checkpoint"]
 
@@ -87,13 +91,12 @@ def load_checkpoint(
     optimizers = as_list(optimizer, "load_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now
-    params = root.params
     with ExitStack() as files:
         loader: _Loader | None = None
 
         def prepare() -> int:
             nonlocal loader
-            loader = _Loader(Path(path), model, params, optimizers, root.mesh.rank, files)
+            loader = _Loader(Path(path), model, root, optimizers, files)
             return 0
 
         agree(root.mesh.control, root.mesh.control_device, "load_checkpoint", prepare)
@@ -113,14 +116,15 @@ class _Loader:
         self,
         path: Path,
         model: nn.Module,
-        params: list[Param],
+        root: Root,
         optimizers: list[torch.optim.Optimizer],
-        rank: int,
         stack: ExitStack,
     ) -> None:
         self.folder = resolve_folder(path)
         self.meta = read_metadata(self.folder)
-        self.params = params
+        self.params = params = root.params
+        self.reductions, self.mesh = root.reductions, root.mesh
+        rank = root.mesh.rank
         self.buffers = persistent_buffers(model, params)
         self.optimizers = optimizers
         self._stack = stack
@@ -148,6 +152,7 @@ class _Loader:
         for file, keys in self._read_keys.items():
             self._verify(file, keys - self._checked_when_read.get(file, set()))
         self.optimizer_states = [self._optimizer_state_dict(i) for i in range(len(optimizers))]
+        self.residuals = self._read_residuals(rank)
         saved_ranks = self.meta.get("ranks", self.meta["world_size"])
         self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
 
@@ -380,6 +385,42 @@ class _Loader:
                 v.copy_(self._open(BUFFERS).get_tensor(k))
         for optimizer, state in zip(self.optimizers, self.optimizer_states):
             optimizer.load_state_dict(state)
+        if self.reductions.error_feedback:  # as saved, or zero as in a fresh run
+            restore(self.reductions, self.residuals)
+
+    def _read_residuals(self, rank: int) -> dict[str, Tensor]:
+        """This rank's error-feedback residuals, read and checked, where the checkpoint holds
+        them for this model's mesh and groups (else none: they start at zero, with a warning
+        where some were saved; see :mod:`shardwrap.checkpoint.residuals`)."""
+        saved = self.meta.get("residuals")
+        expected = expected_residuals(self.reductions, self.mesh, saved)
+        if expected is None:
+            if saved is not None and self.reductions.error_feedback and self.mesh.world_size > 1:
+                if rank == 0:
+                    warnings.warn(
+                        start_at_zero(self.reductions, self.mesh, saved, str(self.folder)),
+                        stacklevel=4,
+                    )
+            return {}
+        file = residuals_file(rank)
+        self._open(file)
+        unknown = sorted(self._keys[file] - expected.keys())
+        if unknown:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} holds {few(unknown)}, which this model's "
+                f"reductions do not keep (only {few(sorted(expected))}). The file was altered: "
+                "load an earlier checkpoint"
+            )
+        for key in self._keys[file]:
+            numel, dtype, _ = expected[key]
+            self._check_stored(file, key, (numel,), dtype)
+        self._verify(file, self._keys[file])
+        loaded = {}
+        for key in sorted(self._keys[file]):
+            numel, dtype, device = expected[key]
+            loaded[key] = torch.empty(numel, dtype=dtype, device=device)
+            loaded[key].copy_(self._open(file).get_tensor(key))
+        return loaded
 
     def _read_whole(self, key: str, at: dict[str, Any], dtype: torch.dtype | None) -> Tensor:
         """The whole-stepped state tensor ``key`` as saved, from the file ``at`` names, checked

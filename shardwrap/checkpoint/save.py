@@ -82,6 +82,7 @@ from .format import (
     owned_file,
     persistent_buffers,
     rank_file,
+    residuals_file,
 )
 from .optimizer_state import (
     OptimizerPlan,
@@ -91,6 +92,7 @@ from .optimizer_state import (
     owned_summary,
     plan_optimizers,
 )
+from .residuals import residual_layout, residuals_of
 
 __all__ = ["PendingSave", "latest_checkpoint", "save_checkpoint"]
 
@@ -262,6 +264,8 @@ class _Save:
         self.buffers: dict[str, Tensor] = {}  # rank 0's
         self.copied: Callable[[], None] = _filled  # waits until a snapshot is filled
         self.pending: PendingSave | None = None  # a non-blocking save's writer, once started
+        self.residuals: list[tuple[str, Tensor]] = []  # this rank's error feedback, by key
+        self.residual_layout: dict[str, Any] | None = None  # what they are relative to
 
     def prepare(self) -> int:
         """Check ``path`` and what is saved, and return the bytes this rank will write."""
@@ -292,11 +296,19 @@ class _Save:
             needed += safetensors_nbytes(
                 [(k, tuple(v.shape), v.dtype) for k, v in self.buffers.items()], {"format": "pt"}
             )
+        self.residuals = residuals_of(self.root.reductions)
+        if self.residuals:  # every rank keeps them alike, each its own values
+            self.residual_layout = residual_layout(self.root.reductions, self.root.mesh)
+            needed += safetensors_nbytes(_entries(self.residuals), {"format": "pt"})
         if not self.blocking:  # the state as of now, whatever training does next
-            copies, self.copied = snapshot(self.root, [*self.tensors, *self.buffers.values()])
-            n = len(self.tensors)
+            residuals = [t for _, t in self.residuals]
+            copies, self.copied = snapshot(
+                self.root, [*self.tensors, *self.buffers.values(), *residuals]
+            )
+            n, b = len(self.tensors), len(self.buffers)
             self.tensors, self.plans = copies[:n], snapshot_plans(self.plans)
-            self.buffers = dict(zip(self.buffers, copies[n:]))
+            self.buffers = dict(zip(self.buffers, copies[n : n + b]))
+            self.residuals = [(k, t) for (k, _), t in zip(self.residuals, copies[n + b :])]
         if self.me == 0:
             begin_folder(self.target)
         return needed
@@ -329,6 +341,8 @@ class _Save:
         """
         self.copied()  # a snapshot on a GPU is filled by now
         write_file(self.tmp / extra_file(self.me), self.extra_bytes)
+        if self.residuals:
+            self._write_tensors(residuals_file(self.me), self.residuals)
         if not self.writes:
             return 0
         rank, world = self.rank, self.world
@@ -340,12 +354,22 @@ class _Save:
             for t in self.tensors:
                 w.write(t)
             size = w.close()
-        write_file(self.tmp / checksum_file(rank), json.dumps(w.checksums).encode())
+        write_file(self.tmp / checksum_file(file.name), json.dumps(w.checksums).encode())
         if any(plan.whole for plan in self.plans):
             buffer = io.BytesIO()
             torch.save(owned_summary(self.plans, rank_file(rank, world)), buffer)
             write_file(self.tmp / owned_file(rank), buffer.getvalue())
         return 1 + size * world + rank
+
+    def _write_tensors(self, name: str, tensors: list[tuple[str, Tensor]]) -> None:
+        """Write ``tensors`` (1-D) into the file ``name``, and its checksums for rank 0."""
+        with SafetensorsWriter(
+            self.tmp / name, _entries(tensors), {"format": "pt"}, in_place=not self.blocking
+        ) as w:
+            for _, t in tensors:
+                w.write(t)
+            w.close()
+        write_file(self.tmp / checksum_file(name), json.dumps(w.checksums).encode())
 
     def finish(self, codes: list[int]) -> int:
         """Rank 0: write the metadata, commit the folder, point ``latest`` at it, prune."""
@@ -400,17 +424,21 @@ class _Save:
     def _metadata(self, rank_sizes: list[int], sequence: int) -> dict[str, Any]:
         """The checkpoint's metadata; writes the rank-0-only files on the way (rank 0).
 
-        Gathers the checksums: every rank file's (left by its writer, then removed), the
-        buffers', and those of the whole ``.pt`` files.
+        Gathers the checksums: every rank file's and residuals file's (left by its writer,
+        then removed), the buffers', and those of the whole ``.pt`` files.
         """
         tmp, world, buffers = self.tmp, len(rank_sizes), self.buffers
         files = {rank_file(r, world): size for r, size in enumerate(rank_sizes)}
         tensor_sums: dict[str, dict[str, list[str]]] = {}
         file_sums: dict[str, str] = {}
-        for r in range(world):
-            left = tmp / checksum_file(r)
-            tensor_sums[rank_file(r, world)] = json.loads(left.read_bytes())
+        written = [rank_file(r, world) for r in range(world)]
+        if self.residuals:  # every rank wrote its own
+            written += [residuals_file(r) for r in range(self.ranks)]
+        for name in written:
+            left = tmp / checksum_file(name)
+            tensor_sums[name] = json.loads(left.read_bytes())
             left.unlink()
+            files.setdefault(name, (tmp / name).stat().st_size)
         for r in range(self.ranks):
             file_sums[extra_file(r)] = buffer_checksum((tmp / extra_file(r)).read_bytes())
         entries: dict[str, Any] = {}
@@ -459,8 +487,13 @@ class _Save:
             },
             "optimizer": optimizer,
             "checksums": {"tensors": tensor_sums, "files": file_sums},
+            "residuals": self.residual_layout,
         }
 
 
 def _filled() -> None:
     """A blocking save's snapshot: nothing to wait for."""
+
+
+def _entries(tensors: list[tuple[str, Tensor]]) -> list[Entry]:
+    return [(key, (t.numel(),), t.dtype) for key, t in tensors]

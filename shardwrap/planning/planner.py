@@ -77,7 +77,8 @@ class MemoryEstimate:
     """Bytes in the disk tier's files (shards, gradient buffers, optimizer state)."""
     checkpoint: int = 0
     """Host bytes of the copy a non-blocking save (``save_checkpoint(blocking=False)``, the
-    Logbook's default) takes of this rank's shards and optimizer state, kept from the first
+    Logbook's default) takes of this rank's shards and optimizer state (and, with compression's
+    error feedback, of its residuals: a full-size flat gradient per group), kept from the first
     such save on and reused by the next; planned with ``nonblocking_saves=True``, else 0. Not
     in ``peak`` or ``host``: it is host memory beside them (on a CPU, where host memory is the
     process's, add it to ``peak``)."""
@@ -250,9 +251,22 @@ def estimate_memory(
             optimizer_bytes(tr, make_optimizer, device, fuse, rank, disk=where.disk)
             for rank in ranks
         }
-        # a non-blocking save's host copy: every shard, and the largest rank's optimizer state
+        # a non-blocking save's host copy: every shard, the largest rank's optimizer state, and
+        # error feedback's residuals (a full-size flat gradient per trainable group)
         shards = sum(g.shard for g in tr.groups)
-        snapshot = shards + max(step.state for step in steps) if nonblocking_saves else 0
+        feedback = (
+            world_size > 1
+            and compression is not None
+            and compression.grads is not None
+            and compression.error_feedback
+        )
+        residuals = sum(
+            g.layout.padded_numel * g.grad_dtype.itemsize
+            for g in tr.groups
+            if g.requires_grad and feedback
+        )
+        state = max(step.state for step in steps)
+        snapshot = shards + state + residuals if nonblocking_saves else 0
         for s in stages:
             if tier != "disk" or s == 3:
                 # the rank that holds the most (ranks differ only in their optimizer step)
