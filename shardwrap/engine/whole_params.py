@@ -118,14 +118,20 @@ def declare_optimizer(cls: type[Optimizer], *, reads_shapes: bool) -> None:
             every element on its own (like AdamW): it steps this rank's pieces.
 
     Raises:
-        TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass.
+        TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass, or ``reads_shapes`` not
+            a bool (``"False"`` is a true value: read as one it would declare the opposite).
     """
     if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
         raise TypeError(
             f"declare_optimizer takes an optimizer class, got {cls!r}: e.g. "
             "shardwrap.declare_optimizer(MyOptimizer, reads_shapes=True)"
         )
-    _declared[cls] = bool(reads_shapes)
+    if not isinstance(reads_shapes, bool):
+        raise TypeError(
+            f"declare_optimizer: reads_shapes must be True or False, got {reads_shapes!r}; e.g. "
+            f"shardwrap.declare_optimizer({cls.__name__}, reads_shapes=True)"
+        )
+    _declared[cls] = reads_shapes
 
 
 def steps_whole(cls: type) -> bool:

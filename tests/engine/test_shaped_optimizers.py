@@ -412,3 +412,10 @@ def test_an_undeclared_optimizer_warns_and_a_declared_one_trains_exactly() -> No
         _assert_same(ref, run.state, 1e-5, rank)
     with pytest.raises(TypeError, match="optimizer class"):
         shardwrap.declare_optimizer(RowNormalized(model.parameters()), reads_shapes=True)  # type: ignore[arg-type]
+
+
+def test_declaring_takes_a_bool_only() -> None:
+    """``reads_shapes="False"`` is a truthy string: refused, not read as True."""
+    for value in ("False", 0, None):
+        with pytest.raises(TypeError, match=rf"reads_shapes must be True or False, got {value!r}"):
+            shardwrap.declare_optimizer(RowNormalized, reads_shapes=value)  # type: ignore[arg-type]
