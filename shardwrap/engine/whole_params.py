@@ -331,7 +331,10 @@ class _WholeStep:
         params = list(_pieces(optimizer))
         key = tuple(id(p) for p in params)
         if key != self._params_key:
-            self._entries, self._params_key = _owners(params), key
+            # NOTE: a parameter keeps its owner when others join (add_param_group): its state
+            # lives on its owner, and a new owner would start it afresh beside the stale one.
+            kept = {id(e.param): e.owner for e in self._entries.values()}
+            self._entries, self._params_key = _owners(params, kept), key
             self._homed = any(hasattr(p, HOME_ATTR) for p in params)
         return self._entries
 
@@ -433,8 +436,9 @@ def _held(entries: list[_Entry], q: int) -> int:
     return sum(_span(e, q) for e in entries)
 
 
-def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
-    """Each parameter's pieces and owner (:func:`owners`), by ``id``, over each shard group."""
+def _owners(params: list[nn.Parameter], kept: dict[int, int]) -> dict[int, _Entry]:
+    """Each parameter's pieces and owner, by ``id``, over each shard group: ``kept[id]`` where
+    given, else by :func:`owners` among the parameters not kept."""
     entries: dict[int, _Entry] = {}
     by_group: dict[int, tuple[int, list[_Entry]]] = {}
     ranges: dict[int, list[tuple]] = {}
@@ -451,9 +455,12 @@ def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
         e = entries[id(p)] = _Entry(p, fg.shapes[index], pieces, whole[id(fg)])
         by_group.setdefault(id(fg.mesh.shard), (world, []))[1].append(e)
     for world, group in by_group.values():
-        spans = [[_span(e, q) for q in range(world)] for e in group]
-        for e, owner in zip(group, owners([e.numel for e in group], spans)):
+        new = [e for e in group if id(e.param) not in kept]
+        spans = [[_span(e, q) for q in range(world)] for e in new]
+        for e, owner in zip(new, owners([e.numel for e in new], spans)):
             e.owner = owner
+        for e in group:
+            e.owner = kept.get(id(e.param), e.owner)
     return entries
 
 
