@@ -22,11 +22,14 @@ what it can: the collective; this rank's step and phase, as each sharded model o
 reports them (:func:`report_whereabouts`; collectives stay free of models); the peers that did
 not answer where that is known. Gloo's timeout names no peer ("Timed out waiting 5000ms for
 recv operation to complete"), so they are known for exchanges (whose receives from a peer are
-its own) and for a group of two; otherwise the message says so.
+its own) and for a group of two; otherwise the message says so. An allocation that fails on
+this rank inside a collective is this rank's own failure, not a peer's: it raises
+:class:`OutOfMemoryInCollective`, a ``torch.OutOfMemoryError`` that says so.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import weakref
 from collections.abc import Callable, Iterable
@@ -40,6 +43,8 @@ from torch import Tensor
 
 __all__ = [
     "CollectiveFailed",
+    "OutOfMemoryInCollective",
+    "is_out_of_memory",
     "failed",
     "CommStats",
     "Pending",
@@ -92,6 +97,34 @@ class CollectiveFailed(RuntimeError):
     silent: list[int] | None = None
 
 
+class OutOfMemoryInCollective(torch.OutOfMemoryError):
+    """This rank ran out of memory itself inside a collective (an allocation of the collective's
+    own, or of its epilogue): no peer failed. A ``torch.OutOfMemoryError``, so code that catches
+    those (and skips a batch, say) catches it too.
+
+    Attributes:
+        collective, rank, doing: as :class:`CollectiveFailed`'s.
+    """
+
+    collective: str = ""
+    rank: int = 0
+    doing: str | None = None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that failed on this rank: ``MemoryError``, a
+    ``torch.OutOfMemoryError``, ``ENOMEM``, or torch's CPU allocator refusing (a
+    ``RuntimeError``, where a GPU's is a ``torch.OutOfMemoryError``)."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    if isinstance(error, OSError) and error.errno == errno.ENOMEM:
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "can't allocate memory" in text or "Cannot allocate memory" in text
+    )
+
+
 class Pending:
     """A collective in flight; ``wait()`` blocks until it is done and runs its epilogue.
 
@@ -123,7 +156,7 @@ class Pending:
             if self._then is not None:
                 then, self._then = self._then, None
                 then()
-        except CollectiveFailed:
+        except (CollectiveFailed, OutOfMemoryInCollective):
             raise
         except RuntimeError as e:
             raise failed(self._what, e, self._group) from e
@@ -145,11 +178,13 @@ def report_whereabouts(reporter: Any, groups: Iterable[Group]) -> None:
 
 def failed(
     what: str, error: BaseException, group: Group = None, silent: list[int] | None = None
-) -> CollectiveFailed:
+) -> CollectiveFailed | OutOfMemoryInCollective:
     """The error for a collective (``what``: "all-gather", "handshake", ...) the backend
     abandoned on ``group``: this rank's step and phase, the peers that did not answer
     (``silent``, group ranks, where known: the peers of a point-to-point exchange it waited
     on; the other rank of a group of two), the group's timeout and the backend's first line.
+    An allocation that failed on this rank (:func:`is_out_of_memory`) is this rank's own: an
+    :class:`OutOfMemoryInCollective` that says so, naming no peer.
     """
     said = str(error).splitlines()[0] if str(error) else type(error).__name__
     rank, doing, timeout = 0, None, None
@@ -157,6 +192,17 @@ def failed(
         rank, timeout = _global_rank(group, group.rank()), group_timeout(group)
         texts = sorted(r.whereabouts() for r in _REPORTERS.get(group, ()))
         doing = "; ".join(texts) or None
+    if is_out_of_memory(error):
+        own = OutOfMemoryInCollective(
+            f"shardwrap: rank {rank} ran out of memory in the {what or 'collective'} "
+            f"({doing or 'in no sharded model: none uses this group'}): its own allocation "
+            "failed there, no peer did, and the other ranks will report that it did not answer. "
+            "Free memory on this rank (a smaller batch or sequence, activation checkpointing, "
+            f"an offload tier), then run again. The allocator said: {said}"
+        )
+        own.collective, own.rank, own.doing = what, rank, doing
+        return own
+    if group is not None:
         if silent is None and group.size() == 2:
             silent = [1 - group.rank()]
         if silent is not None:
