@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from ..comm.collectives import is_out_of_memory
 from ..engine.param_index import Param
 from ..engine.root import Root
 from ..engine.whole_params import stepped_whole
@@ -234,7 +235,7 @@ class _Loader:
             try:
                 self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
             except Exception as e:
-                raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
+                raise _read_error(path, e, f"load_checkpoint: {path} is corrupt: {e}") from e
             self._keys[file] = set(self._handles[file].keys())
         return self._handles[file]
 
@@ -254,12 +255,15 @@ class _Loader:
         path = self._sized(file) if sized else self.folder / file
         if not path.is_file():
             raise FileNotFoundError(f"load_checkpoint: {path} is missing")
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except MemoryError as e:
+            raise _read_error(path, e, "") from e
         self._verify_file(file, data)
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ValueError(f"load_checkpoint: cannot read {path}: {e}") from e
+            raise _read_error(path, e, f"load_checkpoint: cannot read {path}: {e}") from e
 
     def _plan_reads(self, p: Param) -> list[Read]:
         """The saved ranges overlapping this rank's piece of ``p``, their headers checked."""
@@ -332,7 +336,13 @@ class _Loader:
             raise ValueError(
                 f"load_checkpoint: {self.folder / METADATA} has no checksums for {file}"
             )
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        try:
+            mapped = _mapped(path)
+        except OSError as e:
+            if not is_out_of_memory(e):
+                raise
+            raise _read_error(path, e, "") from e
+        with mapped as mm:
             (length,) = struct.unpack("<Q", mm[:8])
             header = json.loads(mm[8 : 8 + length])
             for key in sorted(keys):
@@ -480,6 +490,25 @@ class _Loader:
             hyper = {k: v for k, v in saved.items() if k != "params"}
             groups.append({**hyper, "params": ids})
         return {"state": state, "param_groups": groups}
+
+
+def _mapped(path: Path) -> mmap.mmap:
+    """``path``, memory-mapped for reading."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _read_error(path: Path, error: Exception, otherwise: str) -> Exception:
+    """What to raise for ``error`` met while reading ``path``: running out of memory says so
+    and that nothing is known to be wrong with the file (a user told it is corrupt might delete
+    a good checkpoint); any other error is ``ValueError(otherwise)``."""
+    if is_out_of_memory(error):
+        return MemoryError(
+            f"load_checkpoint: out of memory while reading {path} ({error}): nothing is known "
+            "to be wrong with the file, so do not delete it. Free memory on this rank (or raise "
+            "its memory limit), then load again"
+        )
+    return ValueError(otherwise)
 
 
 def _made_from(param: nn.Parameter, value: Tensor) -> Tensor:

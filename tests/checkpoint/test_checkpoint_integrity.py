@@ -10,7 +10,8 @@ writing anything. Proves, at world sizes 1 and 2 with a small GPT and AdamW stat
   naming the file and the tensor, with the model and optimizer left as they were;
 - an undamaged checkpoint loads at another world size (pieces read in part are checked whole);
 - checksums taken on another thread (a background save's writer) leave the process's warning
-  filters as the training thread set them.
+  filters as the training thread set them;
+- running out of memory while reading a file is said as such, never as damage.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_integrity.py -q``
@@ -32,6 +33,7 @@ import pytest
 import torch
 from torch.distributed import ProcessGroup
 
+import shardwrap.checkpoint.load
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
 from shardwrap.checkpoint.checksum import Checksum, buffer_checksum
 from tests.support.models import GPT, Block
@@ -188,3 +190,48 @@ def test_checking_on_another_thread_leaves_the_warning_filters_alone(
     assert warnings.filters == filters and warnings.showwarning is show
     warnings.warn("still heard", stacklevel=1)
     assert [str(w.message) for w in recwarn] == ["still heard"]
+
+
+@pytest.mark.parametrize("reading", ["safetensors", "pt"])
+def test_out_of_memory_while_loading_is_not_called_damage(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, reading: str
+) -> None:
+    """Rank 1 cannot map a rank file (what safetensors raises under a memory cap), or cannot
+    unpickle ``optimizer.pt``: it says it ran out of memory and that the file is not known to
+    be damaged (told "corrupt", a user might delete a good checkpoint); every rank raises and
+    nothing changes."""
+    out_of_memory = MemoryError("Cannot allocate memory (os error 12)")
+    if reading == "safetensors":
+        real = shardwrap.checkpoint.load.safe_open
+
+        def mapped(path: Path, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "rank1" and "rank-" in Path(path).name:
+                raise out_of_memory
+            return real(path, **kwargs)
+
+        monkeypatch.setattr(shardwrap.checkpoint.load, "safe_open", mapped)
+    else:
+        load = torch.load
+
+        def unpickled(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "rank1":
+                raise out_of_memory
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "load", unpickled)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        model = ShardedModule(copy.deepcopy(OTHER), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        before = copy.deepcopy(model.full_state_dict())
+        with pytest.raises((MemoryError, RuntimeError)) as info:
+            load_checkpoint(saved, model, opt)
+        after = model.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        return str(info.value)
+
+    errors = run_ranks(2, fn)
+    assert "failed on rank(s) [1]" in errors[0]
+    assert errors[1].startswith(f"load_checkpoint: out of memory while reading {saved}/"), errors
+    assert "nothing is known to be wrong with the file, so do not delete it" in errors[1]
+    assert "corrupt" not in errors[1]
