@@ -350,10 +350,7 @@ def _open(stack: ExitStack, path: Path) -> Any:
 def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[str, Any]]:
     """Tensor name -> file name, from the index or the single weights file; file -> handle."""
     if (folder / INDEX).is_file():
-        try:
-            where = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"load_pretrained: {folder / INDEX} is corrupt: {e!r}") from e
+        where = _weight_map(folder / INDEX)
         outside = sorted({str(f) for f in where.values() if not is_plain_name(f)})
         if outside:
             raise ValueError(
@@ -365,6 +362,32 @@ def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[
         raise FileNotFoundError(f"load_pretrained: {folder} holds neither {INDEX} nor {WEIGHTS}")
     handle = _open(stack, folder / WEIGHTS)
     return {k: WEIGHTS for k in handle.keys()}, {WEIGHTS: handle}
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``: tensor name to the file beside it that holds it.
+
+    Raises:
+        ValueError: naming the index and what is wrong: not JSON (or nested too deep), no
+            ``weight_map``, or one that is not a mapping of names to file names.
+    """
+    try:
+        parsed = json.loads(index.read_text())
+    except (ValueError, RecursionError) as e:
+        raise ValueError(
+            f"load_pretrained: {index} is corrupt: {e!r}. Export the model again, or delete "
+            "the index where the folder holds one model.safetensors"
+        ) from None
+    where = parsed.get("weight_map") if isinstance(parsed, dict) else None
+    if not isinstance(where, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in where.items()
+    ):
+        raise ValueError(
+            f'load_pretrained: {index} is corrupt: its "weight_map" must map each tensor\'s '
+            f"name to the file that holds it, got {type(where).__name__}. Export the model "
+            "again, or fix the index"
+        )
+    return where
 
 
 def _rows(handle: Any, key: str, shape: tuple[int, ...], start: int, stop: int) -> Tensor:
@@ -417,6 +440,12 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                     missing.append(name)
                     continue
                 handle = handles[where[found]]
+                if found not in handle.keys():
+                    raise ValueError(
+                        f"load_pretrained: {folder / INDEX} says {folder / where[found]} holds "
+                        f"'{found}', which that file lacks: the index and the weights are of "
+                        "different exports. Export the model again"
+                    )
                 saved = tuple(handle.get_slice(found).get_shape())
                 if saved != shape:
                     shapes.append(f"'{found}': file {saved}, model {shape}")

@@ -9,7 +9,9 @@ Proves, at world size 1 and 2 with a small GPT:
 - a ``metadata.json`` missing an entry or holding one of the wrong shape is refused naming the
   file and what is wrong, never a bare ``KeyError``;
 - file names in ``metadata.json``, a ``latest`` pointer and an export's index that lead
-  outside their folder are refused.
+  outside their folder are refused;
+- an export's index whose ``weight_map`` is not a mapping, is missing, names a file that lacks
+  the tensor, or nests too deep is refused on every rank naming the index and the fix.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_validation.py -q``
@@ -187,6 +189,48 @@ def test_export_index_naming_files_outside_is_refused(tmp_path: Path) -> None:
     index_path.write_text(json.dumps(index))
     with pytest.raises(ValueError, match="names files outside"):
         load_pretrained(tmp_path / "mine", model)
+
+
+def _swap_files(index: dict[str, Any]) -> None:
+    """Say each tensor is in a file it is not in (two files' entries swapped)."""
+    where = index["weight_map"]
+    first, second = sorted(set(where.values()))[:2]
+    for key, file in where.items():
+        where[key] = {first: second, second: first}.get(file, file)
+
+
+MALFORMED_INDEX = {
+    "weight-map-list": (lambda i: i.update(weight_map=list(i["weight_map"])), "got list"),
+    "no-weight-map": (lambda i: i.pop("weight_map"), "got NoneType"),
+    "key-not-in-file": (_swap_files, "which that file lacks"),
+}
+
+
+@pytest.mark.parametrize("case", [*MALFORMED_INDEX, "nested-too-deep"])
+def test_a_malformed_export_index_is_refused_naming_it(tmp_path: Path, case: str) -> None:
+    """On every rank, naming the index and the fix; never a bare ``AttributeError``, a
+    ``SafetensorError`` without the file's name, or a ``RecursionError``."""
+    export(tmp_path / "mine", _model(), max_shard_size="20KB")
+    index_path = tmp_path / "mine" / "model.safetensors.index.json"
+    if case == "nested-too-deep":
+        index_path.write_text("[" * 100_000 + "]" * 100_000)
+        message = "is corrupt"
+    else:
+        index = json.loads(index_path.read_text())
+        edit, message = MALFORMED_INDEX[case]
+        edit(index)
+        index_path.write_text(json.dumps(index))
+    torch.manual_seed(0)
+    base = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        with pytest.raises(ValueError, match="load_pretrained: ") as info:
+            load_pretrained(tmp_path / "mine", m)
+        assert str(index_path) in str(info.value) and message in str(info.value)
+        assert "Export the model again" in str(info.value)
+
+    run_ranks(2, fn, timeout=30.0)
 
 
 @pytest.mark.parametrize(
