@@ -45,6 +45,7 @@ from .optimizer_state import (
     Optimizers,
     as_list,
     check_count,
+    check_hyperparameters,
     check_optimizer,
     check_whole_state,
     names_by_id,
@@ -218,6 +219,7 @@ class _Loader:
         whole = self.meta["optimizer"].get("whole_state", {})
         for optimizer, entry, saved_whole in zip(self.optimizers, saved, stepped):
             check_optimizer(optimizer, entry, self._names)
+            check_hyperparameters(optimizer, entry, str(self.folder / OPTIMIZER))
             self._stepping.append(stepped_whole(optimizer))
             if saved_whole != (self._stepping[-1] is not None):
                 raise ValueError(_kind_mismatch(type(optimizer).__name__, saved_whole))

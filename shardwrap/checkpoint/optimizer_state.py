@@ -25,6 +25,7 @@ __all__ = [
     "Optimizers",
     "as_list",
     "check_count",
+    "check_hyperparameters",
     "check_optimizer",
     "check_whole_state",
     "names_by_id",
@@ -251,6 +252,56 @@ def check_optimizer(
                 f"checkpoint {few(sorted(set(theirs['params']) - set(mine)))}, only in the "
                 f"optimizer {few(sorted(set(mine) - set(theirs['params'])))}"
             )
+
+
+def check_hyperparameters(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str
+) -> None:
+    """Raise unless every hyperparameter ``optimizer.pt`` (``where``) gives a parameter group
+    is of the kind the optimizer holds there: a number for a number (``lr`` may be a 0-d
+    tensor), a bool for a bool, a string for a string, as many for a tuple; one the optimizer
+    does not hold, a plain value. Checked before anything changes: ``load_state_dict`` takes
+    any value, and a string ``lr`` failed only in the next step."""
+    cls = type(optimizer).__name__
+    for j, (live, group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        for key, value in group.items():
+            if key in ("params", "param_names"):
+                continue
+            expected = live.get(key, _ANY)
+            if not _fits(value, expected):
+                holds = f"holds {expected!r}" if expected is not _ANY else "has no such option"
+                raise ValueError(
+                    f"load_checkpoint: {where} sets '{key}' of parameter group {j} to {value!r} "
+                    f"(a {type(value).__name__}), where {cls} {holds}: the file was altered or "
+                    "written by other code. Load an earlier checkpoint, or fix the value"
+                )
+
+
+_ANY = object()  # a hyperparameter the optimizer does not hold: any plain value
+
+
+def _fits(value: Any, expected: Any) -> bool:
+    """Whether a saved hyperparameter ``value`` may stand where the optimizer holds
+    ``expected``."""
+    number = (int, float)
+    if expected is _ANY or expected is None:  # a choice left open (foreach=None, say)
+        plain = (bool, *number, str, type(None))
+        return isinstance(value, plain) or (
+            isinstance(value, (tuple, list)) and all(_fits(v, _ANY) for v in value)
+        )
+    if isinstance(expected, bool):
+        return isinstance(value, bool)
+    if isinstance(expected, (*number, torch.Tensor)) and not isinstance(expected, bool):
+        if isinstance(value, torch.Tensor):
+            return value.dim() == 0 and not value.is_complex()
+        return isinstance(value, number) and not isinstance(value, bool)
+    if isinstance(expected, (tuple, list)):
+        return (
+            isinstance(value, (tuple, list))
+            and len(value) == len(expected)
+            and all(_fits(v, e) for v, e in zip(value, expected))
+        )
+    return type(value) is type(expected)
 
 
 def optimizer_problem(saved: object) -> str | None:

@@ -11,7 +11,9 @@ Proves, at world size 1 and 2 with a small GPT:
 - file names in ``metadata.json``, a ``latest`` pointer and an export's index that lead
   outside their folder are refused;
 - an export's index whose ``weight_map`` is not a mapping, is missing, names a file that lacks
-  the tensor, or nests too deep is refused on every rank naming the index and the fix.
+  the tensor, or nests too deep is refused on every rank naming the index and the fix;
+- hyperparameters in ``optimizer.pt`` of another kind than the optimizer's (a string ``lr``)
+  are refused on every rank before anything changes.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_validation.py -q``
@@ -273,6 +275,53 @@ def test_malformed_optimizer_state_changes_nothing(tmp_path: Path, edit: Any, me
     after = other.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert other_opt.state_dict()["state"] == {}
+
+
+def _resaved_optimizer(folder: Path, edit: Any) -> None:
+    """Edit ``folder``'s ``optimizer.pt`` as if it had been saved so (size, checksum)."""
+    path = folder / "optimizer.pt"
+    saved = torch.load(path, weights_only=True)
+    edit(saved)
+    torch.save(saved, path)
+    data = path.read_bytes()
+
+    def record(meta: dict[str, Any]) -> None:
+        meta["files"]["optimizer.pt"] = len(data)
+        meta["checksums"]["files"]["optimizer.pt"] = buffer_checksum(data)
+
+    _edit_metadata(folder, record)
+
+
+HYPERPARAMETERS = {
+    "lr-string": (lambda g: g.update(lr="0.1"), "sets 'lr' of parameter group 0 to '0.1' (a str)"),
+    "betas-three": (lambda g: g.update(betas=(0.9, 0.99, 0.5)), "sets 'betas'"),
+    "amsgrad-string": (lambda g: g.update(amsgrad="no"), "sets 'amsgrad'"),
+}
+
+
+@pytest.mark.parametrize("case", list(HYPERPARAMETERS))
+def test_hyperparameters_of_another_kind_are_refused_before_anything_changes(
+    tmp_path: Path, case: str
+) -> None:
+    """A string ``lr`` was loaded as is, and the next step failed."""
+    edit, message = HYPERPARAMETERS[case]
+    torch.manual_seed(0)
+    base = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        save_checkpoint(tmp_path / "ckpt", m, opt)
+        if rank == 0:
+            _resaved_optimizer(tmp_path / "ckpt", lambda o: edit(o["param_groups"][0]))
+        pg.barrier().wait()
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            load_checkpoint(tmp_path / "ckpt", m, opt)
+        assert str(tmp_path / "ckpt" / "optimizer.pt") in str(info.value)
+        assert message in str(info.value) and "where AdamW holds" in str(info.value)
+        assert opt.param_groups[0]["lr"] == 1e-3
+
+    run_ranks(2, fn, timeout=30.0)
 
 
 # a save killed between its two renames -------------------------------------------------
