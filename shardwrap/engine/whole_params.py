@@ -56,6 +56,7 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.collectives import all_to_all
 from ..tiers.offload import HOME_ATTR, before_step
 from .grad_norm import as_shard_grad, shard_grad_owner
+from .loaded_state import check_held_state, watch
 
 __all__ = [
     "PIECE_ATTR",
@@ -206,6 +207,8 @@ def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     whole = stepped_whole(optimizer)
     if whole is not None:
         whole.before(args, kwargs)
+    else:
+        check_held_state(optimizer)
 
 
 def stepped_whole(optimizer: Optimizer) -> _WholeStep | None:
@@ -217,7 +220,16 @@ def stepped_whole(optimizer: Optimizer) -> _WholeStep | None:
     whole = _steps.get(optimizer, _UNSEEN)
     if whole is _UNSEEN:
         whole = _steps[optimizer] = _classify(optimizer)
+        if whole is None and next(_pieces(optimizer), None) is not None:
+            watch(optimizer, _piece_name)  # state loaded into it: of this rank's pieces?
     return whole
+
+
+def _piece_name(p: nn.Parameter) -> str | None:
+    """The name of shard parameter ``p``; ``None`` for any other parameter."""
+    piece = getattr(p, PIECE_ATTR, None)
+    group = piece[0]() if piece is not None else None
+    return group.names[piece[1]] if group is not None else None
 
 
 def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
