@@ -47,6 +47,7 @@ from ..checkpoint.files import LOGBOOK
 from ..checkpoint.folder import delete_checkpoint
 from ..checkpoint.format import metadata_of
 from ..checkpoint.load import load_checkpoint
+from ..checkpoint.optimizer_state import Optimizers, as_list
 from ..checkpoint.save import latest_checkpoint, save_checkpoint
 from ..comm.collectives import group_rank, group_size
 from ..engine.root import Root
@@ -70,8 +71,9 @@ class Logbook:
         folder: the run folder: ``logbook.jsonl``, ``loss.png``, ``system.png`` and
             ``checkpoints/`` go here.
         model: a model wrapped with :class:`ShardedModule`.
-        optimizer: the optimizer over ``model.parameters()``; :meth:`step` calls its
-            ``step()`` and ``zero_grad()``.
+        optimizer: the optimizer over ``model.parameters()``, or a list of optimizers over
+            disjoint parts of them (``[muon, adamw]``); :meth:`step` calls each one's
+            ``step()`` and ``zero_grad()``, and scales every group's learning rate.
         save_every: save a checkpoint every this many steps (and after the last). Rollback
             needs checkpoints: with ``0`` there are none, and a spike stops the run.
         keep_last: checkpoints kept, besides the one a rollback would go to now.
@@ -93,6 +95,7 @@ class Logbook:
 
     Raises:
         ValueError: an option out of range, on every rank before any collective.
+        TypeError: ``optimizer`` neither an optimizer nor a list of them.
         ImportError: plots asked for without matplotlib installed.
     """
 
@@ -100,7 +103,7 @@ class Logbook:
         self,
         folder: str | Path,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optimizers,
         *,
         save_every: int = 100,
         keep_last: int = 2,
@@ -131,6 +134,7 @@ class Logbook:
         self.folder = Path(folder)
         self.checkpoints = self.folder / "checkpoints"
         self.model, self.optimizer = model, optimizer
+        self._optimizers = as_list(optimizer, "Logbook")
         self.save_every, self.keep_last, self.clip = save_every, keep_last, clip
         self.spikes = spikes or Spikes()
         self.detect = spikes is not None
@@ -252,19 +256,21 @@ class Logbook:
         else:
             why = None
         if why is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             self._roll_back(mean_loss, grad_norm, why)
             return False
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        groups = [group for o in self._optimizers for group in o.param_groups]
+        lrs = [group["lr"] for group in groups]
         scale = self.lr_scale
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr in zip(groups, lrs):
             group["lr"] = lr * scale
         try:
-            self.optimizer.step()
+            for o in self._optimizers:
+                o.step()
         finally:
-            for group, lr in zip(self.optimizer.param_groups, lrs):
+            for group, lr in zip(groups, lrs):
                 group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self.done += 1
         if self._last_spike is not None and self.done > self._last_spike + self.spikes.suspect:
             self._retries = 0
@@ -295,6 +301,10 @@ class Logbook:
         if self.plot_every is not None and time.monotonic() - self._plotted > self.plot_every:
             self.plot()
         return True
+
+    def _zero_grad(self) -> None:
+        for o in self._optimizers:
+            o.zero_grad(set_to_none=True)
 
     def event(self, kind: str, *, step: int | None = None, **fields: Any) -> None:
         """Append an event line (``kind``, ``step`` and ``fields``, JSON-serialisable) to the

@@ -7,7 +7,8 @@ trains is exactly plain training on the batches and learning rates its logbook r
 the steps that survived (SGD with momentum, parameters within 1e-5). Also: a spike the run
 cannot get past stops it with a clear error; a resumed run continues the same logbook; the
 summary and plots are drawn from the file; bad options are refused before any collective; a
-link among the checkpoints is left alone.
+link among the checkpoints is left alone; a list of optimizers (Muon and AdamW) trains, saves
+and resumes exactly.
 Checkpoints are saved in the background (the default) except where ``blocking_saves=True``.
 The end-to-end run under torchrun, against the same run without bad batches, is in
 ``tests/e2e/test_logbook_torchrun.py``.
@@ -23,6 +24,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -146,6 +148,39 @@ def test_a_link_among_the_checkpoints_is_left_alone(tmp_path: Path, base: nn.Mod
     assert (tmp_path / "kept" / "metadata.json").is_file()
     saved = sorted(p.name for p in checkpoints.glob("step-*") if not p.is_symlink())
     assert saved == ["step-00000030", "step-00000035"]
+
+
+def test_a_list_of_optimizers_trains_saves_and_resumes_exactly(
+    tmp_path: Path, base: nn.Module
+) -> None:
+    """``Logbook(folder, model, [muon, adamw])``: every step steps both, with the learning
+    rate scaled alike, and a run resumed from its checkpoint ends where the uninterrupted one
+    does, bit for bit (both optimizers' state saved and loaded)."""
+
+    def run(folder: Path, steps: int) -> Any:
+        def rank_main(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+            model = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+            params = list(model.parameters())
+            opts = [
+                torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-2),
+                torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-2),
+            ]
+            with Logbook(folder, model, opts, save_every=3, plot_every=None) as book:
+                for _ in book.steps(steps):
+                    x, y = stream(book.position, rank)
+                    loss = model(x, y)
+                    loss.backward()
+                    book.step(loss)
+            return model.full_state_dict()
+
+        return run_ranks(2, rank_main, timeout=120)
+
+    whole = run(tmp_path / "whole", 6)
+    run(tmp_path / "resumed", 3)
+    resumed = run(tmp_path / "resumed", 6)
+    assert [e["event"] for e in events(tmp_path / "resumed")] == ["resumed"]
+    for got, want in zip(resumed, whole):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.stage3
