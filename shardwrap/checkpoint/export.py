@@ -62,16 +62,26 @@ SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # a file of a sharded 
 
 
 def _parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as ``"5GB"`` or ``"500MiB"`` (Hugging Face's units)."""
-    if isinstance(size, int):
+    """Bytes from an int or a string such as ``"5GB"`` or ``"500MiB"`` (Hugging Face's units),
+    at least 1 (``True`` is not a size)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 1:
+            raise ValueError(f"max_shard_size must be at least 1 byte, got {size}; e.g. '5GB'")
         return size
+    if not isinstance(size, str):
+        raise ValueError(
+            f"max_shard_size: cannot read {size!r}; write e.g. '5GB', '500MiB' or an int"
+        )
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT])(i?)B\s*", size, flags=re.IGNORECASE)
     if match is None:
         raise ValueError(
             f"max_shard_size: cannot read {size!r}; write e.g. '5GB', '500MiB' or an int"
         )
     base = 1024 if match.group(3) else 1000
-    return int(float(match.group(1)) * base ** "KMGT".index(match.group(2).upper()) * base)
+    size = int(float(match.group(1)) * base ** "KMGT".index(match.group(2).upper()) * base)
+    if size < 1:
+        raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}; e.g. '5GB'")
+    return size
 
 
 def _hf_dropped(model: nn.Module, state: dict[str, Tensor]) -> set[str]:

@@ -177,8 +177,8 @@ def save_checkpoint(
 
     Raises:
         TypeError: an ``extra`` value that ``load_checkpoint`` could not read back, naming
-            its key, or an ``optimizer`` that is neither an optimizer nor a list of them;
-            raised on every rank before anything is written.
+            its key, an ``optimizer`` that is neither an optimizer nor a list of them, or a
+            ``blocking`` that is not a bool; raised on every rank before anything is written.
         ValueError: state of an elementwise optimizer that is not elementwise (state of one
             stepping whole parameters, Muon or Adafactor, is saved whole by each parameter's
             owner), an optimizer parameter that is not the model's or is in two optimizers;
@@ -203,8 +203,7 @@ def save_checkpoint(
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    _check_options(keep_last, blocking)
     listed = isinstance(optimizer, (list, tuple))
     save = _Save(root, model, Path(path), optimizers, listed, keep_last, blocking, extra)
     try:
@@ -221,6 +220,20 @@ def save_checkpoint(
     assert save.pending is not None
     begin(writers, save.pending)
     return save.pending
+
+
+def _check_options(keep_last: object, blocking: object) -> None:
+    """Raise unless ``keep_last`` is ``None`` or an int of at least 1 and ``blocking`` a bool
+    (``blocking="False"`` is a true value: read as one it would block, the opposite)."""
+    if keep_last is not None and (
+        not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+    ):
+        raise ValueError(
+            f"save_checkpoint: keep_last must be None or an int of at least 1 (the checkpoints "
+            f"kept), got {keep_last!r}; e.g. keep_last=3"
+        )
+    if not isinstance(blocking, bool):
+        raise TypeError(f"save_checkpoint: blocking must be True or False, got {blocking!r}")
 
 
 class _Save:

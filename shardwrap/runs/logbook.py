@@ -94,8 +94,10 @@ class Logbook:
             waits for each save.
 
     Raises:
-        ValueError: an option out of range, on every rank before any collective.
-        TypeError: ``optimizer`` neither an optimizer nor a list of them.
+        ValueError: an option out of range or of another type, on every rank before any
+            collective.
+        TypeError: ``optimizer`` neither an optimizer nor a list of them, or ``resume`` or
+            ``blocking_saves`` not a bool.
         ImportError: plots asked for without matplotlib installed.
     """
 
@@ -115,14 +117,22 @@ class Logbook:
         stateful: Mapping[str, Any] | None = None,
         blocking_saves: bool = False,
     ) -> None:
-        if save_every < 0:
-            raise ValueError(f"Logbook: save_every must be 0 (never) or more, got {save_every}")
-        if keep_last < 1:
-            raise ValueError(f"Logbook: keep_last must be at least 1, got {keep_last}")
-        if print_every is not None and print_every < 1:
-            raise ValueError(f"Logbook: print_every must be at least 1 or None, got {print_every}")
-        if clip is not None and not clip > 0:
-            raise ValueError(f"Logbook: clip must be a positive norm or None, got {clip}")
+        _check_int("save_every", save_every, 0, "0 (never) or more")
+        _check_int("keep_last", keep_last, 1, "at least 1")
+        if print_every is not None:
+            _check_int("print_every", print_every, 1, "at least 1 or None")
+        for name, seconds_or_norm in (("clip", clip), ("plot_every", plot_every)):
+            if seconds_or_norm is not None and not (
+                isinstance(seconds_or_norm, (int, float))
+                and not isinstance(seconds_or_norm, bool)
+                and 0 < seconds_or_norm < math.inf
+            ):
+                raise ValueError(
+                    f"Logbook: {name} must be a positive number or None, got {seconds_or_norm!r}"
+                )
+        for name, flag in (("resume", resume), ("blocking_saves", blocking_saves)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Logbook: {name} must be True or False, got {flag!r}")
         if plot_every is not None:
             runlog.require_matplotlib()
         for name, obj in (stateful or {}).items():
@@ -476,6 +486,12 @@ class Logbook:
             record["time"] = round(time.time(), 3)
             self._file.write(runlog.dumps(record) + "\n")
             self._file.flush()
+
+
+def _check_int(name: str, value: object, least: int, rule: str) -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``least``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"Logbook: {name} must be {rule}, an int; got {value!r}")
 
 
 def _saved(folder: Path) -> list[tuple[int, Path]]:

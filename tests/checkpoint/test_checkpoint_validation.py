@@ -5,7 +5,8 @@ Proves, at world size 1 and 2 with a small GPT:
 - ``keep_last`` keeps the last saves in the order they completed, whatever the clock says, and
   never deletes the checkpoint ``latest`` names;
 - ``save_checkpoint`` refuses ``extra`` values that ``load_checkpoint`` could not read back,
-  naming the key, before anything is written;
+  naming the key, before anything is written; and options of another type or out of range
+  (``blocking="False"``, ``keep_last=True``, ``max_shard_size=True``) alike;
 - a ``metadata.json`` missing an entry or holding one of the wrong shape is refused naming the
   file and what is wrong, never a bare ``KeyError``;
 - file names in ``metadata.json``, a ``latest`` pointer and an export's index that lead
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,43 @@ def test_refused_extra_raises_on_every_rank_before_writing(tmp_path: Path) -> No
 
     run_ranks(2, fn, timeout=30.0)
     assert not (tmp_path / "ckpt").exists()
+
+
+# options ----------------------------------------------------------------------------------
+
+OPTIONS = {
+    "blocking-string": (
+        "save",
+        {"blocking": "False"},
+        TypeError,
+        "blocking must be True or False, got 'False'",
+    ),
+    "keep-last-string": ("save", {"keep_last": "3"}, ValueError, "keep_last must be None or an"),
+    "keep-last-bool": ("save", {"keep_last": True}, ValueError, "of at least 1 (the checkpoints"),
+    "shard-size-bool": ("export", {"max_shard_size": True}, ValueError, "cannot read True"),
+    "shard-size-zero": ("export", {"max_shard_size": "0GB"}, ValueError, "at least 1 byte"),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_options_of_another_type_or_out_of_range_are_refused(tmp_path: Path, case: str) -> None:
+    """On every rank, before anything is written, naming the option and the value; before,
+    ``blocking="False"`` saved blocking, ``keep_last=True`` kept one, ``max_shard_size=True``
+    wrote a file per tensor and a string ``keep_last`` raised a bare ``TypeError``."""
+    call, options, error, message = OPTIONS[case]
+    torch.manual_seed(0)
+    base = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        with pytest.raises(error, match=re.escape(message)):
+            if call == "save":
+                save_checkpoint(tmp_path / "ckpt", m, **options)
+            else:
+                export(tmp_path / "out", m, **options)
+
+    run_ranks(2, fn, timeout=30.0)
+    assert list(tmp_path.iterdir()) == []
 
 
 # malformed metadata --------------------------------------------------------------------

@@ -6,7 +6,8 @@ batches from there to the spike, lowers the learning rate and goes on, and that 
 trains is exactly plain training on the batches and learning rates its logbook records for
 the steps that survived (SGD with momentum, parameters within 1e-5). Also: a spike the run
 cannot get past stops it with a clear error; a resumed run continues the same logbook; the
-summary and plots are drawn from the file; bad options are refused before any collective; a
+summary and plots are drawn from the file; bad options (out of range or of another type) are
+refused on every rank before any collective; a
 link among the checkpoints is left alone; a list of optimizers (Muon and AdamW) trains, saves
 and resumes exactly.
 Checkpoints are saved in the background (the default) except where ``blocking_saves=True``.
@@ -22,6 +23,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -260,6 +262,33 @@ def test_bad_use_is_refused(tmp_path: Path, base: nn.Module) -> None:
                 pass
     with pytest.raises(ValueError, match="pass resume=True to continue it"):
         Logbook(tmp_path, model, opt, resume=False)
+
+
+@pytest.mark.stage3
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"save_every": "100"}, ValueError, "save_every must be 0 (never) or more, an int; got"),
+        ({"keep_last": 2.5}, ValueError, "keep_last must be at least 1, an int; got 2.5"),
+        ({"plot_every": -1}, ValueError, "plot_every must be a positive number or None, got -1"),
+        ({"blocking_saves": "False"}, TypeError, "blocking_saves must be True or False"),
+        ({"resume": "no"}, TypeError, "resume must be True or False, got 'no'"),
+    ],
+)
+def test_options_of_another_type_are_refused_on_every_rank(
+    tmp_path: Path, base: nn.Module, options: dict[str, Any], error: type, message: str
+) -> None:
+    """Before any collective; before, ``blocking_saves="False"`` saved blocking and a string
+    ``save_every`` raised a bare ``TypeError``."""
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        model = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        with pytest.raises(error, match=re.escape(message)):
+            Logbook(tmp_path, model, opt, **options)
+
+    run_ranks(2, fn, timeout=30.0)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_spike_check_follows_a_falling_loss_and_flags_jumps() -> None:
