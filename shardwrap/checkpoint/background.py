@@ -197,14 +197,16 @@ def begin(writers: object, pending: PendingSave) -> None:
 def raise_unseen(
     previous: PendingSave, group: Group, device: torch.device | None, caller: str
 ) -> None:
-    """Raise the failure of the ``previous`` save on every rank alike, unless ``wait()`` raised
-    it on every rank already. Call on every rank, with the previous save failed on each (its
-    writers agreed on that).
+    """Raise the failure of the ``previous`` save on every rank alike, unless it succeeded or
+    ``wait()`` raised it on every rank already. Call on every rank: its writers agreed on the
+    outcome, so every rank knows whether it failed.
 
     Raises:
         Exception: on a rank where no ``wait()`` raised it, the previous save's own error;
             elsewhere a ``RuntimeError`` naming those ranks and the fix.
     """
+    if previous._error is None:
+        return
 
     def unseen() -> int:
         if previous._raised:

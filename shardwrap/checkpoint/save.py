@@ -198,7 +198,7 @@ def save_checkpoint(
     writers = writers_of(root)
     previous = previous_save(writers)  # waited for by wrapped_root
     control, device = root.mesh.control, root.mesh.control_device
-    if previous is not None and previous._error is not None:
+    if previous is not None:
         raise_unseen(previous, control, device, "save_checkpoint")
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
@@ -244,8 +244,9 @@ class _Save:
     is read at the call, and a write reads nothing of the model afterwards.
 
     NOTE: who this rank is (its ranks, whether it writes its shard) is read from the mesh once,
-    here: at interpreter exit the mesh drops its groups (``comm/mesh.py``) while a writer
-    thread may still be writing, and a mesh without groups answers rank 0 of 1.
+    here: at interpreter exit the mesh drops its groups (``comm/mesh.py``), and a mesh without
+    groups answers rank 0 of 1. The exit waits for writers first (``background.py``); read at
+    the call, a write does not depend on that order.
     """
 
     def __init__(
