@@ -98,13 +98,9 @@ class CollectiveFailed(RuntimeError):
 
 
 class OutOfMemoryInCollective(torch.OutOfMemoryError):
-    """This rank ran out of memory itself inside a collective (an allocation of the collective's
-    own, or of its epilogue): no peer failed. A ``torch.OutOfMemoryError``, so code that catches
-    those (and skips a batch, say) catches it too.
-
-    Attributes:
-        collective, rank, doing: as :class:`CollectiveFailed`'s.
-    """
+    """This rank ran out of memory itself inside a collective: no peer failed. A
+    ``torch.OutOfMemoryError``, so code that catches those (to skip a batch, say) catches it.
+    Its ``collective``, ``rank`` and ``doing`` are :class:`CollectiveFailed`'s."""
 
     collective: str = ""
     rank: int = 0
