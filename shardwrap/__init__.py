@@ -9,7 +9,8 @@ from .checkpoint.background import PendingSave
 from .checkpoint.export import export, load_pretrained
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import latest_checkpoint, save_checkpoint
-from .comm.collectives import CollectiveFailed, CommStats
+from .comm.collectives import CommStats
+from .comm.failures import CollectiveFailed
 from .comm.mesh import Mesh
 from .engine.optim.grad_scaler import ShardedGradScaler
 from .engine.optim.whole_params import declare_optimizer

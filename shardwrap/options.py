@@ -92,6 +92,10 @@ class Offload:
 
 PARAM_FORMATS = ("int8", "fp8")
 GRAD_FORMATS = ("int8", "int4")
+# Elements per scale, at most: a scale then costs 4 / 65536 bytes per element (0.006%), so a
+# larger block saves nothing, only coarsens the scales and pads every shorter tensor to a whole
+# block of zeros (a block of 10**9 made each small tensor's packing 4 GB, and no step finished).
+MAX_BLOCK = 1 << 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,8 +122,8 @@ class Compression:
             sent (a residual as large as the flat gradient, per trainable group, in the
             reduction dtype) and adds it to the next reduction's gradient, so the error does
             not accumulate over steps. Ignored without ``grads``.
-        block: elements per scale block: smaller blocks follow the values more closely and
-            send more scales (4 bytes per block).
+        block: elements per scale block, 1 to 65536: smaller blocks follow the values more
+            closely and send more scales (4 bytes per block).
     """
 
     params: str | None = None
@@ -147,10 +151,11 @@ class Compression:
             raise ValueError(
                 f"Compression.error_feedback must be True or False, got {self.error_feedback!r}."
             )
-        if type(self.block) is not int or self.block < 1:
+        if type(self.block) is not int or not 1 <= self.block <= MAX_BLOCK:
             raise ValueError(
-                f"Compression.block must be a positive int (elements per scale), got "
-                f'{self.block!r}; e.g. Compression(params="int8", block=256).'
+                f"Compression.block must be a positive int (elements per scale) of at most "
+                f"{MAX_BLOCK}, got {self.block!r}: a larger block saves no bytes and pads every "
+                'shorter tensor to a whole block; e.g. Compression(params="int8", block=256).'
             )
 
     @property

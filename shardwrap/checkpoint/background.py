@@ -24,11 +24,25 @@ at it, as soon as every rank has written it: a run that crashes between two save
 the last one. The cost is one more gloo group (a few sockets per rank, no memory to speak of).
 
 Every rank's writer reaches the same outcome (the agreement makes a failure anywhere a failure
-everywhere), and a failure is raised on every rank by :meth:`PendingSave.wait`, or else by the
-next save. One save per control group is in flight at a time (the writer group serves one at a
-time, in the order every rank started them): the next, of any model on those ranks, waits. At
-interpreter exit, pending writes are waited for; a process killed meanwhile leaves at most a
-hidden ``.NAME.partial`` folder, never a checkpoint marked complete or pointed at by ``latest``.
+everywhere), and a failure is raised by :meth:`PendingSave.wait` on each rank that calls it.
+The next save, called on every rank, agrees on it first (:func:`raise_unseen`): where any rank
+has not had the error raised by ``wait()``, it raises on every rank and saves nothing, so the
+ranks never part ways over who saw an error (one rank raising while the others go on to the
+save's collectives, which then pair with the wrong calls). Starting a save agrees too: the
+writer group and the writer thread are made inside an agreement, so a rank that cannot make
+them (out of memory) fails the save on every rank. One save per control group is in flight at
+a time (the writer group serves one at a time, in the order every rank started them): the
+next, of any model on those ranks, waits.
+
+At interpreter exit (the main thread ended, or an error ended the program on every rank or on
+one), pending writes are waited for before anything else shardwrap does at exit, in particular
+before the model's groups are released (``comm/mesh.py``): each rank's writer then completes
+the save with its peers' and the checkpoint is committed once, or the writers agree that it
+failed and it is abandoned, ``latest`` and the checkpoints before it untouched. Each rank says
+on stderr which of the two happened, and what ``latest`` names then. A save that failed before
+the exit without any ``wait()`` or later save raising its error is reported there too. A process
+killed meanwhile leaves at most a hidden ``.NAME.partial`` folder, never a checkpoint marked
+complete or pointed at by ``latest``.
 """
 
 from __future__ import annotations
@@ -48,10 +62,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import Group, group_rank, group_size, group_timeout
+from ..comm.collectives import group_rank, group_size
+from ..comm.failures import Group, group_timeout
+from .files import LATEST, PeerFailed, agree
+from .format import latest_checkpoint
 from .optimizer_state import OptimizerPlan
 
-__all__ = ["PendingSave", "await_writes", "settle", "snapshot", "snapshot_plans", "writer_group"]
+__all__ = [
+    "PendingSave",
+    "await_writes",
+    "begin",
+    "forget_writer_group",
+    "previous_save",
+    "raise_unseen",
+    "snapshot",
+    "snapshot_plans",
+    "writer_group",
+]
 
 _ALIGN = 64  # bytes: every piece of a host snapshot starts aligned for any dtype
 _WRITER_TIMEOUT = timedelta(minutes=30)  # where the control group's timeout cannot be read
@@ -63,19 +90,39 @@ class PendingSave:
 
     Attributes:
         path: the checkpoint folder the save creates.
+
+    Its thread starts at once but writes only after :meth:`go` (every rank started one), or
+    ends without writing after :meth:`cancel`.
     """
 
-    def __init__(self, path: Path, write: Callable[[], None]) -> None:
+    def __init__(self, path: Path, rank: int, write: Callable[[], None]) -> None:
         self.path = path
+        self._rank = rank  # among every rank of the model, for what it says at exit
         self._error: BaseException | None = None
         self._raised = False
+        self._go = threading.Event()
+        self._cancelled = False
         self._thread = threading.Thread(
             target=self._run, args=(write,), name=f"shardwrap save {path.name}", daemon=True
         )
-        _PENDING.add(self)
+        _wait_first_at_exit()
         self._thread.start()
 
+    def go(self) -> None:
+        """Let the writer write: every rank has started its own."""
+        _PENDING.add(self)
+        self._go.set()
+
+    def cancel(self) -> None:
+        """End the writer without writing: some rank could not start its own."""
+        self._cancelled = True
+        self._go.set()
+        self._thread.join()
+
     def _run(self, write: Callable[[], None]) -> None:
+        self._go.wait()
+        if self._cancelled:
+            return
         try:
             _yield_to_training()
             write()
@@ -132,22 +179,62 @@ _IN_FLIGHT: weakref.WeakKeyDictionary[object, PendingSave] = weakref.WeakKeyDict
 _PENDING: set[PendingSave] = set()
 
 
-def settle(writers: object, pending: PendingSave | None = None) -> None:
-    """Wait for the save still in flight over ``writers`` (a control group, whose writer group
-    one save at a time uses; a model's root at world size 1), then make ``pending``, if
-    given, the one in flight.
-
-    Raises:
-        Exception: the error of that save, unless :meth:`PendingSave.wait` already raised it.
-    """
+def previous_save(writers: object) -> PendingSave | None:
+    """The last non-blocking save over ``writers`` (a control group, whose writer group one
+    save at a time uses; a model's root at world size 1), ended, and no longer in flight: every
+    rank of those ranks gets the same one, as every rank started it."""
     previous = _IN_FLIGHT.pop(writers, None)
     if previous is not None:
         previous._thread.join()
-        if previous._error is not None and not previous._raised:
-            previous._raised = True
-            raise previous._error
-    if pending is not None:
-        _IN_FLIGHT[writers] = pending
+    return previous
+
+
+def begin(writers: object, pending: PendingSave) -> None:
+    """Make ``pending`` the save in flight over ``writers`` and let it write."""
+    _IN_FLIGHT[writers] = pending
+    pending.go()
+
+
+def raise_unseen(
+    previous: PendingSave, group: Group, device: torch.device | None, caller: str
+) -> None:
+    """Raise the failure of the ``previous`` save on every rank alike, unless it succeeded or
+    ``wait()`` raised it on every rank already. Call on every rank: its writers agreed on the
+    outcome, so every rank knows whether it failed.
+
+    Raises:
+        Exception: on a rank where no ``wait()`` raised it, the previous save's own error;
+            elsewhere a ``RuntimeError`` naming those ranks and the fix.
+    """
+    if previous._error is None:
+        return
+
+    def unseen() -> int:
+        if previous._raised:
+            return 0
+        previous._raised = True
+        error = previous._error
+        if not isinstance(error, Exception):  # a BaseException stays with its thread
+            error = RuntimeError(f"the writer thread ended with {error!r}")
+        error.add_note(
+            f"{caller} raises it: the background save to {previous.path} failed on every rank "
+            "and no pending.wait() on this rank raised it; nothing of this save was written. "
+            "Call pending.wait() on every rank to see such errors where they happen."
+        )
+        raise error
+
+    seen_here = previous._raised
+    try:
+        agree(group, device, caller, unseen)
+    except PeerFailed as e:
+        if not seen_here:  # this rank's own error: the previous save's, raised by unseen()
+            raise
+        raise RuntimeError(
+            f"{caller}: the background save to {previous.path} failed on every rank; "
+            f"pending.wait() raised its error on this rank, but not on rank(s) "
+            f"{sorted(e.errnos)}, where this save raises it now. So no rank saves: call "
+            "pending.wait() on every rank (it raises the same failure on each), then save again"
+        ) from e
 
 
 def await_writes(writers: object) -> None:
@@ -159,20 +246,61 @@ def await_writes(writers: object) -> None:
         pending._thread.join()
 
 
-@atexit.register
 def _wait_at_exit() -> None:
-    """Let every pending write end (commit or clean up) before the interpreter goes; then drop
-    the writer groups while Python is whole (see ``comm/mesh.py``'s note on groups at exit)."""
-    for pending in list(_PENDING):
+    """Let every pending write end (commit or clean up) before the interpreter goes, say how
+    each ended, then drop the writer groups while Python is whole (see ``comm/mesh.py``'s note
+    on groups at exit)."""
+    writing = list(_PENDING)
+    for pending in {*writing, *_IN_FLIGHT.values()}:
         pending._thread.join()
-        if pending._error is not None and not pending._raised:
-            print(
-                f"shardwrap: the checkpoint save to {pending.path} failed while the program "
-                f"ended: {pending._error!r}. The previous checkpoint and 'latest' are intact.",
-                file=sys.stderr,
-                flush=True,
-            )
+        said = _said_at_exit(pending, pending in writing)
+        if said:
+            print(said, file=sys.stderr, flush=True)
     _WRITERS.clear()
+
+
+def _said_at_exit(pending: PendingSave, writing: bool) -> str:
+    """What this rank says at exit of ``pending``: a save still being written when the program
+    ended (``writing``), or one whose failure nothing raised; else nothing."""
+    who = f"shardwrap (rank {pending._rank})"
+    if pending._error is None:
+        if not writing:
+            return ""
+        return (
+            f"{who}: the program ended while the checkpoint {pending.path} was being written; "
+            f"it was completed first, and {_latest_now(pending.path)}."
+        )
+    if pending._raised:
+        return ""
+    when = "while the program ended" if writing else "and no wait() or later save raised it"
+    return (
+        f"{who}: the checkpoint save to {pending.path} failed {when}: {pending._error!r}. "
+        f"It was abandoned on every rank: nothing of it was kept, and {_latest_now(pending.path)} "
+        "(the checkpoints before it are as they were). Call pending.wait() before the program "
+        "ends to see such errors where they happen."
+    )
+
+
+def _latest_now(path: Path) -> str:
+    """What ``path.parent/latest`` names now, for a message."""
+    try:
+        latest = latest_checkpoint(path.parent)
+    except (OSError, ValueError) as e:
+        return f"'{LATEST}' could not be read ({e})"
+    if latest is None:
+        return f"there is no '{LATEST}' in {path.parent}"
+    return f"'{LATEST}' names {latest}"
+
+
+def _wait_first_at_exit() -> None:
+    """Have :func:`_wait_at_exit` run before every exit handler registered so far.
+
+    NOTE: exit handlers run last registered first, and the mesh's release of its groups is
+    registered when ``comm/mesh.py`` is first imported, which may come after this module: a
+    writer must finish before it, or its save would outlive the groups it was started on.
+    """
+    atexit.unregister(_wait_at_exit)
+    atexit.register(_wait_at_exit)
 
 
 # the writer group --------------------------------------------------------------------
@@ -180,6 +308,7 @@ def _wait_at_exit() -> None:
 _WRITERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
     weakref.WeakKeyDictionary()
 )
+_ATTEMPTS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 def writer_group(control: Group) -> Group:
@@ -194,7 +323,9 @@ def writer_group(control: Group) -> Group:
     group = _WRITERS.get(control)
     if group is not None:
         return group
-    store = dist.PrefixStore("shardwrap/checkpoint-writer", control.get_group_store())
+    attempt = _ATTEMPTS.get(control, 0)  # keys of an attempt that failed somewhere are stale
+    prefix = f"shardwrap/checkpoint-writer/{attempt}"
+    store = dist.PrefixStore(prefix, control.get_group_store())
     options = dist.ProcessGroupGloo._Options()
     options._timeout = group_timeout(control) or _WRITER_TIMEOUT
     try:  # the interfaces the control group's gloo backend uses, if it has one
@@ -208,6 +339,14 @@ def writer_group(control: Group) -> Group:
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     _WRITERS[control] = group
     return group
+
+
+def forget_writer_group(control: Group) -> None:
+    """Drop ``control``'s writer group after a start that failed on some rank (every rank calls
+    it): the next save makes a new one, under keys of its own."""
+    if control is not None:
+        _WRITERS.pop(control, None)
+        _ATTEMPTS[control] = _ATTEMPTS.get(control, 0) + 1
 
 
 # snapshots ---------------------------------------------------------------------------

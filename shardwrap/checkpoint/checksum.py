@@ -67,15 +67,30 @@ def buffer_checksum(buffer: bytes | mmap.mmap | Any, offset: int = 0, nbytes: in
     if nbytes < 0:
         nbytes = len(buffer) - offset
     digest = Checksum()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only buffers: nothing here writes
-        for at in range(0, nbytes, BLOCK):
-            n = min(BLOCK, nbytes - at)
-            body = n // 8 * 8
-            words = (
-                torch.frombuffer(buffer, dtype=torch.int64, count=body // 8, offset=offset + at)
-                if body
-                else None
-            )
-            digest.add_words(words, bytes(buffer[offset + at + body : offset + at + n]))
+    for at in range(0, nbytes, BLOCK):
+        n = min(BLOCK, nbytes - at)
+        body = n // 8 * 8
+        words = (
+            torch.frombuffer(buffer, dtype=torch.int64, count=body // 8, offset=offset + at)
+            if body
+            else None
+        )
+        digest.add_words(words, bytes(buffer[offset + at + body : offset + at + n]))
     return digest.hexdigest()
+
+
+def _quiet_read_only_buffers() -> None:
+    """Have torch say once, now, and to no one, that a read-only buffer (a checkpoint's bytes,
+    an ``mmap`` opened for reading) makes a read-only tensor: nothing here writes to one.
+
+    NOTE: torch warns of it once per process, so it is said here, at import, rather than
+    silenced around every read: ``warnings.catch_warnings`` swaps process-wide state, and a
+    background save's writer thread reading at the same time as the training thread (or two
+    ranks as threads) would leave the other's warning filters swapped, dropping later warnings.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(bytes(8), dtype=torch.int64)
+
+
+_quiet_read_only_buffers()

@@ -50,7 +50,8 @@ from .files import (
     tensor_nbytes,
     write_file,
 )
-from .save import persistent_buffers, saves_in
+from .folder import saves_in
+from .format import persistent_buffers
 
 __all__ = ["export", "load_pretrained", "write_export"]
 
@@ -61,16 +62,26 @@ SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # a file of a sharded 
 
 
 def _parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as ``"5GB"`` or ``"500MiB"`` (Hugging Face's units)."""
-    if isinstance(size, int):
+    """Bytes from an int or a string such as ``"5GB"`` or ``"500MiB"`` (Hugging Face's units),
+    at least 1 (``True`` is not a size)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 1:
+            raise ValueError(f"max_shard_size must be at least 1 byte, got {size}; e.g. '5GB'")
         return size
+    if not isinstance(size, str):
+        raise ValueError(
+            f"max_shard_size: cannot read {size!r}; write e.g. '5GB', '500MiB' or an int"
+        )
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT])(i?)B\s*", size, flags=re.IGNORECASE)
     if match is None:
         raise ValueError(
             f"max_shard_size: cannot read {size!r}; write e.g. '5GB', '500MiB' or an int"
         )
     base = 1024 if match.group(3) else 1000
-    return int(float(match.group(1)) * base ** "KMGT".index(match.group(2).upper()) * base)
+    size = int(float(match.group(1)) * base ** "KMGT".index(match.group(2).upper()) * base)
+    if size < 1:
+        raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}; e.g. '5GB'")
+    return size
 
 
 def _hf_dropped(model: nn.Module, state: dict[str, Tensor]) -> set[str]:
@@ -349,10 +360,7 @@ def _open(stack: ExitStack, path: Path) -> Any:
 def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[str, Any]]:
     """Tensor name -> file name, from the index or the single weights file; file -> handle."""
     if (folder / INDEX).is_file():
-        try:
-            where = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"load_pretrained: {folder / INDEX} is corrupt: {e!r}") from e
+        where = _weight_map(folder / INDEX)
         outside = sorted({str(f) for f in where.values() if not is_plain_name(f)})
         if outside:
             raise ValueError(
@@ -364,6 +372,32 @@ def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[
         raise FileNotFoundError(f"load_pretrained: {folder} holds neither {INDEX} nor {WEIGHTS}")
     handle = _open(stack, folder / WEIGHTS)
     return {k: WEIGHTS for k in handle.keys()}, {WEIGHTS: handle}
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``: tensor name to the file beside it that holds it.
+
+    Raises:
+        ValueError: naming the index and what is wrong: not JSON (or nested too deep), no
+            ``weight_map``, or one that is not a mapping of names to file names.
+    """
+    try:
+        parsed = json.loads(index.read_text())
+    except (ValueError, RecursionError) as e:
+        raise ValueError(
+            f"load_pretrained: {index} is corrupt: {e!r}. Export the model again, or delete "
+            "the index where the folder holds one model.safetensors"
+        ) from None
+    where = parsed.get("weight_map") if isinstance(parsed, dict) else None
+    if not isinstance(where, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in where.items()
+    ):
+        raise ValueError(
+            f'load_pretrained: {index} is corrupt: its "weight_map" must map each tensor\'s '
+            f"name to the file that holds it, got {type(where).__name__}. Export the model "
+            "again, or fix the index"
+        )
+    return where
 
 
 def _rows(handle: Any, key: str, shape: tuple[int, ...], start: int, stop: int) -> Tensor:
@@ -416,6 +450,12 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                     missing.append(name)
                     continue
                 handle = handles[where[found]]
+                if found not in handle.keys():
+                    raise ValueError(
+                        f"load_pretrained: {folder / INDEX} says {folder / where[found]} holds "
+                        f"'{found}', which that file lacks: the index and the weights are of "
+                        "different exports. Export the model again"
+                    )
                 saved = tuple(handle.get_slice(found).get_shape())
                 if saved != shape:
                     shapes.append(f"'{found}': file {saved}, model {shape}")

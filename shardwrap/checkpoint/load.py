@@ -14,6 +14,7 @@ import io
 import json
 import mmap
 import struct
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -22,31 +23,38 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from ..comm.failures import is_out_of_memory
 from ..engine.optim.whole_params import stepped_whole
 from ..engine.shards.param_index import Param
+from ..engine.step.root import Root
 from .checksum import buffer_checksum, tensor_checksum
 from .entry import wrapped_root
-from .files import DTYPES, agree, few, is_plain_name
+from .files import DTYPES, agree, few
+from .format import (
+    BUFFERS,
+    METADATA,
+    OPTIMIZER,
+    dtype_name,
+    extra_file,
+    persistent_buffers,
+    read_metadata,
+    residuals_file,
+    resolve_folder,
+)
 from .optimizer_state import (
     Optimizers,
     as_list,
     check_count,
+    check_hyperparameters,
     check_optimizer,
+    check_whole_state,
     names_by_id,
     optimizer_problem,
     owns,
     saved_optimizers,
+    whole_state_shapes,
 )
-from .save import (
-    BUFFERS,
-    FORMAT,
-    METADATA,
-    OPTIMIZER,
-    VERSION,
-    extra_file,
-    persistent_buffers,
-    resolve_folder,
-)
+from .residuals import expected_residuals, restore, start_at_zero
 
 __all__ = ["load_checkpoint"]
 
@@ -85,13 +93,12 @@ def load_checkpoint(
     optimizers = as_list(optimizer, "load_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now
-    params = root.params
     with ExitStack() as files:
         loader: _Loader | None = None
 
         def prepare() -> int:
             nonlocal loader
-            loader = _Loader(Path(path), model, params, optimizers, root.mesh.rank, files)
+            loader = _Loader(Path(path), model, root, optimizers, files)
             return 0
 
         agree(root.mesh.control, root.mesh.control_device, "load_checkpoint", prepare)
@@ -101,6 +108,7 @@ def load_checkpoint(
 
 
 Read = tuple[str, int, int, int]  # file, saved piece's start, overlap [lo, hi) in the parameter
+_DTYPES = {name: dtype for dtype, name in DTYPES.items()}  # safetensors name -> torch dtype
 
 
 class _Loader:
@@ -110,14 +118,15 @@ class _Loader:
         self,
         path: Path,
         model: nn.Module,
-        params: list[Param],
+        root: Root,
         optimizers: list[torch.optim.Optimizer],
-        rank: int,
         stack: ExitStack,
     ) -> None:
         self.folder = resolve_folder(path)
-        self.meta = _read_metadata(self.folder)
-        self.params = params
+        self.meta = read_metadata(self.folder)
+        self.params = params = root.params
+        self.reductions, self.mesh = root.reductions, root.mesh
+        rank = root.mesh.rank
         self.buffers = persistent_buffers(model, params)
         self.optimizers = optimizers
         self._stack = stack
@@ -127,6 +136,7 @@ class _Loader:
         # file -> optimizer tensors read whole into fresh memory: checked there, while read
         self._checked_when_read: dict[str, set[str]] = {}
         self._names = names_by_id(model)
+        self._shapes = {p.name: tuple(p.shape) for p in params}  # full shapes, by name
         self._stepping: list[Any] = []  # per optimizer: how it steps whole parameters, or None
         self._check_model()
         self.saved_optimizers = self._check_optimizers() if optimizers else []
@@ -138,10 +148,13 @@ class _Loader:
                 raise ValueError(
                     f"load_checkpoint: {self.folder / BUFFERS} lacks buffers {few(missing)}"
                 )
+            for k, v in self.buffers.items():
+                self._check_stored(BUFFERS, k, tuple(v.shape), v.dtype)
             self._read_keys.setdefault(BUFFERS, set()).update(self.buffers)
         for file, keys in self._read_keys.items():
             self._verify(file, keys - self._checked_when_read.get(file, set()))
         self.optimizer_states = [self._optimizer_state_dict(i) for i in range(len(optimizers))]
+        self.residuals = self._read_residuals(rank)
         saved_ranks = self.meta.get("ranks", self.meta["world_size"])
         self.extra = self._load_pt(extra_file(rank if rank < saved_ranks else 0), sized=False)
 
@@ -203,11 +216,18 @@ class _Loader:
             raise ValueError(f"load_checkpoint: {self.folder / OPTIMIZER} is malformed: {problem}")
         saved, stepped = found
         check_count(self.optimizers, saved)
+        whole = self.meta["optimizer"].get("whole_state", {})
         for optimizer, entry, saved_whole in zip(self.optimizers, saved, stepped):
             check_optimizer(optimizer, entry, self._names)
+            check_hyperparameters(optimizer, entry, str(self.folder / OPTIMIZER))
             self._stepping.append(stepped_whole(optimizer))
             if saved_whole != (self._stepping[-1] is not None):
                 raise ValueError(_kind_mismatch(type(optimizer).__name__, saved_whole))
+            for name in (self._names[id(p)] for g in optimizer.param_groups for p in g["params"]):
+                if saved_whole and name in whole:  # before any of it is read, on every rank
+                    shapes = {key: tuple(at["shape"]) for key, at in whole[name].items()}
+                    where = str(self.folder / METADATA)
+                    check_whole_state(optimizer, name, self._shapes[name], shapes, where)
         return saved
 
     def _open(self, file: str) -> Any:
@@ -217,7 +237,7 @@ class _Loader:
             try:
                 self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
             except Exception as e:
-                raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
+                raise _read_error(path, e, f"load_checkpoint: {path} is corrupt: {e}") from e
             self._keys[file] = set(self._handles[file].keys())
         return self._handles[file]
 
@@ -237,12 +257,15 @@ class _Loader:
         path = self._sized(file) if sized else self.folder / file
         if not path.is_file():
             raise FileNotFoundError(f"load_checkpoint: {path} is missing")
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except MemoryError as e:
+            raise _read_error(path, e, "") from e
         self._verify_file(file, data)
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ValueError(f"load_checkpoint: cannot read {path}: {e}") from e
+            raise _read_error(path, e, f"load_checkpoint: cannot read {path}: {e}") from e
 
     def _plan_reads(self, p: Param) -> list[Read]:
         """The saved ranges overlapping this rank's piece of ``p``, their headers checked."""
@@ -257,21 +280,46 @@ class _Loader:
             lo, hi = max(piece.start, start), min(piece.stop, stop)
             if lo >= hi:
                 continue
-            handle = self._open(file)
             for key in keys:
-                if key not in self._keys[file] or handle.get_slice(key).get_shape() != [
-                    stop - start
-                ]:
-                    raise ValueError(
-                        f"load_checkpoint: {self.folder / file} lacks '{key}' of "
-                        f"{stop - start} elements"
-                    )
+                self._check_stored(file, key, (stop - start,), p.shard.dtype)
             reads.append((file, start, lo, hi))
             self._read_keys.setdefault(file, set()).update(keys)
             if (lo, hi) == (start, stop) and lo == piece.start:
                 whole = {k for k in keys if k.startswith("optim/")}
                 self._checked_when_read.setdefault(file, set()).update(whole)
         return reads
+
+    def _check_stored(
+        self, file: str, key: str, shape: tuple[int, ...], dtype: torch.dtype | None
+    ) -> None:
+        """Raise unless ``file`` stores ``key`` at ``shape`` in a dtype that loads into
+        ``dtype`` (any floating point into floating point, as ``load_state_dict`` casts; any
+        other exactly; ``None``: any), from the file's header alone: before any memory is
+        taken for it."""
+        handle = self._open(file)
+        if key not in self._keys[file]:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} lacks '{key}' of shape {shape}"
+            )
+        stored = handle.get_slice(key)
+        got, kind = tuple(stored.get_shape()), _DTYPES.get(stored.get_dtype())
+        recorded = self.meta["checksums"]["tensors"].get(file, {}).get(key)
+        if recorded is not None and recorded[0] != stored.get_dtype():
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} stores '{key}' as {stored.get_dtype()}, "
+                f"but it was written as {recorded[0]}: the file was altered after the save"
+            )
+        fits = kind is not None and (
+            dtype is None or kind == dtype or (kind.is_floating_point and dtype.is_floating_point)
+        )
+        if got != shape or not fits:
+            raise ValueError(
+                f"load_checkpoint: {self.folder / file} stores '{key}' as {got} "
+                f"{stored.get_dtype()}, where the model needs {shape} "
+                f"{dtype_name(dtype) if dtype is not None else ''}. The "
+                "file was altered or written for another model: load a checkpoint saved for "
+                "this one"
+            )
 
     def _verify_file(self, file: str, data: bytes) -> None:
         """Check a whole ``.pt`` file against the checksum recorded when it was written."""
@@ -290,7 +338,13 @@ class _Loader:
             raise ValueError(
                 f"load_checkpoint: {self.folder / METADATA} has no checksums for {file}"
             )
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        try:
+            mapped = _mapped(path)
+        except OSError as e:
+            if not is_out_of_memory(e):
+                raise
+            raise _read_error(path, e, "") from e
+        with mapped as mm:
             (length,) = struct.unpack("<Q", mm[:8])
             header = json.loads(mm[8 : 8 + length])
             for key in sorted(keys):
@@ -343,17 +397,50 @@ class _Loader:
                 v.copy_(self._open(BUFFERS).get_tensor(k))
         for optimizer, state in zip(self.optimizers, self.optimizer_states):
             optimizer.load_state_dict(state)
+        if self.reductions.error_feedback:  # as saved, or zero as in a fresh run
+            restore(self.reductions, self.residuals)
 
-    def _read_whole(self, key: str, at: dict[str, Any]) -> Tensor:
-        """The whole-stepped state tensor ``key`` as saved, from the file ``at`` names, checked
-        against its recorded shape and checksum."""
-        file = at["file"]
-        handle = self._open(file)
-        if key not in self._keys[file] or handle.get_slice(key).get_shape() != at["shape"]:
+    def _read_residuals(self, rank: int) -> dict[str, Tensor]:
+        """This rank's error-feedback residuals, read and checked, where the checkpoint holds
+        them for this model's mesh and groups (else none: they start at zero, with a warning
+        where some were saved; see :mod:`shardwrap.checkpoint.residuals`)."""
+        saved = self.meta.get("residuals")
+        expected = expected_residuals(self.reductions, self.mesh, saved)
+        if expected is None:
+            if saved is not None and self.reductions.error_feedback and self.mesh.world_size > 1:
+                if rank == 0:
+                    warnings.warn(
+                        start_at_zero(self.reductions, self.mesh, saved, str(self.folder)),
+                        stacklevel=4,
+                    )
+            return {}
+        file = residuals_file(rank)
+        self._open(file)
+        unknown = sorted(self._keys[file] - expected.keys())
+        if unknown:
             raise ValueError(
-                f"load_checkpoint: {self.folder / file} lacks '{key}' of shape {tuple(at['shape'])}"
+                f"load_checkpoint: {self.folder / file} holds {few(unknown)}, which this model's "
+                f"reductions do not keep (only {few(sorted(expected))}). The file was altered: "
+                "load an earlier checkpoint"
             )
-        value = handle.get_tensor(key)
+        for key in self._keys[file]:
+            numel, dtype, _ = expected[key]
+            self._check_stored(file, key, (numel,), dtype)
+        self._verify(file, self._keys[file])
+        loaded = {}
+        for key in sorted(self._keys[file]):
+            numel, dtype, device = expected[key]
+            loaded[key] = torch.empty(numel, dtype=dtype, device=device)
+            loaded[key].copy_(self._open(file).get_tensor(key))
+        return loaded
+
+    def _read_whole(self, key: str, at: dict[str, Any], dtype: torch.dtype | None) -> Tensor:
+        """The whole-stepped state tensor ``key`` as saved, from the file ``at`` names, checked
+        against its recorded shape (checked against the optimizer's rule already), ``dtype``
+        (see :meth:`_check_stored`) and checksum."""
+        file = at["file"]
+        self._check_stored(file, key, tuple(at["shape"]), dtype)
+        value = self._open(file).get_tensor(key)
         recorded = self.meta["checksums"]["tensors"].get(file, {}).get(key)
         as_saved = recorded is not None and recorded[0] == DTYPES.get(value.dtype)
         got = tensor_checksum(value) if as_saved else None
@@ -387,8 +474,10 @@ class _Loader:
                 if stepping is not None:
                     if (name in whole or name in scalars) and owns(stepping, param):
                         entry = dict(scalars.get(name, {}))
+                        known = whole_state_shapes(optimizer, self._shapes[name]) is not None
                         for key, at in whole.get(name, {}).items():
-                            value = self._read_whole(f"optim/{key}/{name}", at)
+                            dtype = param.dtype if known else None  # its rule: floating point
+                            value = self._read_whole(f"optim/{key}/{name}", at, dtype)
                             entry[key] = _made_from(param, value)
                         state[index] = entry
                 elif name in keys or name in scalars:
@@ -403,6 +492,25 @@ class _Loader:
             hyper = {k: v for k, v in saved.items() if k != "params"}
             groups.append({**hyper, "params": ids})
         return {"state": state, "param_groups": groups}
+
+
+def _mapped(path: Path) -> mmap.mmap:
+    """``path``, memory-mapped for reading."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _read_error(path: Path, error: Exception, otherwise: str) -> Exception:
+    """What to raise for ``error`` met while reading ``path``: running out of memory says so
+    and that nothing is known to be wrong with the file (a user told it is corrupt might delete
+    a good checkpoint); any other error is ``ValueError(otherwise)``."""
+    if is_out_of_memory(error):
+        return MemoryError(
+            f"load_checkpoint: out of memory while reading {path} ({error}): nothing is known "
+            "to be wrong with the file, so do not delete it. Free memory on this rank (or raise "
+            "its memory limit), then load again"
+        )
+    return ValueError(otherwise)
 
 
 def _made_from(param: nn.Parameter, value: Tensor) -> Tensor:
@@ -437,123 +545,3 @@ def _kind_mismatch(cls: str, saved_whole: bool) -> str:
         f"this {cls} {now}. Declare it as it was when saved, before loading: "
         f"shardwrap.declare_optimizer({cls}, reads_shapes={declare})"
     )
-
-
-def _read_metadata(folder: Path) -> dict[str, Any]:
-    path = folder / METADATA
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {path} is not a shardwrap checkpoint's metadata")
-    if meta.get("version") not in (2, VERSION):
-        raise ValueError(
-            f"load_checkpoint: {path} has format version {meta.get('version')}; this "
-            f"shardwrap reads 2 to {VERSION}"
-        )
-    problem = _metadata_problem(meta)
-    if problem is not None:
-        raise ValueError(f"load_checkpoint: {path} is malformed: {problem}")
-    return meta
-
-
-def _metadata_problem(meta: dict[str, Any]) -> str | None:
-    """What is wrong with the structure of a checkpoint's metadata, or ``None``.
-
-    Every file it names must be a plain name inside the checkpoint's folder.
-    """
-
-    def bad_int(v: object, least: int = 0) -> bool:
-        return not isinstance(v, int) or isinstance(v, bool) or v < least
-
-    def bad_file(v: object) -> bool:
-        return not is_plain_name(v)
-
-    def bad_shape(v: object) -> bool:
-        return not isinstance(v, list) or any(bad_int(d) for d in v)
-
-    for key in ("world_size", "files", "params", "buffers", "optimizer", "checksums"):
-        if key not in meta:
-            return f'it lacks the "{key}" entry'
-    if bad_int(meta["world_size"], 1) or bad_int(meta.get("ranks", 1), 1):
-        return '"world_size" and "ranks" must be positive integers'
-    files = meta["files"]
-    if not isinstance(files, dict) or any(bad_file(f) or bad_int(n) for f, n in files.items()):
-        return '"files" must map plain file names inside the folder to sizes in bytes'
-    params = meta["params"]
-    if not isinstance(params, dict):
-        return '"params" must map parameter names to their entries'
-    for name, entry in params.items():
-        if not isinstance(entry, dict) or bad_shape(entry.get("shape")):
-            return f'parameter "{name}" needs a "shape" (a list of sizes)'
-        if not isinstance(entry.get("dtype"), str):
-            return f'parameter "{name}" needs a "dtype" name'
-        pieces = entry.get("pieces")
-        if not isinstance(pieces, list) or any(
-            not isinstance(pc, list)
-            or len(pc) != 3
-            or bad_file(pc[0])
-            or bad_int(pc[1])
-            or bad_int(pc[2], pc[1] if isinstance(pc[1], int) else 0)
-            for pc in pieces
-        ):
-            return (
-                f'parameter "{name}": "pieces" must be a list of [file, start, stop], the file '
-                "a plain name inside the folder"
-            )
-    buffers = meta["buffers"]
-    if not isinstance(buffers, dict) or any(
-        not isinstance(b, dict) or bad_shape(b.get("shape")) or not isinstance(b.get("dtype"), str)
-        for b in buffers.values()
-    ):
-        return '"buffers" must map buffer names to their "shape" and "dtype"'
-    optimizer = meta["optimizer"]
-    if optimizer is not None and (
-        not isinstance(optimizer, dict)
-        or not isinstance(optimizer.get("state_keys"), dict)
-        or any(
-            not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
-            for keys in optimizer["state_keys"].values()
-        )
-    ):
-        return '"optimizer" must be null or hold "state_keys": parameter name to key names'
-    stepped = (optimizer or {}).get("stepped_whole", False)
-    whole = (optimizer or {}).get("whole_state", {})
-    if (
-        not all(isinstance(b, bool) for b in (stepped if isinstance(stepped, list) else [stepped]))
-        or not isinstance(whole, dict)
-        or any(
-            not isinstance(by_key, dict)
-            or any(
-                not isinstance(at, dict) or bad_file(at.get("file")) or bad_shape(at.get("shape"))
-                for at in by_key.values()
-            )
-            for by_key in whole.values()
-        )
-    ):
-        return (
-            '"optimizer": "stepped_whole" must be true or false (a list of them for a list of '
-            'optimizers), and "whole_state" map parameter names to key names to the "file" (a '
-            'plain name inside the folder) and "shape"'
-        )
-    sums = meta.get("checksums")
-    if (
-        not isinstance(sums, dict)
-        or not isinstance(sums.get("tensors"), dict)
-        or not isinstance(sums.get("files"), dict)
-        or any(
-            not isinstance(by_key, dict)
-            or any(
-                not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, str) for x in v)
-                for v in by_key.values()
-            )
-            for by_key in sums["tensors"].values()
-        )
-        or any(not isinstance(v, str) for v in sums["files"].values())
-    ):
-        return (
-            '"checksums" must hold "tensors" (file to key to [dtype, checksum]) and "files" '
-            "(file to checksum)"
-        )
-    return None

@@ -9,6 +9,7 @@ the metadata says of each whether it stepped whole; per-parameter state stays ke
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,9 @@ __all__ = [
     "Optimizers",
     "as_list",
     "check_count",
+    "check_hyperparameters",
     "check_optimizer",
+    "check_whole_state",
     "names_by_id",
     "optimizer_problem",
     "optimizer_record",
@@ -32,6 +35,7 @@ __all__ = [
     "owns",
     "plan_optimizers",
     "saved_optimizers",
+    "whole_state_shapes",
 ]
 
 # one optimizer, or several over disjoint parameters (Muon's matrices and AdamW's rest)
@@ -250,6 +254,56 @@ def check_optimizer(
             )
 
 
+def check_hyperparameters(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: str
+) -> None:
+    """Raise unless every hyperparameter ``optimizer.pt`` (``where``) gives a parameter group
+    is of the kind the optimizer holds there: a number for a number (``lr`` may be a 0-d
+    tensor), a bool for a bool, a string for a string, as many for a tuple; one the optimizer
+    does not hold, a plain value. Checked before anything changes: ``load_state_dict`` takes
+    any value, and a string ``lr`` failed only in the next step."""
+    cls = type(optimizer).__name__
+    for j, (live, group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        for key, value in group.items():
+            if key in ("params", "param_names"):
+                continue
+            expected = live.get(key, _ANY)
+            if not _fits(value, expected):
+                holds = f"holds {expected!r}" if expected is not _ANY else "has no such option"
+                raise ValueError(
+                    f"load_checkpoint: {where} sets '{key}' of parameter group {j} to {value!r} "
+                    f"(a {type(value).__name__}), where {cls} {holds}: the file was altered or "
+                    "written by other code. Load an earlier checkpoint, or fix the value"
+                )
+
+
+_ANY = object()  # a hyperparameter the optimizer does not hold: any plain value
+
+
+def _fits(value: Any, expected: Any) -> bool:
+    """Whether a saved hyperparameter ``value`` may stand where the optimizer holds
+    ``expected``."""
+    number = (int, float)
+    if expected is _ANY or expected is None:  # a choice left open (foreach=None, say)
+        plain = (bool, *number, str, type(None))
+        return isinstance(value, plain) or (
+            isinstance(value, (tuple, list)) and all(_fits(v, _ANY) for v in value)
+        )
+    if isinstance(expected, bool):
+        return isinstance(value, bool)
+    if isinstance(expected, (*number, torch.Tensor)) and not isinstance(expected, bool):
+        if isinstance(value, torch.Tensor):
+            return value.dim() == 0 and not value.is_complex()
+        return isinstance(value, number) and not isinstance(value, bool)
+    if isinstance(expected, (tuple, list)):
+        return (
+            isinstance(value, (tuple, list))
+            and len(value) == len(expected)
+            and all(_fits(v, e) for v, e in zip(value, expected))
+        )
+    return type(value) is type(expected)
+
+
 def optimizer_problem(saved: object) -> str | None:
     """What is wrong with the structure of a saved ``optimizer.pt``, or ``None``.
 
@@ -281,3 +335,68 @@ def optimizer_problem(saved: object) -> str | None:
                     f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
                 )
     return None
+
+
+def _steps_like(optimizer: torch.optim.Optimizer, name: str) -> bool:
+    """Whether ``optimizer`` steps as torch's optimizer class ``name`` does (that class or a
+    subclass keeping its ``step``), so that its state is made by that class's rule."""
+    cls = getattr(torch.optim, name, None)
+    return cls is not None and (inspect.unwrap(type(optimizer).step) is inspect.unwrap(cls.step))
+
+
+def whole_state_shapes(
+    optimizer: torch.optim.Optimizer, shape: tuple[int, ...]
+) -> dict[str, tuple[int, ...]] | None:
+    """The state tensors ``optimizer`` makes for a parameter of ``shape`` stepped whole, by key
+    and shape, as torch's Muon and Adafactor make them; ``None`` for a class declared
+    ``reads_shapes=True``, whose rule is its own."""
+    if _steps_like(optimizer, "Muon"):
+        return {"momentum_buffer": shape}
+    if _steps_like(optimizer, "Adafactor"):
+        if len(shape) > 1:  # factored: a row and a column of the second moment
+            return {"row_var": (*shape[:-1], 1), "col_var": (*shape[:-2], 1, shape[-1])}
+        return {"variance": shape}
+    return None
+
+
+def check_whole_state(
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    shape: tuple[int, ...],
+    saved: dict[str, tuple[int, ...]],
+    where: str,
+) -> None:
+    """Raise unless the state a checkpoint holds for parameter ``name`` (of ``shape``) stepped
+    whole, ``saved`` (key to shape, as the metadata ``where`` says), is what ``optimizer``
+    makes: read before any memory is taken for it, so a crafted or mismatched file cannot make
+    a load allocate what the model never would.
+
+    1. Muon, Adafactor: each key one of theirs, at the shape they make it.
+    2. A class declared ``reads_shapes=True``: no more dimensions than the parameter has (at
+       least 2: a preconditioner of a vector is a matrix) and none larger than its largest.
+    """
+    cls = type(optimizer).__name__
+    expected = whole_state_shapes(optimizer, shape)
+    for key, got in saved.items():
+        if expected is not None:
+            want = expected.get(key)
+            if want == got:
+                continue
+            what = (
+                f"of shape {want}"
+                if want is not None
+                else f"no state '{key}' ({few(sorted(expected))} only)"
+            )
+            raise ValueError(
+                f"load_checkpoint: {where} holds {cls} state '{key}' of '{name}' with shape "
+                f"{got}, but {cls} keeps for a parameter of shape {shape} {what}. The file was "
+                "altered or written for another model: load a checkpoint saved for this one"
+            )
+        largest = max(shape, default=1)
+        if len(got) > max(len(shape), 2) or any(d > largest for d in got):
+            raise ValueError(
+                f"load_checkpoint: {where} holds {cls} state '{key}' of '{name}' with shape "
+                f"{got}, larger than any state of a parameter of shape {shape} (at most "
+                f"{max(len(shape), 2)} dimensions of at most {largest}). The file was altered "
+                "or written for another model: load a checkpoint saved for this one"
+            )

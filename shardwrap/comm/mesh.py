@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import Group, group_rank, group_size, group_timeout, report_whereabouts
+from .collectives import group_rank, group_size
+from .failures import Group, group_timeout, report_whereabouts
 
 __all__ = ["Mesh", "resolve_mesh"]
 

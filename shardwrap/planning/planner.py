@@ -78,7 +78,8 @@ class MemoryEstimate:
     """Bytes in the disk tier's files (shards, gradient buffers, optimizer state)."""
     checkpoint: int = 0
     """Host bytes of the copy a non-blocking save (``save_checkpoint(blocking=False)``, the
-    Logbook's default) takes of this rank's shards and optimizer state, kept from the first
+    Logbook's default) takes of this rank's shards and optimizer state (and, with compression's
+    error feedback, of its residuals: a full-size flat gradient per group), kept from the first
     such save on and reused by the next; planned with ``nonblocking_saves=True``, else 0. Not
     in ``peak`` or ``host``: it is host memory beside them (on a CPU, where host memory is the
     process's, add it to ``peak``)."""
@@ -294,9 +295,23 @@ def _rows(
         optimizer_bytes(tr, make_optimizer, device, fuse, rank, disk=where.disk)
         for rank in ranks_to_plan(tr, make_optimizer)
     }
-    # a non-blocking save's host copy: every shard, and the largest rank's optimizer state
+    # a non-blocking save's host copy: every shard, the largest rank's optimizer state, and
+    # error feedback's residuals (a full-size flat gradient per trainable group)
     shards = sum(g.shard for g in tr.groups)
-    snapshot = shards + max(step.state for step in steps) if nonblocking_saves else 0
+    world = tr.groups[0].layout.world_size if tr.groups else 1
+    feedback = (
+        world > 1
+        and compression is not None
+        and compression.grads is not None
+        and compression.error_feedback
+    )
+    residuals = sum(
+        g.layout.padded_numel * g.grad_dtype.itemsize
+        for g in tr.groups
+        if g.requires_grad and feedback
+    )
+    state = max(step.state for step in steps)
+    snapshot = shards + state + residuals if nonblocking_saves else 0
     rows = []
     for s in stages:
         if tier != "disk" or s == 3:

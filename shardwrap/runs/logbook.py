@@ -43,8 +43,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..checkpoint.background import PendingSave
-from ..checkpoint.files import LOGBOOK, remove_folder
+from ..checkpoint.files import LOGBOOK
+from ..checkpoint.folder import delete_checkpoint
+from ..checkpoint.format import metadata_of
 from ..checkpoint.load import load_checkpoint
+from ..checkpoint.optimizer_state import Optimizers, as_list
 from ..checkpoint.save import latest_checkpoint, save_checkpoint
 from ..comm.collectives import group_rank, group_size
 from ..engine.step.root import Root
@@ -68,8 +71,9 @@ class Logbook:
         folder: the run folder: ``logbook.jsonl``, ``loss.png``, ``system.png`` and
             ``checkpoints/`` go here.
         model: a model wrapped with :class:`ShardedModule`.
-        optimizer: the optimizer over ``model.parameters()``; :meth:`step` calls its
-            ``step()`` and ``zero_grad()``.
+        optimizer: the optimizer over ``model.parameters()``, or a list of optimizers over
+            disjoint parts of them (``[muon, adamw]``); :meth:`step` calls each one's
+            ``step()`` and ``zero_grad()``, and scales every group's learning rate.
         save_every: save a checkpoint every this many steps (and after the last). Rollback
             needs checkpoints: with ``0`` there are none, and a spike stops the run.
         keep_last: checkpoints kept, besides the one a rollback would go to now.
@@ -90,7 +94,10 @@ class Logbook:
             waits for each save.
 
     Raises:
-        ValueError: an option out of range, on every rank before any collective.
+        ValueError: an option out of range or of another type, on every rank before any
+            collective.
+        TypeError: ``optimizer`` neither an optimizer nor a list of them, or ``resume`` or
+            ``blocking_saves`` not a bool.
         ImportError: plots asked for without matplotlib installed.
     """
 
@@ -98,7 +105,7 @@ class Logbook:
         self,
         folder: str | Path,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optimizers,
         *,
         save_every: int = 100,
         keep_last: int = 2,
@@ -110,14 +117,22 @@ class Logbook:
         stateful: Mapping[str, Any] | None = None,
         blocking_saves: bool = False,
     ) -> None:
-        if save_every < 0:
-            raise ValueError(f"Logbook: save_every must be 0 (never) or more, got {save_every}")
-        if keep_last < 1:
-            raise ValueError(f"Logbook: keep_last must be at least 1, got {keep_last}")
-        if print_every is not None and print_every < 1:
-            raise ValueError(f"Logbook: print_every must be at least 1 or None, got {print_every}")
-        if clip is not None and not clip > 0:
-            raise ValueError(f"Logbook: clip must be a positive norm or None, got {clip}")
+        _check_int("save_every", save_every, 0, "0 (never) or more")
+        _check_int("keep_last", keep_last, 1, "at least 1")
+        if print_every is not None:
+            _check_int("print_every", print_every, 1, "at least 1 or None")
+        for name, seconds_or_norm in (("clip", clip), ("plot_every", plot_every)):
+            if seconds_or_norm is not None and not (
+                isinstance(seconds_or_norm, (int, float))
+                and not isinstance(seconds_or_norm, bool)
+                and 0 < seconds_or_norm < math.inf
+            ):
+                raise ValueError(
+                    f"Logbook: {name} must be a positive number or None, got {seconds_or_norm!r}"
+                )
+        for name, flag in (("resume", resume), ("blocking_saves", blocking_saves)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Logbook: {name} must be True or False, got {flag!r}")
         if plot_every is not None:
             runlog.require_matplotlib()
         for name, obj in (stateful or {}).items():
@@ -129,6 +144,7 @@ class Logbook:
         self.folder = Path(folder)
         self.checkpoints = self.folder / "checkpoints"
         self.model, self.optimizer = model, optimizer
+        self._optimizers = as_list(optimizer, "Logbook")
         self.save_every, self.keep_last, self.clip = save_every, keep_last, clip
         self.spikes = spikes or Spikes()
         self.detect = spikes is not None
@@ -250,19 +266,21 @@ class Logbook:
         else:
             why = None
         if why is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             self._roll_back(mean_loss, grad_norm, why)
             return False
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        groups = [group for o in self._optimizers for group in o.param_groups]
+        lrs = [group["lr"] for group in groups]
         scale = self.lr_scale
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr in zip(groups, lrs):
             group["lr"] = lr * scale
         try:
-            self.optimizer.step()
+            for o in self._optimizers:
+                o.step()
         finally:
-            for group, lr in zip(self.optimizer.param_groups, lrs):
+            for group, lr in zip(groups, lrs):
                 group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self.done += 1
         if self._last_spike is not None and self.done > self._last_spike + self.spikes.suspect:
             self._retries = 0
@@ -293,6 +311,10 @@ class Logbook:
         if self.plot_every is not None and time.monotonic() - self._plotted > self.plot_every:
             self.plot()
         return True
+
+    def _zero_grad(self) -> None:
+        for o in self._optimizers:
+            o.zero_grad(set_to_none=True)
 
     def event(self, kind: str, *, step: int | None = None, **fields: Any) -> None:
         """Append an event line (``kind``, ``step`` and ``fields``, JSON-serialisable) to the
@@ -364,7 +386,7 @@ class Logbook:
         if self._mesh.rank == 0:
             for later, later_path in _saved(self.checkpoints):
                 if later > step:  # saved within the bad path: never resume from it
-                    remove_folder(later_path)
+                    delete_checkpoint(later_path, "Logbook")
 
     def _target(self, before: int) -> tuple[int, Path] | None:
         """Where a spike in step ``before + 1`` rolls back to: the newest checkpoint at least
@@ -437,7 +459,7 @@ class Logbook:
             keep |= {target[1]} if target else set()
             for old in saved:
                 if old not in keep and old != path:
-                    remove_folder(old)
+                    delete_checkpoint(old, "Logbook")
 
     # communication and files -------------------------------------------------------------
 
@@ -466,14 +488,21 @@ class Logbook:
             self._file.flush()
 
 
+def _check_int(name: str, value: object, least: int, rule: str) -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``least``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"Logbook: {name} must be {rule}, an int; got {value!r}")
+
+
 def _saved(folder: Path) -> list[tuple[int, Path]]:
-    """The completed checkpoints in ``folder`` named ``step-N``, oldest first."""
+    """The completed checkpoints in ``folder`` named ``step-N``, oldest first (folders of
+    shardwrap's: a link or anything else there is someone else's, and left alone)."""
     if not folder.is_dir():
         return []
     found = []
     for child in folder.iterdir():
         match = _CHECKPOINT.fullmatch(child.name)
-        if match and (child / "metadata.json").is_file():
+        if match and metadata_of(child) is not None:
             found.append((int(match.group(1)), child))
     return sorted(found)
 

@@ -6,7 +6,8 @@ every rank's pieces and training then goes on in parity with the plain model; th
 ``state_dict()`` (shards) loads back into a model wrapped the same way; another rank's
 ``state_dict()`` is refused even where every piece has the same shape (it records whose shards
 it holds); a state dict of other shapes is refused naming ``load_full_state_dict`` and
-``load_checkpoint``.
+``load_checkpoint``; an unwrapped model's optimizer ``state_dict`` loaded into a sharded model's
+optimizer is refused before it changes anything.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_state_dict.py -q``
 """
@@ -104,5 +105,37 @@ def test_another_ranks_state_dict_is_refused_even_with_equal_shapes() -> None:
         assert all(v.shape == mine[k].shape == (1, 8) for k, v in theirs.items())
         with pytest.raises(ValueError, match=f"rank {1 - rank} of 2.*save_checkpoint"):
             m.load_state_dict(theirs)
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+def test_an_unwrapped_optimizers_state_dict_is_refused_before_it_changes_anything() -> None:
+    """``opt.load_state_dict(plain_opt.state_dict())`` on a sharded model's optimizer: torch
+    takes it, and the step failed half-way. Loaded before the first step, that step refuses it
+    before changing anything (and again at the next try); after it, the load itself does."""
+    torch.manual_seed(0)
+    plain = GPT()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x, y = make_batch(0, 4)
+    plain(x, y).backward()
+    plain_opt.step()
+    unwrapped = plain_opt.state_dict()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(plain), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        opt.load_state_dict(unwrapped)
+        m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"AdamW holds state 'exp_avg' of 'wte.weight'"):
+                opt.step()
+        assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+        fresh = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        fresh.step()
+        state = copy.deepcopy(fresh.state_dict())
+        with pytest.raises(ValueError, match=r"AdamW is given state .*state_dict of the unwrapped"):
+            fresh.load_state_dict(unwrapped)
+        torch.testing.assert_close(fresh.state_dict(), state, atol=0, rtol=0)
 
     run_ranks(2, fn, timeout=30.0)

@@ -5,8 +5,11 @@ Proves that what a non-blocking save writes is the state at the call while train
 state): a fresh model and optimizer loading it equal exactly those loading a blocking save
 made at the same moment, at every stage (the suite's ``--stage``); that a write failing on
 one rank raises on every rank from ``wait()``, or else from the next save, leaving ``latest``
-and the previous checkpoint as they were; and that a second save waits for the first. A rank
-killed during a background write: ``tests/e2e/test_faults.py``.
+and the previous checkpoint as they were; that where ``wait()`` raised it on one rank only, the
+next save raises on every rank and the ranks stay in step; that a save whose writer group or
+thread cannot be made on one rank raises on every rank at the call; and that a second save
+waits for the first. A rank killed during a background write: ``tests/e2e/test_faults.py``; a
+program ending while a save is written: ``tests/e2e/test_save_at_exit.py``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_background.py``
 """
@@ -21,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -177,3 +181,85 @@ def test_a_load_waits_for_the_save_in_flight(tmp_path: Path, held_writers: threa
     threading.Timer(0.2, held_writers.set).start()
     assert load_checkpoint(tmp_path, m, opt) == {"step": 2}
     assert pending.done()
+
+
+def test_a_failure_waited_for_on_one_rank_only_raises_at_the_next_save_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 alone calls ``wait()`` after a failed write: the next save raises on both ranks
+    (rank 1 the write's own error, rank 0 naming rank 1) and writes nothing; the ranks stay in
+    step, and the save after that works."""
+    _fail_on_rank_1(monkeypatch, ".step-2.partial")
+    torch.manual_seed(0)
+    model = GPT(depth=2)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(model, pg)
+        opt = _adamw(m)
+        save_checkpoint(tmp_path / "step-1", m, opt, step=1)
+        pending = save_checkpoint(tmp_path / "step-2", m, opt, blocking=False, step=2)
+        if rank == 0:
+            with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[1\]"):
+                pending.wait()
+        error = "No space left on device" if rank == 1 else r"but not on rank\(s\) \[1\]"
+        with pytest.raises((OSError, RuntimeError), match=error):
+            save_checkpoint(tmp_path / "step-3", m, opt, blocking=False, step=3)
+        _train(m, opt, pg, range(1))  # the ranks' collectives still pair up
+        save_checkpoint(tmp_path / "step-4", m, opt, blocking=False, step=4).wait()
+
+    run_ranks(2, fn, timeout=60.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-4"]
+
+
+@pytest.mark.parametrize("part", ["writer group", "writer thread"])
+def test_a_save_that_cannot_start_on_one_rank_raises_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """Out of memory on rank 1 while it makes the writers' group or thread: every rank raises
+    at the call, nothing is written, and the next save makes them again and works."""
+    failing = [True]
+
+    def fail_to_start() -> None:  # once every rank has its own process group
+        if part == "writer group":
+            make = dist.ProcessGroupGloo
+
+            def made(*args: Any, **kwargs: Any) -> Any:
+                backend = make(*args, **kwargs)  # every rank rendezvoused: the others have theirs
+                if failing[0] and threading.current_thread().name == "rank1":
+                    raise MemoryError("simulated: cannot allocate the writer group")
+                return backend
+
+            made._Options = make._Options  # type: ignore[attr-defined]
+            made.create_default_device = make.create_default_device  # type: ignore[attr-defined]
+            monkeypatch.setattr(dist, "ProcessGroupGloo", made)
+        else:
+            start = threading.Thread.start
+
+            def started(self: threading.Thread) -> None:
+                if failing[0] and threading.current_thread().name == "rank1":
+                    if self.name.startswith("shardwrap save"):
+                        raise RuntimeError("can't start new thread")
+                start(self)
+
+            monkeypatch.setattr(threading.Thread, "start", started)
+
+    torch.manual_seed(0)
+    model = GPT(depth=2)
+    failed = threading.Barrier(2)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(model, pg)
+        opt = _adamw(m)
+        if failed.wait(30) == 0:
+            fail_to_start()
+        failed.wait(30)
+        error = "simulated|can't start" if rank == 1 else r"failed on rank\(s\) \[1\]"
+        with pytest.raises((MemoryError, RuntimeError), match=error):
+            save_checkpoint(tmp_path / "step-1", m, opt, blocking=False, step=1)
+        if failed.wait(30) == 0:
+            failing[0] = False
+        failed.wait(30)
+        save_checkpoint(tmp_path / "step-2", m, opt, blocking=False, step=2).wait()
+
+    run_ranks(2, fn, timeout=60.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2"]

@@ -8,7 +8,10 @@ writing anything. Proves, at world sizes 1 and 2 with a small GPT and AdamW stat
   filled with 0xFF (every value NaN), a header whose dtype says I32 where F32 was written, and a
   flipped byte in ``optimizer.pt`` or in an ``extra`` file are each refused on every rank,
   naming the file and the tensor, with the model and optimizer left as they were;
-- an undamaged checkpoint loads at another world size (pieces read in part are checked whole).
+- an undamaged checkpoint loads at another world size (pieces read in part are checked whole);
+- checksums taken on another thread (a background save's writer) leave the process's warning
+  filters as the training thread set them;
+- running out of memory while reading a file is said as such, never as damage.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_integrity.py -q``
@@ -20,14 +23,19 @@ import copy
 import json
 import shutil
 import struct
+import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed import ProcessGroup
 
+import shardwrap.checkpoint.load
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap.checkpoint.checksum import Checksum, buffer_checksum
 from tests.support.models import GPT, Block
 from tests.support.ranks import run_ranks
 
@@ -154,3 +162,76 @@ def test_an_undamaged_checkpoint_loads_at_another_world_size(saved: Path) -> Non
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     assert load_checkpoint(saved, model, opt) == {"step": 3}
     torch.testing.assert_close(model.full_state_dict(), want, atol=0, rtol=0)
+
+
+def test_checking_on_another_thread_leaves_the_warning_filters_alone(
+    monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A background save's writer checksums files while the training thread goes on: a
+    checksum that swapped the process's warning filters for its own while the training thread
+    entered and left ``catch_warnings`` put back that thread's stale ones, so later warnings
+    went to a recorder no one reads."""
+    inside, release = threading.Event(), threading.Event()
+    add = Checksum.add_words
+
+    def held(self: Checksum, words: Any, tail: bytes) -> None:
+        inside.set()
+        assert release.wait(30)
+        add(self, words, tail)
+
+    monkeypatch.setattr(Checksum, "add_words", held)
+    filters, show = list(warnings.filters), warnings.showwarning
+    with warnings.catch_warnings(record=True):  # the training thread's, entered first
+        writer = threading.Thread(target=buffer_checksum, args=(bytes(64),))
+        writer.start()
+        assert inside.wait(30)
+    release.set()  # the writer's checksum ends after the training thread left its own
+    writer.join(30)
+    assert warnings.filters == filters and warnings.showwarning is show
+    warnings.warn("still heard", stacklevel=1)
+    assert [str(w.message) for w in recwarn] == ["still heard"]
+
+
+@pytest.mark.parametrize("reading", ["safetensors", "pt"])
+def test_out_of_memory_while_loading_is_not_called_damage(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, reading: str
+) -> None:
+    """Rank 1 cannot map a rank file (what safetensors raises under a memory cap), or cannot
+    unpickle ``optimizer.pt``: it says it ran out of memory and that the file is not known to
+    be damaged (told "corrupt", a user might delete a good checkpoint); every rank raises and
+    nothing changes."""
+    out_of_memory = MemoryError("Cannot allocate memory (os error 12)")
+    if reading == "safetensors":
+        real = shardwrap.checkpoint.load.safe_open
+
+        def mapped(path: Path, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "rank1" and "rank-" in Path(path).name:
+                raise out_of_memory
+            return real(path, **kwargs)
+
+        monkeypatch.setattr(shardwrap.checkpoint.load, "safe_open", mapped)
+    else:
+        load = torch.load
+
+        def unpickled(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "rank1":
+                raise out_of_memory
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "load", unpickled)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        model = ShardedModule(copy.deepcopy(OTHER), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        before = copy.deepcopy(model.full_state_dict())
+        with pytest.raises((MemoryError, RuntimeError)) as info:
+            load_checkpoint(saved, model, opt)
+        after = model.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        return str(info.value)
+
+    errors = run_ranks(2, fn)
+    assert "failed on rank(s) [1]" in errors[0]
+    assert errors[1].startswith(f"load_checkpoint: out of memory while reading {saved}/"), errors
+    assert "nothing is known to be wrong with the file, so do not delete it" in errors[1]
+    assert "corrupt" not in errors[1]

@@ -5,11 +5,16 @@ Proves, at world size 1 and 2 with a small GPT:
 - ``keep_last`` keeps the last saves in the order they completed, whatever the clock says, and
   never deletes the checkpoint ``latest`` names;
 - ``save_checkpoint`` refuses ``extra`` values that ``load_checkpoint`` could not read back,
-  naming the key, before anything is written;
+  naming the key, before anything is written; and options of another type or out of range
+  (``blocking="False"``, ``keep_last=True``, ``max_shard_size=True``) alike;
 - a ``metadata.json`` missing an entry or holding one of the wrong shape is refused naming the
   file and what is wrong, never a bare ``KeyError``;
 - file names in ``metadata.json``, a ``latest`` pointer and an export's index that lead
-  outside their folder are refused.
+  outside their folder are refused;
+- an export's index whose ``weight_map`` is not a mapping, is missing, names a file that lacks
+  the tensor, or nests too deep is refused on every rank naming the index and the fix;
+- hyperparameters in ``optimizer.pt`` of another kind than the optimizer's (a string ``lr``)
+  are refused on every rank before anything changes.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_validation.py -q``
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -112,6 +118,43 @@ def test_refused_extra_raises_on_every_rank_before_writing(tmp_path: Path) -> No
     assert not (tmp_path / "ckpt").exists()
 
 
+# options ----------------------------------------------------------------------------------
+
+OPTIONS = {
+    "blocking-string": (
+        "save",
+        {"blocking": "False"},
+        TypeError,
+        "blocking must be True or False, got 'False'",
+    ),
+    "keep-last-string": ("save", {"keep_last": "3"}, ValueError, "keep_last must be None or an"),
+    "keep-last-bool": ("save", {"keep_last": True}, ValueError, "of at least 1 (the checkpoints"),
+    "shard-size-bool": ("export", {"max_shard_size": True}, ValueError, "cannot read True"),
+    "shard-size-zero": ("export", {"max_shard_size": "0GB"}, ValueError, "at least 1 byte"),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_options_of_another_type_or_out_of_range_are_refused(tmp_path: Path, case: str) -> None:
+    """On every rank, before anything is written, naming the option and the value; before,
+    ``blocking="False"`` saved blocking, ``keep_last=True`` kept one, ``max_shard_size=True``
+    wrote a file per tensor and a string ``keep_last`` raised a bare ``TypeError``."""
+    call, options, error, message = OPTIONS[case]
+    torch.manual_seed(0)
+    base = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        with pytest.raises(error, match=re.escape(message)):
+            if call == "save":
+                save_checkpoint(tmp_path / "ckpt", m, **options)
+            else:
+                export(tmp_path / "out", m, **options)
+
+    run_ranks(2, fn, timeout=30.0)
+    assert list(tmp_path.iterdir()) == []
+
+
 # malformed metadata --------------------------------------------------------------------
 
 
@@ -189,6 +232,48 @@ def test_export_index_naming_files_outside_is_refused(tmp_path: Path) -> None:
         load_pretrained(tmp_path / "mine", model)
 
 
+def _swap_files(index: dict[str, Any]) -> None:
+    """Say each tensor is in a file it is not in (two files' entries swapped)."""
+    where = index["weight_map"]
+    first, second = sorted(set(where.values()))[:2]
+    for key, file in where.items():
+        where[key] = {first: second, second: first}.get(file, file)
+
+
+MALFORMED_INDEX = {
+    "weight-map-list": (lambda i: i.update(weight_map=list(i["weight_map"])), "got list"),
+    "no-weight-map": (lambda i: i.pop("weight_map"), "got NoneType"),
+    "key-not-in-file": (_swap_files, "which that file lacks"),
+}
+
+
+@pytest.mark.parametrize("case", [*MALFORMED_INDEX, "nested-too-deep"])
+def test_a_malformed_export_index_is_refused_naming_it(tmp_path: Path, case: str) -> None:
+    """On every rank, naming the index and the fix; never a bare ``AttributeError``, a
+    ``SafetensorError`` without the file's name, or a ``RecursionError``."""
+    export(tmp_path / "mine", _model(), max_shard_size="20KB")
+    index_path = tmp_path / "mine" / "model.safetensors.index.json"
+    if case == "nested-too-deep":
+        index_path.write_text("[" * 100_000 + "]" * 100_000)
+        message = "is corrupt"
+    else:
+        index = json.loads(index_path.read_text())
+        edit, message = MALFORMED_INDEX[case]
+        edit(index)
+        index_path.write_text(json.dumps(index))
+    torch.manual_seed(0)
+    base = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        with pytest.raises(ValueError, match="load_pretrained: ") as info:
+            load_pretrained(tmp_path / "mine", m)
+        assert str(index_path) in str(info.value) and message in str(info.value)
+        assert "Export the model again" in str(info.value)
+
+    run_ranks(2, fn, timeout=30.0)
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -229,6 +314,53 @@ def test_malformed_optimizer_state_changes_nothing(tmp_path: Path, edit: Any, me
     after = other.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert other_opt.state_dict()["state"] == {}
+
+
+def _resaved_optimizer(folder: Path, edit: Any) -> None:
+    """Edit ``folder``'s ``optimizer.pt`` as if it had been saved so (size, checksum)."""
+    path = folder / "optimizer.pt"
+    saved = torch.load(path, weights_only=True)
+    edit(saved)
+    torch.save(saved, path)
+    data = path.read_bytes()
+
+    def record(meta: dict[str, Any]) -> None:
+        meta["files"]["optimizer.pt"] = len(data)
+        meta["checksums"]["files"]["optimizer.pt"] = buffer_checksum(data)
+
+    _edit_metadata(folder, record)
+
+
+HYPERPARAMETERS = {
+    "lr-string": (lambda g: g.update(lr="0.1"), "sets 'lr' of parameter group 0 to '0.1' (a str)"),
+    "betas-three": (lambda g: g.update(betas=(0.9, 0.99, 0.5)), "sets 'betas'"),
+    "amsgrad-string": (lambda g: g.update(amsgrad="no"), "sets 'amsgrad'"),
+}
+
+
+@pytest.mark.parametrize("case", list(HYPERPARAMETERS))
+def test_hyperparameters_of_another_kind_are_refused_before_anything_changes(
+    tmp_path: Path, case: str
+) -> None:
+    """A string ``lr`` was loaded as is, and the next step failed."""
+    edit, message = HYPERPARAMETERS[case]
+    torch.manual_seed(0)
+    base = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        save_checkpoint(tmp_path / "ckpt", m, opt)
+        if rank == 0:
+            _resaved_optimizer(tmp_path / "ckpt", lambda o: edit(o["param_groups"][0]))
+        pg.barrier().wait()
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            load_checkpoint(tmp_path / "ckpt", m, opt)
+        assert str(tmp_path / "ckpt" / "optimizer.pt") in str(info.value)
+        assert message in str(info.value) and "where AdamW holds" in str(info.value)
+        assert opt.param_groups[0]["lr"] == 1e-3
+
+    run_ranks(2, fn, timeout=30.0)
 
 
 # a save killed between its two renames -------------------------------------------------

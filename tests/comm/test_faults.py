@@ -3,7 +3,8 @@
 It names the collective, this rank's step and phase (its forward pass; forward, backward, or
 outside them with the last call every rank made; or wrapping), the peer ranks that did not
 answer where that is known (the peers of an exchange whose data never came, the other rank of
-two) and the group's timeout. Ranks killed, stalled or out of step under torchrun:
+two) and the group's timeout; a rank's own allocation failing inside a collective is named as
+that rank's, not a peer's. Ranks killed, stalled or out of step under torchrun:
 ``tests/e2e/test_faults.py``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/comm/test_faults.py -q``
@@ -20,7 +21,12 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwrap import CollectiveFailed, Mesh, ShardedModule, save_checkpoint
-from shardwrap.comm.collectives import all_gather, failed, reduce_scatter
+from shardwrap.comm.collectives import (
+    Pending,
+    all_gather,
+    failed,
+    reduce_scatter,
+)
 from tests.support.models import GPT, Block, make_batch
 from tests.support.ranks import run_ranks
 
@@ -106,3 +112,32 @@ def test_a_model_reports_its_forward_pass_and_phase(tmp_path: Path) -> None:
         "after forward pass 1, outside forward and backward; last call made by every rank: "
         "save_checkpoint"
     )
+
+
+def test_a_ranks_own_out_of_memory_in_a_gather_names_that_rank_not_a_peer() -> None:
+    """Rank 1's allocation fails inside a gather (torch's CPU allocator raises a RuntimeError):
+    it raises a ``torch.OutOfMemoryError`` saying so, not that rank 0 did not answer."""
+    refused = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 4294967296 bytes. Error code 12 (Cannot allocate memory)"
+    )
+
+    def allocate() -> None:
+        raise refused
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        mesh = Mesh(shard=pg)  # a model being wrapped on this group
+        if rank == 1:
+            with pytest.raises(torch.OutOfMemoryError) as info:
+                Pending(None, allocate, "all-gather", pg).wait()
+            assert type(info.value).__name__ == "OutOfMemoryInCollective"
+            return str(info.value)
+        del mesh
+        return ""
+
+    message = run_ranks(2, fn, timeout=6.0)[1]
+    assert message.startswith(
+        "shardwrap: rank 1 ran out of memory in the all-gather (wrapping the model "
+        "(ShardedModule)): its own allocation failed there, no peer did"
+    ), message
+    assert "rank 0 did not answer" not in message and "can't allocate memory" in message

@@ -254,6 +254,8 @@ def test_comm_stats_count_the_packed_bytes() -> None:
         ({"params": "int4"}, 'params must be None, "int8" or "fp8"'),
         ({"grads": "fp8"}, 'grads must be None, "int8" or "int4"'),
         ({"block": 0}, "block must be a positive int"),
+        ({"block": 10**9}, "of at most 65536, got 1000000000"),
+        ({"block": 256.0}, "block must be a positive int"),
         ({"error_feedback": "yes"}, "error_feedback must be True or False"),
     ],
 )

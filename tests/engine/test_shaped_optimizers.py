@@ -508,3 +508,51 @@ def test_an_undeclared_optimizer_warns_and_a_declared_one_trains_exactly() -> No
         _assert_same(ref, run.state, 1e-5, rank)
     with pytest.raises(TypeError, match="optimizer class"):
         shardwrap.declare_optimizer(RowNormalized(model.parameters()), reads_shapes=True)  # type: ignore[arg-type]
+
+
+def test_declaring_takes_a_bool_only() -> None:
+    """``reads_shapes="False"`` is a truthy string: refused, not read as True."""
+    for value in ("False", 0, None):
+        with pytest.raises(TypeError, match=rf"reads_shapes must be True or False, got {value!r}"):
+            shardwrap.declare_optimizer(RowNormalized, reads_shapes=value)  # type: ignore[arg-type]
+
+
+def test_a_param_group_added_after_steps_keeps_each_parameters_owner_and_state() -> None:
+    """Muon over two matrices for 2 steps, then ``add_param_group`` with two more, 2 steps: at
+    2 ranks every parameter equals the unwrapped model's trained alike. Owners are chosen for
+    the new parameters; one stepped so far stays with its owner and its momentum (chosen anew,
+    ``0.weight`` moved to rank 0, which started a fresh momentum, while rank 1 kept the old)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 3 * WIDTH), nn.Tanh(),
+        nn.Linear(3 * WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+    )  # fmt: skip
+    steps = 4
+
+    ref = copy.deepcopy(base)
+    matrices = [p for p in ref.parameters() if p.ndim == 2]
+    opt = torch.optim.Muon(matrices[:2], lr=1e-2)
+    for step, (inputs, targets) in enumerate(BATCHES[:steps]):
+        if step == 2:
+            opt.add_param_group({"params": matrices[2:]})
+        for x, y in zip(inputs.chunk(2), targets.chunk(2)):
+            loss_fn(ref, x, y).backward()
+        for p in ref.parameters():
+            p.grad /= 2  # the ranks' gradients are averaged
+        opt.step()
+        ref.zero_grad()  # the matrices not stepped yet too
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(base), process_group=pg)
+        matrices = [p for p in m.parameters() if p.ndim == 2]
+        opt = torch.optim.Muon(matrices[:2], lr=1e-2)
+        for step, (inputs, targets) in enumerate(BATCHES[:steps]):
+            if step == 2:
+                opt.add_param_group({"params": matrices[2:]})
+            loss_fn(m, inputs.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            opt.step()
+            m.zero_grad()
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn):
+        torch.testing.assert_close(state, ref.state_dict(), atol=1e-4, rtol=0)

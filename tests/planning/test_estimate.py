@@ -27,6 +27,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/planning/test_estimate
 
 from __future__ import annotations
 
+import copy
 import mmap
 import time
 import warnings
@@ -37,9 +38,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from examples.train_gpt import GPT, Block
 from shardwrap import (
+    Compression,
     MixedPrecision,
     ShardedModule,
     declare_optimizer,
@@ -58,6 +61,7 @@ from tests.support.memory import (
     staged_on_cpu,
     training_peak,
 )
+from tests.support.ranks import run_ranks
 
 CONFIG = {"width": 128, "depth": 4, "heads": 4, "context": 64}
 BATCH = 2
@@ -444,3 +448,29 @@ def test_a_nonblocking_save_takes_the_host_copy_the_plan_counts(tmp_path: Path) 
         pending = save_checkpoint(tmp_path / "ckpt", model, opt, blocking=False)
     pending.wait()
     assert plan.row(3).checkpoint == pytest.approx(tracked.peak, rel=0.001), str(plan)
+
+
+@pytest.mark.stage3  # names its stage itself: once is enough
+def test_the_save_copy_counts_error_feedback_residuals() -> None:
+    """With compression's error feedback a non-blocking save also copies each rank's residuals
+    (saved so that a resume is exact): the plan's ``checkpoint`` grows by what a rank holds."""
+    kwargs = dict(
+        world_size=2, stage=3, batch=BATCH, seq=CONFIG["context"], kwargs=CONFIG,
+        nonblocking_saves=True,
+    )  # fmt: skip
+    compression = Compression(grads="int8")
+    plain = estimate_memory("examples.train_gpt:GPT", **kwargs).row(3).checkpoint
+    planned = estimate_memory("examples.train_gpt:GPT", compression=compression, **kwargs)
+    torch.manual_seed(0)
+    base = GPT(**CONFIG)
+
+    def held(rank: int, pg: ProcessGroup) -> int:
+        model = ShardedModule(
+            copy.deepcopy(base), auto_wrap=Block, process_group=pg, compression=compression
+        )
+        (tokens,) = gpt_batches(BATCH, CONFIG["context"], 1)(rank, model)
+        gpt_loss(model, tokens)[0].backward()
+        reductions = model._shardwrap_root.reductions
+        return sum(r.numel() * r.element_size() for r in reductions.residuals if r is not None)
+
+    assert planned.row(3).checkpoint - plain == run_ranks(2, held)[0] > 0

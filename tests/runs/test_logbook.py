@@ -6,7 +6,10 @@ batches from there to the spike, lowers the learning rate and goes on, and that 
 trains is exactly plain training on the batches and learning rates its logbook records for
 the steps that survived (SGD with momentum, parameters within 1e-5). Also: a spike the run
 cannot get past stops it with a clear error; a resumed run continues the same logbook; the
-summary and plots are drawn from the file; bad options are refused before any collective.
+summary and plots are drawn from the file; bad options (out of range or of another type) are
+refused on every rank before any collective; a
+link among the checkpoints is left alone; a list of optimizers (Muon and AdamW) trains, saves
+and resumes exactly.
 Checkpoints are saved in the background (the default) except where ``blocking_saves=True``.
 The end-to-end run under torchrun, against the same run without bad batches, is in
 ``tests/e2e/test_logbook_torchrun.py``.
@@ -19,7 +22,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,6 +138,54 @@ def test_normal_noise_triggers_no_rollback(tmp_path: Path, base: nn.Module) -> N
 
 
 @pytest.mark.stage3
+def test_a_link_among_the_checkpoints_is_left_alone(tmp_path: Path, base: nn.Module) -> None:
+    """A link named like an old checkpoint, to a copy of one kept elsewhere, is not one of the
+    run's: pruning leaves it and what it leads to alone."""
+    train(base, tmp_path / "run", 20, keep_last=1)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(checkpoints / "step-00000020", tmp_path / "kept")
+    (checkpoints / "step-00000001").symlink_to(tmp_path / "kept")
+    train(base, tmp_path / "run", 35, keep_last=1)
+    assert os.readlink(checkpoints / "step-00000001") == str(tmp_path / "kept")
+    assert (tmp_path / "kept" / "metadata.json").is_file()
+    saved = sorted(p.name for p in checkpoints.glob("step-*") if not p.is_symlink())
+    assert saved == ["step-00000030", "step-00000035"]
+
+
+def test_a_list_of_optimizers_trains_saves_and_resumes_exactly(
+    tmp_path: Path, base: nn.Module
+) -> None:
+    """``Logbook(folder, model, [muon, adamw])``: every step steps both, with the learning
+    rate scaled alike, and a run resumed from its checkpoint ends where the uninterrupted one
+    does, bit for bit (both optimizers' state saved and loaded)."""
+
+    def run(folder: Path, steps: int) -> Any:
+        def rank_main(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+            model = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+            params = list(model.parameters())
+            opts = [
+                torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-2),
+                torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-2),
+            ]
+            with Logbook(folder, model, opts, save_every=3, plot_every=None) as book:
+                for _ in book.steps(steps):
+                    x, y = stream(book.position, rank)
+                    loss = model(x, y)
+                    loss.backward()
+                    book.step(loss)
+            return model.full_state_dict()
+
+        return run_ranks(2, rank_main, timeout=120)
+
+    whole = run(tmp_path / "whole", 6)
+    run(tmp_path / "resumed", 3)
+    resumed = run(tmp_path / "resumed", 6)
+    assert [e["event"] for e in events(tmp_path / "resumed")] == ["resumed"]
+    for got, want in zip(resumed, whole):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.stage3
 def test_a_spike_it_cannot_get_past_stops_the_run(tmp_path: Path, base: nn.Module) -> None:
     with pytest.raises(AssertionError) as failure:
         train(base, tmp_path, 45, bad=frozenset(range(30, 100)))
@@ -207,6 +262,33 @@ def test_bad_use_is_refused(tmp_path: Path, base: nn.Module) -> None:
                 pass
     with pytest.raises(ValueError, match="pass resume=True to continue it"):
         Logbook(tmp_path, model, opt, resume=False)
+
+
+@pytest.mark.stage3
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"save_every": "100"}, ValueError, "save_every must be 0 (never) or more, an int; got"),
+        ({"keep_last": 2.5}, ValueError, "keep_last must be at least 1, an int; got 2.5"),
+        ({"plot_every": -1}, ValueError, "plot_every must be a positive number or None, got -1"),
+        ({"blocking_saves": "False"}, TypeError, "blocking_saves must be True or False"),
+        ({"resume": "no"}, TypeError, "resume must be True or False, got 'no'"),
+    ],
+)
+def test_options_of_another_type_are_refused_on_every_rank(
+    tmp_path: Path, base: nn.Module, options: dict[str, Any], error: type, message: str
+) -> None:
+    """Before any collective; before, ``blocking_saves="False"`` saved blocking and a string
+    ``save_every`` raised a bare ``TypeError``."""
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        model = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        with pytest.raises(error, match=re.escape(message)):
+            Logbook(tmp_path, model, opt, **options)
+
+    run_ranks(2, fn, timeout=30.0)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_spike_check_follows_a_falling_loss_and_flags_jumps() -> None:

@@ -36,6 +36,7 @@ costs one dictionary lookup per step; its kind is looked up once.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 import weakref
@@ -54,6 +55,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ...comm.collectives import all_to_all
 from ...tiers.offload import HOME_ATTR, before_step
+from .loaded_state import check_held_state, watch
 from .shard_grad import as_shard_grad, shard_grad_owner
 
 __all__ = [
@@ -117,14 +119,20 @@ def declare_optimizer(cls: type[Optimizer], *, reads_shapes: bool) -> None:
             every element on its own (like AdamW): it steps this rank's pieces.
 
     Raises:
-        TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass.
+        TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass, or ``reads_shapes`` not
+            a bool (``"False"`` is a true value: read as one it would declare the opposite).
     """
     if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
         raise TypeError(
             f"declare_optimizer takes an optimizer class, got {cls!r}: e.g. "
             "shardwrap.declare_optimizer(MyOptimizer, reads_shapes=True)"
         )
-    _declared[cls] = bool(reads_shapes)
+    if not isinstance(reads_shapes, bool):
+        raise TypeError(
+            f"declare_optimizer: reads_shapes must be True or False, got {reads_shapes!r}; e.g. "
+            f"shardwrap.declare_optimizer({cls.__name__}, reads_shapes=True)"
+        )
+    _declared[cls] = reads_shapes
 
 
 def steps_whole(cls: type) -> bool:
@@ -139,7 +147,7 @@ def _kind(cls: type) -> str:
         if base is Optimizer or base is object:
             break
         if base in _declared or base in REFUSED or base in ELEMENTWISE or base in WHOLE:
-            if base is not cls and getattr(cls, "step", None) is not getattr(base, "step", None):
+            if base is not cls and _step_of(cls) is not _step_of(base):
                 return "undeclared"  # a subclass with a step of its own
             if base in _declared:
                 return "whole" if _declared[base] else "pieces"
@@ -147,6 +155,13 @@ def _kind(cls: type) -> str:
                 return "refused"
             return "whole" if base in WHOLE else "pieces"
     return "undeclared"
+
+
+def _step_of(cls: type) -> object:
+    """``cls.step`` as written: torch wraps the ``step`` of a class at its first instance
+    (``Optimizer._patch_step_function``), on the subclass itself when that comes first, so a
+    subclass that keeps its base's step can hold a wrapper of it of its own."""
+    return inspect.unwrap(getattr(cls, "step", None))
 
 
 # the process-wide hooks ----------------------------------------------------------------
@@ -192,6 +207,8 @@ def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     whole = stepped_whole(optimizer)
     if whole is not None:
         whole.before(args, kwargs)
+    else:
+        check_held_state(optimizer)
 
 
 def stepped_whole(optimizer: Optimizer) -> _WholeStep | None:
@@ -203,7 +220,16 @@ def stepped_whole(optimizer: Optimizer) -> _WholeStep | None:
     whole = _steps.get(optimizer, _UNSEEN)
     if whole is _UNSEEN:
         whole = _steps[optimizer] = _classify(optimizer)
+        if whole is None and next(_pieces(optimizer), None) is not None:
+            watch(optimizer, _piece_name)  # state loaded into it: of this rank's pieces?
     return whole
+
+
+def _piece_name(p: nn.Parameter) -> str | None:
+    """The name of shard parameter ``p``; ``None`` for any other parameter."""
+    piece = getattr(p, PIECE_ATTR, None)
+    group = piece[0]() if piece is not None else None
+    return group.names[piece[1]] if group is not None else None
 
 
 def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -317,7 +343,10 @@ class _WholeStep:
         params = list(_pieces(optimizer))
         key = tuple(id(p) for p in params)
         if key != self._params_key:
-            self._entries, self._params_key = _owners(params), key
+            # NOTE: a parameter keeps its owner when others join (add_param_group): its state
+            # lives on its owner, and a new owner would start it afresh beside the stale one.
+            kept = {id(e.param): e.owner for e in self._entries.values()}
+            self._entries, self._params_key = _owners(params, kept), key
             self._homed = any(hasattr(p, HOME_ATTR) for p in params)
         return self._entries
 
@@ -419,8 +448,9 @@ def _held(entries: list[_Entry], q: int) -> int:
     return sum(_span(e, q) for e in entries)
 
 
-def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
-    """Each parameter's pieces and owner (:func:`owners`), by ``id``, over each shard group."""
+def _owners(params: list[nn.Parameter], kept: dict[int, int]) -> dict[int, _Entry]:
+    """Each parameter's pieces and owner, by ``id``, over each shard group: ``kept[id]`` where
+    given, else by :func:`owners` among the parameters not kept."""
     entries: dict[int, _Entry] = {}
     by_group: dict[int, tuple[int, list[_Entry]]] = {}
     ranges: dict[int, list[tuple]] = {}
@@ -437,9 +467,12 @@ def _owners(params: list[nn.Parameter]) -> dict[int, _Entry]:
         e = entries[id(p)] = _Entry(p, fg.shapes[index], pieces, whole[id(fg)])
         by_group.setdefault(id(fg.mesh.shard), (world, []))[1].append(e)
     for world, group in by_group.values():
-        spans = [[_span(e, q) for q in range(world)] for e in group]
-        for e, owner in zip(group, owners([e.numel for e in group], spans)):
+        new = [e for e in group if id(e.param) not in kept]
+        spans = [[_span(e, q) for q in range(world)] for e in new]
+        for e, owner in zip(new, owners([e.numel for e in new], spans)):
             e.owner = owner
+        for e in group:
+            e.owner = kept.get(id(e.param), e.owner)
     return entries
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...comm.collectives import CollectiveFailed, CommStats
+from ...comm.collectives import CommStats
+from ...comm.failures import CollectiveFailed
 from ...comm.mesh import resolve_mesh
 from ...options import Compression, MixedPrecision, Offload
 from ...tiers.home import make_home
