@@ -86,6 +86,7 @@ CALLS = (
     "gathered",
     "a gradient norm (clip_grad_norm_)",
     "save_pretrained",
+    "full_optimizer_state_dict",
 )
 
 

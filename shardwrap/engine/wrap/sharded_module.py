@@ -20,6 +20,7 @@ from ...comm.collectives import CollectiveFailed, CommStats
 from ...comm.mesh import resolve_mesh
 from ...options import Compression, MixedPrecision, Offload
 from ...tiers.home import make_home
+from ..optim.pieces import as_piece
 from ..step.edits import check_modifier_rank
 from ..step.inference import fits_gathered
 from ..step.own_calls import piece_hint
@@ -525,9 +526,21 @@ def _sharded_class(cls: type) -> type:
 def _make_sharded(module: nn.Module, root: Root) -> None:
     """Turn ``module``, whose units ``root`` drives, into its sharded class."""
     mesh = root.mesh
+    # each state-dict key of a sharded parameter (a tied one has several): its parameter
+    pieces = {
+        key: root.param_of[id(v)]
+        for key, v in nn.Module.state_dict(module, keep_vars=True).items()
+        if id(v) in root.param_of
+    }
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
+        for key, param in pieces.items():
+            value = state.get(prefix + key)
+            if value is not None and not isinstance(value, nn.Parameter):  # not keep_vars
+                piece = param.group.pieces[param.index]
+                state[prefix + key] = as_piece(value, param.shape, piece.start, piece.stop)
+
 
     module.register_state_dict_post_hook(note_shards)
     module.__class__ = _sharded_class(type(module))
