@@ -7,6 +7,7 @@ shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 
 from .checkpoint.background import PendingSave
 from .checkpoint.export import export, load_pretrained
+from .checkpoint.full_optimizer import full_optimizer_state_dict, load_full_optimizer_state_dict
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import latest_checkpoint, save_checkpoint
 from .comm.collectives import CommStats
@@ -42,8 +43,10 @@ __all__ = [
     "declare_optimizer",
     "estimate_memory",
     "export",
+    "full_optimizer_state_dict",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_full_optimizer_state_dict",
     "load_pretrained",
     "save_checkpoint",
     "track_allocations",

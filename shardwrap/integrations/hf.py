@@ -62,6 +62,9 @@ _SAVE_DEFAULTS: dict[str, Any] = {
     "save_peft_format": True,
     "save_original_format": True,
 }
+# save_pretrained's options that transformers takes and does not use: it writes safetensors
+# itself (``save_function=accelerator.save``, the line accelerate's examples end with).
+_UNUSED_OPTIONS = ("save_function",)
 
 
 def refuse_stock_trainer() -> None:
@@ -243,7 +246,8 @@ class HuggingFaceHabits:
         1. Without ``state_dict``: as :func:`shardwrap.export` (rank 0 writes, one unit in
            memory at a time; the files already in the folder, a tokenizer's say, stay, but
            for stale weight files of a previous save). ``is_main_process`` is ignored:
-           every rank takes part in gathering.
+           every rank takes part in gathering; ``save_function`` too, as transformers
+           ignores it (``save_function=accelerator.save``).
         2. With ``state_dict=model.full_state_dict(rank0_only=True)``: the model class's own
            ``save_pretrained``, with every option it has (called where that dict is full).
 
@@ -263,7 +267,7 @@ class HuggingFaceHabits:
                 max_shard_size=max_shard_size,
                 **kwargs,
             )
-        unknown = [k for k in kwargs if k not in _SAVE_DEFAULTS]
+        unknown = [k for k in kwargs if k not in _SAVE_DEFAULTS and k not in _UNUSED_OPTIONS]
         used = [k for k, v in kwargs.items() if k in _SAVE_DEFAULTS and v != _SAVE_DEFAULTS[k]]
         if unknown or used:
             raise ValueError(

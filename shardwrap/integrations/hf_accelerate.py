@@ -160,9 +160,21 @@ def check_accelerator(accelerator: Any, model: nn.Module) -> None:
     scaling a :class:`ShardedGradScaler`.
 
     Raises:
-        ValueError: as :func:`check_settings`.
+        ValueError: as :func:`check_settings`; or an accelerator that sees one process while
+            the model is sharded over several (under ``torchrun`` on CPUs without
+            ``ACCELERATE_USE_CPU=1``): its data loaders would give every rank the whole batch.
     """
     root: Root = model._shardwrap_root  # type: ignore[assignment]
+    world = root.mesh.world_size
+    if accelerator.num_processes == 1 and world > 1:
+        raise ValueError(
+            f"accelerate sees one process ({accelerator.distributed_type}) while the model is "
+            f"sharded over {world} ranks: its data loaders would give every rank the whole "
+            f"batch ({world} times the work, each rank training on the same data) and "
+            "gather_for_metrics would see one rank. On CPUs accelerate counts the processes "
+            "that torchrun started only when told to: set ACCELERATE_USE_CPU=1 in the "
+            "environment, or pass Accelerator(cpu=True) (accelerate launch sets it itself)."
+        )
     precision = str(accelerator.mixed_precision)
     dynamo = getattr(accelerator.state, "dynamo_plugin", None)
     backend = str(getattr(getattr(dynamo, "backend", None), "value", "no")).lower()

@@ -9,6 +9,8 @@ SGD steps in parity with the unwrapped model:
 - ``save_pretrained(dir, state_dict=model.full_state_dict(rank0_only=True),
   is_main_process=rank == 0)`` goes through the model class's own ``save_pretrained`` and
   loads back alike;
+- accelerate's final line, ``save_pretrained(dir, is_main_process=..., save_function=
+  accelerator.save)``, writes it too (``save_function`` is not used, as in transformers);
 - a ``state_dict`` of shards, or an option export does not offer, is refused before any
   collective, naming the fix.
 
@@ -57,7 +59,7 @@ def _assert_loads_as(folder: Path, ref: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("family", [hf_gpt2_lm, hf_bert_mlm], ids=["gpt2", "bert"])
-@pytest.mark.parametrize("how", ["plain", "full_state_dict"])
+@pytest.mark.parametrize("how", ["plain", "full_state_dict", "accelerate"])
 def test_save_pretrained_loads_back_as_the_trained_model(
     family: Any, how: str, tmp_path: Path
 ) -> None:
@@ -71,6 +73,8 @@ def test_save_pretrained_loads_back_as_the_trained_model(
         _train(m, rank, WORLD)
         if how == "plain":
             m.save_pretrained(folder)
+        elif how == "accelerate":  # run_clm_no_trainer.py's last line
+            m.save_pretrained(folder, is_main_process=rank == 0, save_function=torch.save)
         else:
             full = m.full_state_dict(rank0_only=True)
             m.save_pretrained(folder, state_dict=full, is_main_process=rank == 0)

@@ -56,6 +56,7 @@ from torch.utils.hooks import RemovableHandle
 from ...comm.collectives import all_to_all
 from ...tiers.offload import HOME_ATTR, before_step
 from .loaded_state import check_held_state, watch
+from .pieces import PIECE_ATTR, adopt_optimizer
 from .shard_grad import as_shard_grad, shard_grad_owner
 
 __all__ = [
@@ -69,7 +70,6 @@ __all__ = [
 ]
 
 BALANCE = 1.1  # no rank owns more than this times an even split (but for one parameter)
-PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (its FlatGroup, weakly; index; CommStats)
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -264,7 +264,9 @@ def _classify(optimizer: Optimizer) -> _WholeStep | None:
             "norms), or reads_shapes=False for an elementwise one (silences this warning).",
             stacklevel=4,
         )
-    return _WholeStep(optimizer) if kind == "whole" else None
+    whole = _WholeStep(optimizer) if kind == "whole" else None
+    adopt_optimizer(optimizer, None if whole is None else whole.owner)  # its state dicts' pieces
+    return whole
 
 
 # the whole-parameter step --------------------------------------------------------------

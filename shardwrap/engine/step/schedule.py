@@ -19,9 +19,14 @@ handshake: one all-reduce (MIN) of a few integers. Each rank puts in
    which enter through :meth:`Schedule.enter`): every rank must be in the same pass and call.
    A rank that caught an exception and went on to its next batch (the usual recovery
    from running out of memory) would otherwise pair its next step's collectives with the
-   others' current ones. On a difference every rank learns what every other was doing (one
-   more small all-reduce) and raises, naming it; all then count from the furthest rank, so
-   that the next step, begun on every rank, agrees again.
+   others' current ones. In training, every rank's pass must also record a graph or none:
+   an evaluation forward on one rank alone (``if rank == 0:``) would otherwise pair its
+   gathers with a peer's training forward. On a difference every rank learns what every
+   other was doing (one more small all-reduce) and raises, naming it; all then count from
+   the furthest rank, so that the next step, begun on every rank, agrees again;
+5. in a pass that records a graph, whether its backward reduces gradients (``no_sync``,
+   ``require_backward_grad_sync``): a backward reducing on some ranks only would wait for
+   the others for good, so a difference raises on every rank.
 
 All ranks then gather the unit with the smallest priority (those that wanted something
 else serve the request and ask again), and issue the reduce-scatters that every rank has
@@ -86,6 +91,7 @@ CALLS = (
     "gathered",
     "a gradient norm (clip_grad_norm_)",
     "save_pretrained",
+    "full_optimizer_state_dict",
 )
 
 
@@ -122,6 +128,9 @@ class Schedule:
         self.enter_priority = 2 * n + 3
         self._used_anywhere: list[bool] = []
         self.passes = 0  # forward passes of the whole model begun on this rank
+        # Whether the last pass begun records a graph: every rank's must, or none (a forward
+        # of evaluation on one rank met by a training forward on another is out of step).
+        self.forward_grad = True
         # Every unit is gathered on every rank for a while (engine/step/inference.py): forwards
         # need no handshake, and ranks may run different numbers of them.
         self.decoding_alone = False
@@ -164,6 +173,7 @@ class Schedule:
         self._recorded = []
         self._proposing = True
         self.passes += 1
+        self.forward_grad = torch.is_grad_enabled()
 
     def gather(self, unit: Unit, backward: bool) -> list[Unit]:
         """Start gathering ``unit`` and the units of its bucket (``comm/buckets.py``) once
@@ -244,17 +254,33 @@ class Schedule:
             ready = reductions.ready_prefix()
             used = [-int(u) for u in reductions.used]
             partial = want == self.end_backward_priority and reductions.partial()
-            changes = self.changes
+            changes, grad = self.changes, int(self.forward_grad)
+            sync = int(reductions.sync or not grad)  # a forward without grad reduces nothing
             header = [want, ready, self.passes, -self.passes, call, -call, int(alone)]
-            header += [-int(partial), changes, -changes]
+            header += [-int(partial), changes, -changes, grad, -grad, sync, -sync]
             proposal = self._proposal(want, call)
             t = torch.tensor(header + used + proposal, dtype=torch.int64)
             t = t.to(self.mesh.control_device)
             all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
             agreed, ready, fewest, neg_most, low_call, neg_high_call, all_alone, *rest = t.tolist()
             any_partial, low_changes, neg_high_changes, *rest = rest
-            if fewest != -neg_most or low_call != -neg_high_call:
+            low_grad, neg_high_grad, low_sync, neg_high_sync, *rest = rest
+            training = low_call == 0 == neg_high_call
+            if (
+                fewest != -neg_most
+                or low_call != -neg_high_call
+                or (training and low_grad != -neg_high_grad)
+            ):
                 self._desynchronized(want, call, -neg_most)
+            if training and low_sync != -neg_high_sync:
+                raise RuntimeError(
+                    "shardwrap: gradient synchronisation differs across ranks: some ranks are "
+                    "inside no_sync() or set model.require_backward_grad_sync = False, the others "
+                    "not, so a backward would reduce gradients on some ranks only and wait for "
+                    "the others for good. Set it alike on every rank, before the forward (DDP's "
+                    "gradient accumulation: model.require_backward_grad_sync = (micro_step == "
+                    "steps - 1), on every rank)."
+                )
             if low_changes != -neg_high_changes:
                 raise RuntimeError(
                     "shardwrap: the model changed differently across ranks since it was wrapped: "
@@ -281,37 +307,43 @@ class Schedule:
     def _desynchronized(self, want: int, call: int, most: int) -> None:
         """Every rank is here at once: share what each was doing, then raise alike."""
         mesh = self.mesh
-        rows = torch.zeros(mesh.world_size, 3, dtype=torch.int64)
-        rows[mesh.rank] = torch.tensor([self.passes, want, call])
+        rows = torch.zeros(mesh.world_size, 4, dtype=torch.int64)
+        rows[mesh.rank] = torch.tensor([self.passes, want, call, int(self.forward_grad)])
         rows = rows.to(mesh.control_device)
         all_reduce(rows, mesh.control, dist.ReduceOp.SUM, self.stats, kind="handshake").wait()
         self.passes = most
         doing = "; ".join(
-            f"rank {r}: forward pass {p}, {self._describe(w, c)}"
-            for r, (p, w, c) in enumerate(rows.tolist())
+            f"rank {r}: forward pass {p}, {self._describe(w, c, bool(g))}"
+            for r, (p, w, c, g) in enumerate(rows.tolist())
         )
         raise RuntimeError(
             f"shardwrap: ranks are at different steps or calls ({doing}). Every rank must run "
             "every forward and backward pass and make the same calls (save_checkpoint, "
-            "clip_grad_norm_, ...) in the same order. A rank that left a step part-way (an "
-            "exception caught, the loop gone on to its next batch) does this: to skip a batch, "
-            "decide it on every rank alike (e.g. all_reduce an 'out of memory' flag, then every "
-            "rank skips). What was under way is abandoned on every rank; the next step, begun "
+            "full_state_dict, clip_grad_norm_, ...) in the same order. Likely causes: a "
+            "forward, an evaluation, a generation or a save under 'if rank == 0:' (or 'if "
+            "master_process:'): run it on every rank and print or write on rank 0 only; a "
+            "decision taken on each rank's own numbers (save if the loss is the best yet): "
+            "all_reduce the numbers first, so every rank decides alike; a rank that left a "
+            "step part-way (an exception caught, the loop gone on to its next batch): to skip "
+            "a batch, decide it on every rank alike (all_reduce an 'out of memory' flag). See "
+            "docs/ddp.md. What was under way is abandoned on every rank; the next step, begun "
             "on every rank, runs normally."
         )
 
-    def _describe(self, want: int, call: int = 0) -> str:
+    def _describe(self, want: int, call: int = 0, grad: bool = True) -> str:
         if call:
             return f"calling {CALLS[call]}"
         n = len(self.units)
+        forward = "forward" if grad else "a forward without grad (evaluation, generation)"
+        if want == self.end_forward_priority:
+            return f"ending {forward}"
         if want < n:
-            return f"gathering unit {want} ({type(self.units[want].module).__name__}) for forward"
+            return f"gathering unit {want} ({type(self.units[want].module).__name__}) for {forward}"
         if want < 2 * n:
             unit = self.units[2 * n - 1 - want]
             return f"gathering unit {unit.index} ({type(unit.module).__name__}) for backward"
         return {
             self.reduce_only_priority: "reducing gradients in backward",
-            self.end_forward_priority: "ending forward",
             self.end_backward_priority: "ending backward",
         }[want]
 

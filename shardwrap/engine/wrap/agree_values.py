@@ -1,15 +1,19 @@
-"""Every rank starts from the same weights: checked by default, or copied from rank 0.
+"""Every rank starts from the same weights: rank 0's where they differ, as DDP makes them.
 
-Weights loaded on one rank only before wrapping (the habit ``sync_module_states`` serves in
-other wrappers) would otherwise become a patchwork: each rank keeps its own pieces of
-different values. :func:`check_same_values` costs one pass over the weights and one small
-all-reduce (two float64 numbers per tensor); :func:`copy_from_rank0` broadcasts every
-parameter and buffer from the model's first rank, one tensor at a time.
+Weights that differ across ranks before wrapping (a seed per rank, as DDP scripts set it;
+weights loaded on rank 0 only, the habit ``sync_module_states`` serves in other wrappers) would
+otherwise become a patchwork: each rank keeps its own pieces of different values. DDP copies
+rank 0's parameters and buffers to every rank when it wraps; so does shardwrap by default, for
+the tensors that differ, with a warning naming them. :func:`differing_values` costs one pass
+over the weights and one small all-reduce (two float64 numbers per tensor);
+:func:`copy_from_rank0` broadcasts parameters and buffers from the model's first rank, one
+tensor at a time.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,7 +22,7 @@ from torch import Tensor, nn
 from ...comm.collectives import Group, all_reduce, group_size
 from ...comm.mesh import Mesh
 
-__all__ = ["check_same_values", "copy_from_rank0"]
+__all__ = ["copy_from_rank0", "differing_values", "warn_copied"]
 
 # Identical tensors give identical float64 sums on identical code; the tolerance only absorbs
 # a different reduction order (thread counts), far below any real difference in weights.
@@ -42,14 +46,11 @@ def _summary(t: Tensor) -> tuple[float, float]:
     )
 
 
-def check_same_values(module: nn.Module, group: Group, device: torch.device) -> None:
-    """Raise on every rank if any parameter or buffer differs across ranks.
-
-    Raises:
-        ValueError: naming the tensors that differ and the three ways to start alike.
-    """
+def differing_values(module: nn.Module, group: Group, device: torch.device) -> list[str]:
+    """The names of the parameters and buffers whose values differ across ranks (the same
+    list on every rank)."""
     if group_size(group) == 1:
-        return
+        return []
     named = _tensors(module)
     sums = torch.tensor([v for _, t in named for v in _summary(t)], dtype=torch.float64)
     both = torch.cat([sums, -sums]).to(device)
@@ -60,19 +61,27 @@ def check_same_values(module: nn.Module, group: Group, device: torch.device) -> 
         scale = float(high[2 * i + 1]) * max(1.0, math.sqrt(t.numel())) + 1e-30
         if ((high[2 * i : 2 * i + 2] - low[2 * i : 2 * i + 2]).abs() > _RELATIVE * scale).any():
             differ.append(name)
-    if differ:
-        raise ValueError(
-            f"ShardedModule: the weights differ across ranks in {len(differ)} of {len(named)} "
-            f"tensors ({differ[:4]}{'...' if len(differ) > 4 else ''}), so each rank would "
-            "keep pieces of a different model. Load the weights on every rank (or seed every "
-            "rank alike) before wrapping, or pass sync_module_states=True to copy rank 0's; "
-            "if you load the weights after wrapping (load_pretrained, load_full_state_dict, "
-            "load_checkpoint), pass sync_module_states=False."
-        )
+    return differ
 
 
-def copy_from_rank0(module: nn.Module, mesh: Mesh) -> None:
-    """Overwrite every parameter and buffer with the mesh's first rank's values.
+def warn_copied(module: nn.Module, names: list[str]) -> None:
+    """Say that rank 0's values of ``names`` were copied to every rank, and how to choose."""
+    total = len(_tensors(module))
+    warnings.warn(
+        f"ShardedModule: the weights differed across ranks in {len(names)} of {total} tensors "
+        f"({names[:4]}{'...' if len(names) > 4 else ''}); rank 0's were copied to every rank, "
+        "as DistributedDataParallel does. Seed every rank alike (or load the weights on every "
+        "rank) to start alike without the copy, pass sync_module_states=True to copy rank 0's "
+        "without this check and warning (weights loaded on rank 0 only), or "
+        "sync_module_states=False where the weights are loaded after wrapping "
+        "(load_pretrained, load_full_state_dict, load_checkpoint).",
+        stacklevel=3,
+    )
+
+
+def copy_from_rank0(module: nn.Module, mesh: Mesh, names: list[str] | None = None) -> None:
+    """Overwrite every parameter and buffer (or those of ``names``, the same on every rank)
+    with the mesh's first rank's values.
 
     With hybrid sharding the values go first across the replicate groups from replica 0,
     then within every shard group from its first rank, so rank 0's reach every rank.
@@ -80,7 +89,10 @@ def copy_from_rank0(module: nn.Module, mesh: Mesh) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     groups = [g for g in (mesh.replicate, mesh.shard) if g is not None and group_size(g) > 1]
-    for _, t in _tensors(module):
+    chosen = None if names is None else set(names)
+    for name, t in _tensors(module):
+        if chosen is not None and name not in chosen:
+            continue
         staged = t if t.is_contiguous() else t.contiguous()
         # gloo sends no float8: its bytes go as they are
         wire = staged.view(torch.uint8) if _is_float8(staged) else staged

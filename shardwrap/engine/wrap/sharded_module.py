@@ -21,13 +21,14 @@ from ...comm.failures import CollectiveFailed
 from ...comm.mesh import resolve_mesh
 from ...options import Compression, MixedPrecision, Offload
 from ...tiers.home import make_home
+from ..optim.pieces import as_piece
 from ..step.edits import check_modifier_rank
 from ..step.inference import fits_gathered
 from ..step.own_calls import piece_hint
 from ..step.recompute import compile_unit, recompute_activations
 from ..step.root import Root
 from ..step.strategy import Strategy
-from .agree_values import check_same_values, copy_from_rank0
+from .agree_values import copy_from_rank0, differing_values, warn_copied
 from .build import build_root
 from .checks import (
     ROOT_ATTR,
@@ -42,6 +43,7 @@ from .checks import (
     resolve_compile,
     unit_plan,
 )
+from .ddp_habits import DDPHabits
 from .extensions import check_move, check_prepare, checkpoint_unit, class_habits
 from .meta_init import ParamInitFn, check_param_init_fn, is_meta
 from .policy import AutoWrap, check_selects_something, place_parameters, resolve_policy
@@ -50,7 +52,7 @@ from .summary import log_summary, summarize
 __all__ = ["ShardedModule"]
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(DDPHabits, nn.Module):
     """Shard a model's training state across ranks (ZeRO stage 1, 2 or 3), keeping its identity.
 
     Every submodule that ``auto_wrap`` selects becomes a *unit*; the root holds the
@@ -103,10 +105,12 @@ class ShardedModule(nn.Module):
             (any stage). See :class:`Offload`.
         sync_module_states: ``None`` (default): check that every parameter and buffer has
             the same values on every rank (one pass over the weights, one small
-            collective). ``True``: copy them from rank 0 before sharding (weights loaded on
-            rank 0 only). ``False``: neither, for weights loaded after wrapping
-            (``load_pretrained``, ``load_full_state_dict``, ``load_checkpoint``). A
-            meta-device model is built alike on every rank and needs neither.
+            collective), and copy rank 0's values of those that differ to every rank, as
+            DDP does (a seed per rank), with a warning naming them. ``True``: copy them all
+            from rank 0 before sharding, without the check (weights loaded on rank 0 only).
+            ``False``: neither, for weights loaded after wrapping (``load_pretrained``,
+            ``load_full_state_dict``, ``load_checkpoint``). A meta-device model is built
+            alike on every rank and needs neither.
         compression: quantize the gathers for compute and the gradient reductions on the
             wire (see :class:`Compression`); shards, optimizer state and checkpoints stay
             exact. ``None`` (default): every collective sends its tensors as they are.
@@ -131,8 +135,7 @@ class ShardedModule(nn.Module):
             ``param_init_fn`` for a model not on the meta device, a meta-device tensor no
             initialiser wrote (every rank raises, naming each), or parameter names, shapes or
             dtypes that differ across ranks (checked with one small collective; every rank
-            raises, naming the first difference), or parameter or buffer values that differ
-            across ranks with ``sync_module_states=None`` (every rank raises, naming them).
+            raises, naming the first difference).
     """
 
     _shardwrap_root: Root
@@ -191,7 +194,10 @@ class ShardedModule(nn.Module):
         if sync_module_states and not is_meta(module):
             copy_from_rank0(module, mesh)
         elif sync_module_states is None and not is_meta(module):
-            check_same_values(module, mesh.control, mesh.control_device)
+            differ = differing_values(module, mesh.control, mesh.control_device)
+            if differ:  # as DDP does: rank 0's weights, and a word of it
+                copy_from_rank0(module, mesh, differ)
+                warn_copied(module, differ)
         home = make_home(offload, device, mesh.rank)
         root = build_root(
             module,
@@ -533,9 +539,20 @@ def _sharded_class(cls: type) -> type:
 def _make_sharded(module: nn.Module, root: Root) -> None:
     """Turn ``module``, whose units ``root`` drives, into its sharded class."""
     mesh = root.mesh
+    # each state-dict key of a sharded parameter (a tied one has several): its parameter
+    pieces = {
+        key: root.param_of[id(v)]
+        for key, v in nn.Module.state_dict(module, keep_vars=True).items()
+        if id(v) in root.param_of
+    }
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
+        for key, param in pieces.items():
+            value = state.get(prefix + key)
+            if value is not None and not isinstance(value, nn.Parameter):  # not keep_vars
+                piece = param.group.pieces[param.index]
+                state[prefix + key] = as_piece(value, param.shape, piece.start, piece.stop)
 
     module.register_state_dict_post_hook(note_shards)
     module.__class__ = _sharded_class(type(module))

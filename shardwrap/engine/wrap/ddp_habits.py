@@ -1,0 +1,84 @@
+"""What a DDP training script reads and sets on its model, on a sharded one.
+
+A script written for ``DistributedDataParallel`` changes its wrap line and keeps the rest:
+``raw_model = model.module``, gradient accumulation by ``model.require_backward_grad_sync``,
+and a count of parameters. :class:`DDPHabits` gives :class:`ShardedModule` those names with
+DDP's meaning; ``docs/ddp.md`` lists the lines that must change, and why.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from ..step.root import Root
+
+__all__ = ["DDPHabits"]
+
+
+class DDPHabits:
+    """DDP's attributes on a sharded model (mixed into :class:`ShardedModule`)."""
+
+    _shardwrap_root: Root
+
+    @property
+    def module(self) -> Any:
+        """DDP's ``model.module`` (``raw_model = model.module``): the model itself.
+
+        A sharded model is not a wrapper around the user's model, it is that model (its class,
+        names and methods kept), so what a DDP script reads through ``.module`` it finds here.
+        A submodule, parameter or buffer the model itself names ``module`` is returned instead,
+        as on the unwrapped model. NOTE: code that unwraps with ``while hasattr(m, "module"):
+        m = m.module`` would loop; unwrap with ``isinstance(m, DistributedDataParallel)``.
+        """
+        try:
+            return super().__getattr__("module")  # type: ignore[misc]
+        except AttributeError:
+            return self
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether backward reduces gradients across ranks (DDP's attribute; ``False`` inside
+        :meth:`ShardedModule.no_sync`).
+
+        ``model.require_backward_grad_sync = False`` makes the backwards that follow keep
+        local, unsharded gradients without communication, until it is set ``True`` again:
+        the next backward then reduces everything accumulated. Set it alike on every rank,
+        before the forward, as DDP scripts do; ranks that differ raise at their next forward
+        or backward, on every rank, instead of waiting for each other.
+        """
+        return self._shardwrap_root.reductions.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._shardwrap_root.reductions.sync = bool(value)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The number of elements of the model's parameters, over all ranks' pieces.
+
+        ``p.numel()`` of a parameter of ``model.parameters()`` is this rank's piece's (a tensor
+        cannot report another size), so ``sum(p.numel() for p in model.parameters())`` after
+        wrapping counts about 1/N of the model; this counts the whole, tied parameters once.
+        The signature is Hugging Face's ``PreTrainedModel.num_parameters``, which this replaces
+        on a sharded ``transformers`` model.
+
+        Args:
+            only_trainable: count only parameters that require a gradient.
+            exclude_embeddings: leave out the weights of ``nn.Embedding`` modules.
+        """
+        assert isinstance(self, nn.Module)
+        index = self._shardwrap_root.param_of
+        embeddings = (
+            {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.Embedding)}
+            if exclude_embeddings
+            else set()
+        )
+        total = 0
+        for name, p in self.named_parameters():
+            if name in embeddings or (only_trainable and not p.requires_grad):
+                continue
+            param = index.get(id(p))
+            total += p.numel() if param is None else math.prod(param.shape)
+        return total

@@ -1,0 +1,294 @@
+"""A DDP script's habits on a sharded model: each works as under DDP, or is refused at its line.
+
+Proves, in process (the same script under ``torchrun`` against DDP itself:
+``tests/e2e/test_from_ddp.py``):
+
+- ``model.state_dict()`` and ``optimizer.state_dict()`` hand out this rank's pieces as
+  ``ShardPiece`` tensors that know the whole tensor's shape and their element range; saving
+  one (``torch.save``, also of a ``.cpu()`` or ``.clone()`` of it) raises naming
+  ``full_state_dict``, ``full_optimizer_state_dict`` and ``save_checkpoint``, for elementwise
+  and shape-aware optimizers and at world size 1; in memory they load back (the optimizer's
+  state plain again), and training then goes on exactly as if they had never been taken;
+- ``model.module`` is the model (a submodule named ``module`` stays reachable);
+- ``model.require_backward_grad_sync = False`` keeps gradients local, reduced once at the last
+  micro-batch, in parity with the unwrapped model at every stage; it reads ``False`` inside
+  ``no_sync()``; ranks that set it differently raise on every rank (before: they waited on each
+  other until the timeout);
+- ``model.num_parameters()`` counts the whole model where ``p.numel()`` counts pieces;
+- weights drawn with a seed per rank are replaced by rank 0's, with a warning, and training
+  then matches the unwrapped model built with rank 0's seed, as under DDP;
+- a forward on rank 0 alone (evaluation under ``if master_process:``) raises on every rank at
+  that forward, naming it and the fix.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_from_ddp.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from shardwrap import ShardedModule
+from shardwrap.engine.optim.pieces import ShardPiece
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
+
+MICRO, STEPS = 3, 2
+
+
+def _run(world_size: int, fn: Any) -> list[Any]:
+    return [fn(0, None)] if world_size == 1 else run_ranks(world_size, fn, timeout=60.0)
+
+
+def _refused(obj: object) -> str:
+    with pytest.raises(TypeError) as info:
+        torch.save(obj, io.BytesIO())
+    return str(info.value)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_state_dicts_hold_pieces_that_refuse_to_be_saved(world_size: int, kind: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(tied=True)
+    x, y = make_batch(0, 4)
+
+    def optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if kind == "adamw":
+            return torch.optim.AdamW(params, lr=3e-3)
+        return torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.02)
+
+    def fn(rank: int, pg: ProcessGroup | None) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        opt = optimizer(list(m.parameters()))
+        n = 4 // world_size
+        m(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]).backward()
+        opt.step()
+        sd, osd = m.state_dict(), opt.state_dict()
+        root = m._shardwrap_root
+        params = nn.Module.state_dict(m, keep_vars=True)
+        for key in ("wte.weight", "lm_head.weight", "ln_f.weight"):  # lm_head: tied to wte
+            piece, param = sd[key], root.param_of[id(params[key])]
+            assert isinstance(piece, ShardPiece) and piece.full_shape == param.shape
+            layout_piece = param.group.pieces[param.index]
+            assert (piece.start, piece.stop) == (layout_piece.start, layout_piece.stop)
+        for obj in (sd, {"model": sd}, sd["wte.weight"].cpu(), sd["ln_f.weight"].clone()):
+            message = _refused(obj)
+            assert "model.full_state_dict(rank0_only=True)" in message
+            assert "shardwrap.full_optimizer_state_dict" in message
+            assert "shardwrap.save_checkpoint" in message
+        held = [v for entry in osd["state"].values() for v in entry.values() if v.ndim > 0]
+        assert held and all(isinstance(v, ShardPiece) for v in held)
+        assert "full_optimizer_state_dict" in _refused({"optimizer": osd})
+        # the optimizer's own state stays plain: its step pays nothing for the pieces
+        assert all(type(v) is Tensor for s in opt.state.values() for v in s.values())
+        # in memory, both load back (copy.deepcopy keeps them pieces)
+        kept_model, kept_opt = copy.deepcopy(sd), copy.deepcopy(osd)
+        assert isinstance(kept_model["wte.weight"], ShardPiece)
+        m.load_state_dict(kept_model)
+        opt.load_state_dict(kept_opt)
+        assert all(type(v) is Tensor for s in opt.state.values() for v in s.values())
+
+    _run(world_size, fn)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_dicts_loaded_back_train_on_as_if_never_saved(world_size: int) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    batches = [make_batch(s, 4) for s in range(4)]
+
+    def fn(rank: int, pg: ProcessGroup | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        n = 4 // world_size
+
+        def train(m: nn.Module, opt: torch.optim.Optimizer, part: list) -> None:
+            for x, y in part:
+                m(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]).backward()
+                opt.step()
+                opt.zero_grad()
+
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        train(m, opt, batches[:2])
+        kept = copy.deepcopy({"model": m.state_dict(), "optimizer": opt.state_dict()})
+        train(m, opt, batches[2:])
+        resumed = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=3e-3)
+        resumed.load_state_dict(kept["model"])
+        resumed_opt.load_state_dict(kept["optimizer"])  # before its first step
+        train(resumed, resumed_opt, batches[2:])
+        return m.full_state_dict(), resumed.full_state_dict()
+
+    for state, resumed in _run(world_size, fn):
+        torch.testing.assert_close(resumed, state, atol=0, rtol=0)
+
+
+class Wrapper(nn.Module):
+    """A model holding its network as a submodule named ``module``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = GPT()
+
+    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
+        return self.module(idx, targets)
+
+
+def test_module_is_the_model_unless_the_model_names_a_submodule_so() -> None:
+    torch.manual_seed(0)
+    model, wrapper = GPT(), Wrapper()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        assert m.module is m and hasattr(m, "module")
+        raw_model = m.module  # DDP: the model it wraps, with its methods and attributes
+        assert raw_model.lm_head is m.lm_head
+        w = ShardedModule(copy.deepcopy(wrapper), auto_wrap=Block, process_group=pg)
+        assert isinstance(w.module, GPT) and w.module is not w
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+# gradient accumulation -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_require_backward_grad_sync_accumulates_and_reduces_once(stage: int) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    batches = [[make_batch(10 * s + i, 4) for i in range(MICRO)] for s in range(STEPS)]
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for micro in batches:
+        for x, y in micro:
+            (ref(x, y) / MICRO).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[int], dict[str, Tensor]]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        assert m.require_backward_grad_sync
+        with m.no_sync():
+            assert not m.require_backward_grad_sync
+        assert m.require_backward_grad_sync
+        reduced = []
+        for micro in batches:
+            for i, (x, y) in enumerate(micro):
+                m.require_backward_grad_sync = i == MICRO - 1  # nanoGPT's line
+                before = m.comm_stats.calls.get("reduce_scatter", 0)
+                (m(x.chunk(2)[rank], y.chunk(2)[rank]) / MICRO).backward()
+                reduced.append(m.comm_stats.calls.get("reduce_scatter", 0) - before)
+            opt.step()
+            opt.zero_grad()
+        return reduced, m.full_state_dict()
+
+    for reduced, state in run_ranks(2, fn, timeout=60.0):
+        for step in range(STEPS):
+            *accumulated, last = reduced[step * MICRO : (step + 1) * MICRO]
+            assert accumulated == [0] * (MICRO - 1) and last > 0, reduced
+        torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ranks_that_differ_in_grad_sync_raise_on_every_rank(stage: int) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    x, y = make_batch(0, 4)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        m.require_backward_grad_sync = rank == 0
+        with pytest.raises(RuntimeError, match="gradient synchronisation differs") as info:
+            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        return str(info.value)
+
+    # a short timeout: a wait for a reduction that never comes fails the test, not a hang
+    for message in run_ranks(2, fn, timeout=20.0):
+        assert "require_backward_grad_sync" in message and "every rank" in message
+
+
+# counting, seeds, evaluation -------------------------------------------------------------
+
+
+def test_num_parameters_counts_the_whole_model() -> None:
+    torch.manual_seed(0)
+    model = GPT(tied=True)
+    model.wpe.weight.requires_grad_(False)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    embeddings = model.wte.weight.numel() + model.wpe.weight.numel()
+
+    def fn(rank: int, pg: ProcessGroup) -> int:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        assert m.num_parameters() == total
+        assert m.num_parameters(only_trainable=True) == trainable
+        assert m.num_parameters(exclude_embeddings=True) == total - embeddings
+        return sum(p.numel() for p in m.parameters())  # this rank's pieces
+
+    pieces = run_ranks(2, fn, timeout=30.0)
+    assert sum(pieces) == total and all(n < total for n in pieces)
+
+
+def test_a_seed_per_rank_starts_every_rank_from_rank_0s_weights() -> None:
+    models = []
+    for rank in range(2):
+        torch.manual_seed(1337 + rank)  # nanoGPT's seed per rank
+        models.append(GPT())
+    ref = copy.deepcopy(models[0])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batches = [make_batch(s, 4) for s in range(2)]
+    for x, y in batches:
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(models[rank], auto_wrap=Block, process_group=pg)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x, y in batches:
+            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    with pytest.warns(UserWarning, match="rank 0's were copied to every rank") as warned:
+        states = run_ranks(2, fn, timeout=30.0)
+    assert "wte.weight" in str(warned[0].message)
+    for state in states:
+        torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_evaluation_on_rank_0_alone_raises_at_that_forward(stage: int) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    x, y = make_batch(0, 4)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        opt = torch.optim.AdamW(m.parameters())
+        m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        out_of_step = pytest.raises(RuntimeError, match="ranks are at different steps")
+        if rank == 0:  # if master_process: estimate_loss()
+            with torch.no_grad(), out_of_step as info:
+                m(x, y)
+        else:  # the next step's forward meets it
+            with out_of_step as info:
+                m(x.chunk(2)[rank], y.chunk(2)[rank])
+        return str(info.value)
+
+    for message in run_ranks(2, fn, timeout=30.0):
+        assert "rank 0: forward pass 2, gathering unit 0 (GPT) for a forward without grad" in (
+            message
+        )
+        assert "if master_process:" in message and "docs/ddp.md" in message
