@@ -212,10 +212,10 @@ def trace(
     groups: list[GroupSpec] = []
     members: list[list[tuple[nn.Parameter, list[Slot]]]] = []  # per group, in flat order
     for index, entries in enumerate(placement.params):
-        by_key: dict[tuple[torch.dtype, bool], list[tuple[nn.Parameter, list[Slot]]]] = {}
+        by_key: dict[tuple[torch.dtype, bool, bool], list[tuple[nn.Parameter, list[Slot]]]] = {}
         for _, p, slots in entries:
             by_key.setdefault(group_key(p), []).append((p, slots))
-        for (dtype, requires_grad), group in by_key.items():
+        for (dtype, requires_grad, _), group in by_key.items():
             compute = precision.compute_dtype(dtype) if precision else dtype
             reduce = precision.gradient_dtype(dtype) if precision else compute
             layout = FlatLayout(tuple(p.numel() for p, _ in group), world_size)
