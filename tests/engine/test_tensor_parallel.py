@@ -15,6 +15,8 @@ model trained on the whole batch. Proves:
   clipped norms;
 - sequence parallelism (norms as replicated DTensors, their gradients counted once in the
   norm, not once per tp rank);
+- Muon stepping each tp-split matrix whole on one owner among the four ranks (its state there,
+  in the whole shape), within 1e-4 of the reference;
 - bf16 mixed precision: forward computes with bf16 DTensors, the parameters follow the plain
   mixed-precision recipe within 1e-4 (bf16 rounds the row-parallel partial sums), fp32 masters;
 - int8 gradient compression over the dp axis: each step's reduced gradient within the
@@ -28,6 +30,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/engine/test_tensor_par
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -38,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from shardwrap import Compression, MixedPrecision, Offload, ShardedModule
+from tests.engine.test_shaped_optimizers import Both
 from tests.support.models import Block
 from tests.support.parity import (
     GPT_BATCHES,
@@ -74,6 +78,16 @@ def _gpt_loss(model: nn.Module, x: Tensor, y: Tensor, mesh: Any) -> Tensor:
 
 def _hf_loss(model: nn.Module, x: Tensor, y: Tensor, mesh: Any) -> Tensor:
     return hf_loss(model, x, y)
+
+
+def _muon(params: Iterable[nn.Parameter]) -> Both:
+    """Muon over the matrices, SGD with momentum over the rest (exact, unlike Adam's steps of
+    the attention key biases, whose true gradient is zero)."""
+    params = list(params)
+    return Both(
+        torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3),
+        torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.05, momentum=0.9),
+    )
 
 
 MODEL = tp_gpt()
@@ -134,6 +148,33 @@ def test_sequence_parallel_norms_count_their_replicated_gradients_once() -> None
         torch.testing.assert_close(run.losses, want.losses, atol=1e-5, rtol=0)
         torch.testing.assert_close(run.norms, want.norms, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(run.state, want.state, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_steps_each_split_matrix_whole_on_one_of_the_four_ranks(stage: int) -> None:
+    _, want = train_recipe(MODEL, 2, torch.float32, make_optimizer=_muon)
+
+    def owned(m: nn.Module, opt: Both, mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
+        names = {id(p): n for n, p in m.named_parameters()}
+        state = opt.optimizers[0].state  # Muon's
+        return {names[id(p)]: tuple(s["momentum_buffer"].shape) for p, s in state.items()}
+
+    runs = train_tp(
+        MODEL, parallelize_gpt, *DP_TP, _muon, GPT_BATCHES, _gpt_loss,
+        finish=owned, auto_wrap=Block, stage=stage,
+    )  # fmt: skip
+    owners: dict[str, list[tuple[int, ...]]] = {}
+    for run in runs:
+        torch.testing.assert_close(run.state, want, atol=1e-4, rtol=0)
+        for name, shape in run.finished.items():
+            owners.setdefault(name, []).append(shape)
+    # a tp-split matrix has its state on one rank of the four, whole; a replicated one on one
+    # rank of each tp rank's shard group
+    split = ("wte", "lm_head", "mlp.0", "mlp.2", "attn.proj")
+    for name, value in want.items():
+        if value.ndim == 2:
+            copies = 1 if any(s in name for s in split) else 2
+            assert owners[name] == [tuple(value.shape)] * copies, name
 
 
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
