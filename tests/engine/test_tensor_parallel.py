@@ -316,3 +316,47 @@ def _escaped(words: str) -> str:
     import re
 
     return re.escape(words)
+
+
+def _seeded(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return tp_gpt()
+
+
+MODELS = [_seeded(seed) for seed in range(4)]  # one per rank, each its own weights
+
+
+def test_sync_module_states_and_gathered_edits_handle_blocks() -> None:
+    """``sync_module_states=True`` gives every rank rank 0's model: parallelize_module gives
+    each tp rank its block of its tp group's first rank's weights, the sync copies the first dp
+    rank's blocks and rank 0's replicated weights. Inside ``gathered(writeback=True)`` the
+    parameters are whole DTensors; edits every rank makes alike are written back, edits of one
+    rank's block are refused on every rank (the tp ranks' blocks are fingerprinted together),
+    and so is a ``modifier_rank``."""
+    want = {k: v.clone() for k, v in MODELS[0].state_dict().items()}
+
+    def fn(rank: int, mesh: DeviceMesh) -> None:
+        m = ShardedModule(
+            parallelize_gpt(copy.deepcopy(MODELS[rank]), mesh["tp"]),
+            process_group=mesh,
+            auto_wrap=Block,
+            sync_module_states=True,
+        )
+        torch.testing.assert_close(m.full_state_dict(), want, atol=0, rtol=0)
+        with m.gathered(writeback=True):
+            assert isinstance(m.blocks[0].mlp[0].weight, DTensor)
+            m.blocks[0].mlp[0].weight.add_(1.0)
+            m.ln_f.weight.add_(1.0)
+        edited = m.full_state_dict()
+        for name in ("blocks.0.mlp.0.weight", "ln_f.weight"):
+            torch.testing.assert_close(edited[name], want[name] + 1.0, atol=0, rtol=0)
+        with pytest.raises(ValueError, match="differ across ranks: blocks.0.mlp.0.weight"):
+            with m.gathered(writeback=True):
+                if rank == 1:  # one tp rank's block only
+                    m.blocks[0].mlp[0].weight.add_(1.0)
+        with pytest.raises(ValueError, match="modifier_rank=.... with tensor parallelism"):
+            with m.gathered(modifier_rank=0):
+                pass
+        torch.testing.assert_close(m.full_state_dict(), edited, atol=0, rtol=0)
+
+    run_mesh_ranks(*DP_TP, fn)

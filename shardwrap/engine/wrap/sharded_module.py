@@ -312,7 +312,7 @@ class ShardedModule(nn.Module):
         ``RuntimeError`` saying so).
         """
         root = self._shardwrap_root
-        writeback = check_modifier_rank(modifier_rank, writeback, root.mesh.world_size)
+        writeback = check_modifier_rank(modifier_rank, writeback, root.mesh)
         with root.gathered(writeback, modifier_rank):
             yield
 
