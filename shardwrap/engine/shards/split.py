@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Split"]
+__all__ = ["Split", "overlaps"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +119,26 @@ class Split:
         assert self.dim is not None
         blocks = stacked.view(self.parts, *self.block_shape).unbind(0)
         return torch.cat(blocks, dim=self.dim)
+
+
+def overlaps(
+    mine: Split, lo: int, hi: int, theirs: Split, start: int, stop: int
+) -> list[tuple[int, int, int]]:
+    """Where stacked elements ``[start, stop)`` of ``theirs`` hold stacked elements
+    ``[lo, hi)`` of ``mine`` (two splits of one parameter): ``(at, to, n)`` each, ``n``
+    elements from offset ``at`` of the former to offset ``to`` of the latter."""
+    if (mine.identity and theirs.identity) or (mine.dim, mine.parts) == (theirs.dim, theirs.parts):
+        a, b = max(lo, start), min(hi, stop)
+        return [(a - start, a - lo, b - a)] if a < b else []
+    wanted, held = sorted(mine.runs(lo, hi)), sorted(theirs.runs(start, stop))
+    out, i, j = [], 0, 0
+    while i < len(wanted) and j < len(held):
+        (w0, w1, wv), (h0, h1, hv) = wanted[i], held[j]
+        a, b = max(w0, h0), min(w1, h1)
+        if a < b:
+            out.append((hv + a - h0 - start, wv + a - w0 - lo, b - a))
+        if w1 <= h1:
+            i += 1
+        else:
+            j += 1
+    return out
