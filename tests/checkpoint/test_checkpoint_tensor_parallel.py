@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwrap import ShardedModule, export, load_checkpoint, load_pretrained, save_checkpoint
-from tests.engine.test_shaped_optimizers import Both
 from tests.support.models import Block
+from tests.support.optimizers import MuonAndSGD
 from tests.support.parity import GPT_BATCHES, STEPS, adamw, gpt_loss, train_recipe
 from tests.support.tp import data_rank, parallelize_gpt, run_mesh_ranks, tp_gpt
 
@@ -38,16 +38,8 @@ HALF = STEPS // 2
 MODEL = tp_gpt()
 
 
-def _muon(params: Iterable[nn.Parameter]) -> Both:
-    params = list(params)
-    return Both(
-        torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3),
-        torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.05, momentum=0.9),
-    )
-
-
 def _optimizers(opt: Any) -> Any:
-    return list(opt.optimizers) if isinstance(opt, Both) else opt
+    return list(opt.optimizers) if isinstance(opt, MuonAndSGD) else opt
 
 
 def _train(m: nn.Module, opt: Any, steps: range, index: int, count: int) -> list[float]:
@@ -88,7 +80,7 @@ def _resume(
     return loaded, losses, m.full_state_dict()
 
 
-@pytest.mark.parametrize("make_opt", [adamw, _muon], ids=["adamw", "muon"])
+@pytest.mark.parametrize("make_opt", [adamw, MuonAndSGD], ids=["adamw", "muon"])
 def test_a_checkpoint_at_dp2_tp2_loads_at_any_layout(
     tmp_path: Path, make_opt: Callable[[Any], Any]
 ) -> None:
@@ -116,7 +108,7 @@ def test_a_checkpoint_at_dp2_tp2_loads_at_any_layout(
         # AdamW: the losses (Adam turns rounding in the attention key biases, whose true
         # gradient is zero, into noise); Muon (and SGD for the rest): every parameter
         torch.testing.assert_close(losses, want_losses[HALF:], atol=1e-5, rtol=0)
-        if make_opt is _muon:
+        if make_opt is MuonAndSGD:
             torch.testing.assert_close(final, want, atol=1e-4, rtol=0)
 
 

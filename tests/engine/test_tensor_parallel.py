@@ -30,7 +30,6 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/engine/test_tensor_par
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -41,8 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from shardwrap import Compression, MixedPrecision, Offload, ShardedModule
-from tests.engine.test_shaped_optimizers import Both
 from tests.support.models import Block
+from tests.support.optimizers import MuonAndSGD
 from tests.support.parity import (
     GPT_BATCHES,
     HF_BATCHES,
@@ -78,16 +77,6 @@ def _gpt_loss(model: nn.Module, x: Tensor, y: Tensor, mesh: Any) -> Tensor:
 
 def _hf_loss(model: nn.Module, x: Tensor, y: Tensor, mesh: Any) -> Tensor:
     return hf_loss(model, x, y)
-
-
-def _muon(params: Iterable[nn.Parameter]) -> Both:
-    """Muon over the matrices, SGD with momentum over the rest (exact, unlike Adam's steps of
-    the attention key biases, whose true gradient is zero)."""
-    params = list(params)
-    return Both(
-        torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3),
-        torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.05, momentum=0.9),
-    )
 
 
 MODEL = tp_gpt()
@@ -152,15 +141,15 @@ def test_sequence_parallel_norms_count_their_replicated_gradients_once() -> None
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_muon_steps_each_split_matrix_whole_on_one_of_the_four_ranks(stage: int) -> None:
-    _, want = train_recipe(MODEL, 2, torch.float32, make_optimizer=_muon)
+    _, want = train_recipe(MODEL, 2, torch.float32, make_optimizer=MuonAndSGD)
 
-    def owned(m: nn.Module, opt: Both, mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
+    def owned(m: nn.Module, opt: MuonAndSGD, mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
         names = {id(p): n for n, p in m.named_parameters()}
         state = opt.optimizers[0].state  # Muon's
         return {names[id(p)]: tuple(s["momentum_buffer"].shape) for p, s in state.items()}
 
     runs = train_tp(
-        MODEL, parallelize_gpt, *DP_TP, _muon, GPT_BATCHES, _gpt_loss,
+        MODEL, parallelize_gpt, *DP_TP, MuonAndSGD, GPT_BATCHES, _gpt_loss,
         finish=owned, auto_wrap=Block, stage=stage,
     )  # fmt: skip
     owners: dict[str, list[tuple[int, ...]]] = {}

@@ -62,7 +62,6 @@ from torch.utils.hooks import RemovableHandle
 
 from ...comm.collectives import all_to_all
 from ...tiers.offload import HOME_ATTR, before_step
-from ..shards.split import Split
 from .loaded_state import check_held_state, watch
 from .shard_grad import as_shard_grad, shard_grad_owner
 
@@ -283,7 +282,7 @@ class _Entry:
     """One shard parameter the optimizer steps, and where its pieces are."""
 
     param: nn.Parameter
-    split: Split  # its whole shape, and its tp blocks
+    split: Any  # its whole shape and tp blocks: a Split (engine/shards/split.py, a room apart)
     pieces: list[tuple[int, int]]  # per rank of ``group``: [start, stop) in stacked order
     grad_owner: Any  # what types its whole gradient on the owner (``as_shard_grad``)
     group: Any  # the ranks among which it has an owner: the shard group, or shard x tp
