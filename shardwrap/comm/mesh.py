@@ -202,10 +202,10 @@ def _from_device_mesh(device_mesh: DeviceMesh) -> Mesh:
         return Mesh(shard=group, control=control, control_device=control_device)
     if names not in MESH_NAMES:
         raise ValueError(
-            "process_group: a DeviceMesh must be 1-D, or name its dimensions "
-            '("replicate", "shard") for hybrid sharding, ("dp", "tp") for tensor parallelism, '
-            f'or ("replicate", "dp", "tp") for both; got {device_mesh.ndim}-D with names '
-            f'{names or None}; e.g. init_device_mesh("cuda", (nodes, gpus_per_node), '
+            "process_group: a DeviceMesh for hybrid sharding must be 2-D with dimensions "
+            f'("replicate", "shard"), got {device_mesh.ndim}-D with names {names or None}; for '
+            '2-D parallelism ("dp", "tp") or ("replicate", "dp", "tp"), "tp" the dimension '
+            'parallelize_module used; e.g. init_device_mesh("cuda", (nodes, gpus_per_node), '
             'mesh_dim_names=("replicate", "shard")).'
         )
     if device_mesh.mesh.numel() != dist.get_world_size():
