@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .split import Split
 
-__all__ = ["TPSpec", "check_tensor_parallel", "spec_of", "tp_mesh_of"]
+__all__ = ["TPSpec", "check_tensor_parallel", "local_of", "spec_of", "tp_mesh_of"]
 
 
 @dataclass(frozen=True)
