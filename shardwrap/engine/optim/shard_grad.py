@@ -232,11 +232,10 @@ def _complete_together(parts: list[PartialNorm]) -> None:
     norms of gradients sharded over different groups (a tensor-parallel model's) stacked by
     ``clip_grad_norm_`` are completed at once, in the order they first appear."""
     pending: dict[tuple[int, float, torch.dtype], list[PartialNorm]] = {}
-    for part in parts:
-        if part._shardwrap_complete is None:
-            key = (id(part._shardwrap_owner), part._shardwrap_order, part.dtype)
-            if not any(part is other for other in pending.get(key, ())):
-                pending.setdefault(key, []).append(part)
+    unique = {id(part): part for part in parts if part._shardwrap_complete is None}
+    for part in unique.values():
+        key = (id(part._shardwrap_owner), part._shardwrap_order, part.dtype)
+        pending.setdefault(key, []).append(part)
     for same in pending.values():
         if len(same) > 1:
             for part, whole in zip(same, _complete(same)):
@@ -270,7 +269,8 @@ class PartialNorm(Tensor):
             return func(*args, **kwargs)
 
     def complete(self) -> Tensor:
-        """The whole norm: one all-reduce over the shard group, on every rank, once."""
+        """The whole norm: one all-reduce over the group its gradient is sharded over, on
+        every rank, once."""
         if self._shardwrap_complete is None:
             self._shardwrap_complete = _complete([self])[0]
         return self._shardwrap_complete
