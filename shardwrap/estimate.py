@@ -3,10 +3,17 @@
     python -m shardwrap.estimate gpt2 --world-size 8 --batch 4 --seq 1024
     python -m shardwrap.estimate examples.train_gpt:GPT --world-size 2 --batch 2 --seq 64 \\
         --kwargs '{"width": 1024, "depth": 8, "heads": 16, "context": 64}'
+    python -m shardwrap.estimate llama --world-size 8 --tp 2 --batch 4 --seq 1024
+    python -m shardwrap.estimate examples.train_gpt:GPT --world-size 4 --tp 2 \\
+        --tp-plan examples.train_gpt_tp:tp_plan --batch 2 --seq 64 \\
+        --kwargs '{"width": 1024, "depth": 8, "heads": 16, "context": 64}'
 
 The model is built on the meta device, so nothing is allocated: a ``transformers`` model type
 (its default config, nothing downloaded; ``--kwargs`` overrides fields) or ``module:factory``
-(called with ``--kwargs``). In Python: ``shardwrap.estimate_memory(...)``.
+(called with ``--kwargs``). With ``--tp`` the ranks are dp x tp, each tp rank holding its
+blocks of what the model's own tensor-parallel plan (a ``transformers`` model's) or
+``--tp-plan module:attr`` (a ``parallelize_module`` plan, or a function returning one) splits.
+In Python: ``shardwrap.estimate_memory(...)``.
 """
 
 from __future__ import annotations
@@ -47,12 +54,19 @@ def main(argv: list[str] | None = None) -> MemoryPlan:
     p.add_argument(
         "--kwargs", type=json.loads, default={}, help="JSON: factory arguments or config fields"
     )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides world size)")
+    p.add_argument("--tp-plan", help="module:attr, a parallelize_module plan or a function of none")
     args = p.parse_args(argv)
     dtype = PRECISIONS[args.mixed_precision]
     auto_wrap = None
     if args.auto_wrap:
         module, _, name = args.auto_wrap.partition(":")
         auto_wrap = getattr(importlib.import_module(module), name)
+    tp_plan = None
+    if args.tp_plan:
+        module, _, name = args.tp_plan.partition(":")
+        tp_plan = getattr(importlib.import_module(module), name)
+        tp_plan = tp_plan() if callable(tp_plan) else tp_plan
     plan = estimate_memory(
         args.model,
         world_size=args.world_size,
@@ -65,6 +79,8 @@ def main(argv: list[str] | None = None) -> MemoryPlan:
         optimizer=args.optimizer,
         device=args.device,
         kwargs=args.kwargs,
+        tp=args.tp,
+        tp_plan=tp_plan,
     )
     print(plan)
     return plan

@@ -20,6 +20,7 @@ model: each rank reads only the rows that cover its pieces, memory-mapped.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -32,6 +33,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ..engine.shards.param_index import Param
+from ..engine.shards.split import Split
 from .entry import wrapped_root
 from .files import (
     Entry,
@@ -400,15 +402,29 @@ def _weight_map(index: Path) -> dict[str, str]:
     return where
 
 
-def _rows(handle: Any, key: str, shape: tuple[int, ...], start: int, stop: int) -> Tensor:
-    """Elements ``[start, stop)`` of the flattened tensor ``key``, reading whole rows only."""
+def _rows(
+    handle: Any, key: str, shape: tuple[int, ...], start: int, stop: int, block: Any = None
+) -> Tensor:
+    """Elements ``[start, stop)`` of the flattened tensor ``key``, reading whole rows only; of
+    its block ``block = (split, index)`` (a tensor-parallel rank's, ``engine/shards/split.py``)
+    where given."""
     if len(shape) == 0:
         return handle.get_tensor(key).reshape(-1)[start:stop]
-    row = 1
-    for s in shape[1:]:
-        row *= s
+    split, index = block if block is not None else (Split(shape), 0)
+    rows = split.block_shape
+    row = math.prod(rows[1:])
     first, last = start // row, -(-stop // row)
-    return handle.get_slice(key)[first:last].reshape(-1)[start - first * row : stop - first * row]
+    at = [slice(None)] * len(shape)
+    if split.is_split and split.dim == 0:
+        at[0] = slice(index * rows[0] + first, index * rows[0] + last)
+    else:
+        at[0] = slice(first, last)
+        if split.is_split:
+            assert split.dim is not None
+            n = rows[split.dim]
+            at[split.dim] = slice(index * n, (index + 1) * n)
+    stored = handle.get_slice(key)[tuple(at)]
+    return stored.reshape(-1)[start - first * row : stop - first * row]
 
 
 def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) -> None:
@@ -478,7 +494,9 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                 piece = p.group.pieces[p.index]
                 if p.name in plan and piece.numel > 0:
                     handle, key = plan[p.name]
-                    p.shard.copy_(_rows(handle, key, p.shape, piece.start, piece.stop))
+                    spec = p.group.specs[p.index]
+                    block = (spec.split, spec.index) if spec is not None else None
+                    p.shard.copy_(_rows(handle, key, p.shape, piece.start, piece.stop, block))
             for k, v in buffers.items():
                 if k in plan:
                     v.copy_(plan[k][0].get_tensor(plan[k][1]))

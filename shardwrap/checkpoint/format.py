@@ -37,6 +37,7 @@ __all__ = [
     "FORMAT",
     "METADATA",
     "OPTIMIZER",
+    "UNSPLIT_VERSION",
     "VERSION",
     "checksum_file",
     "dtype_name",
@@ -53,10 +54,14 @@ __all__ = [
 ]
 
 FORMAT = "shardwrap.checkpoint"
-# 2: content checksums of every stored tensor and file; 3: whole-stepped state. Residuals of
-# error feedback (an optional "residuals" entry and files) need no new version: a reader that
-# does not know them loads the rest, and its residuals start at zero as before they were saved.
-VERSION = 3
+# 2: content checksums of every stored tensor and file; 3: whole-stepped state; 4: tensor-
+# parallel blocks (a parameter's "split"), written only where a parameter is split: a reader of
+# 3 would take its stacked ranges for the parameter's own, and any other checkpoint stays 3.
+# Residuals of error feedback (an optional "residuals" entry and files) need no new version: a
+# reader that does not know them loads the rest, and its residuals start at zero as before
+# they were saved.
+VERSION = 4
+UNSPLIT_VERSION = 3
 METADATA = "metadata.json"
 BUFFERS = "buffers.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -207,7 +212,7 @@ def read_metadata(folder: Path) -> dict[str, Any]:
         raise ValueError(f"load_checkpoint: {path} is corrupt: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"load_checkpoint: {path} is not a shardwrap checkpoint's metadata")
-    if meta.get("version") not in (2, VERSION):
+    if meta.get("version") not in range(2, VERSION + 1):
         raise ValueError(
             f"load_checkpoint: {path} has format version {meta.get('version')}; this "
             f"shardwrap reads 2 to {VERSION}"
@@ -260,6 +265,12 @@ def _params_problem(params: object) -> str | None:
             return f'parameter "{name}" needs a "shape" (a list of sizes)'
         if not isinstance(entry.get("dtype"), str):
             return f'parameter "{name}" needs a "dtype" name'
+        split = entry.get("split")
+        if split is not None and not _good_split(split, entry["shape"]):
+            return (
+                f'parameter "{name}": "split" must be [dim, parts], a dimension of its shape '
+                "that the parts divide"
+            )
         pieces = entry.get("pieces")
         if not isinstance(pieces, list) or any(
             not isinstance(pc, list)
@@ -274,6 +285,17 @@ def _params_problem(params: object) -> str | None:
                 "a plain name inside the folder"
             )
     return None
+
+
+def _good_split(split: object, shape: list[int]) -> bool:
+    return (
+        isinstance(split, list)
+        and len(split) == 2
+        and not _bad_int(split[0])
+        and not _bad_int(split[1], 1)
+        and split[0] < len(shape)
+        and shape[split[0]] % split[1] == 0
+    )
 
 
 def _buffers_problem(buffers: object) -> str | None:

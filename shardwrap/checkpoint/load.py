@@ -2,7 +2,9 @@
 
 The folder's layout is described in :mod:`shardwrap.checkpoint.save`. Each rank intersects its own
 pieces (for its world size and policy) with the saved element ranges and reads only those
-bytes, memory-mapped. State of an optimizer that steps parameters whole (Muon, Adafactor) is
+bytes, memory-mapped; a tensor-parallel parameter saved at another split (another tp degree,
+or none) is read run by run where the two splits' elements meet (``engine/shards/split.py``).
+State of an optimizer that steps parameters whole (Muon, Adafactor) is
 read whole, each parameter's by the rank that owns it in the new layout, into a tensor made
 from the shard parameter as the optimizer makes its state (with the disk tier, in its files).
 Every check runs on every rank before anything is written into the model or the optimizer.
@@ -26,6 +28,7 @@ from torch import Tensor, nn
 from ..comm.failures import is_out_of_memory
 from ..engine.optim.whole_params import stepped_whole
 from ..engine.shards.param_index import Param
+from ..engine.shards.split import Split, overlaps
 from ..engine.step.root import Root
 from .checksum import buffer_checksum, tensor_checksum
 from .entry import wrapped_root
@@ -107,7 +110,9 @@ def load_checkpoint(
         return loader.extra
 
 
-Read = tuple[str, int, int, int]  # file, saved piece's start, overlap [lo, hi) in the parameter
+# a saved piece's file, and where it holds this rank's piece: (offset in the saved piece,
+# offset in this rank's piece, elements) each
+Read = tuple[str, list[tuple[int, int, int]]]
 _DTYPES = {name: dtype for dtype, name in DTYPES.items()}  # safetensors name -> torch dtype
 
 
@@ -269,22 +274,27 @@ class _Loader:
 
     def _plan_reads(self, p: Param) -> list[Read]:
         """The saved ranges overlapping this rank's piece of ``p``, their headers checked."""
-        piece = p.group.pieces[p.index]
+        piece, mine, spec = p.group.pieces[p.index], p.group.splits[p.index], p.group.specs[p.index]
+        at = spec.index * mine.block_numel if spec is not None and mine.is_split else 0
+        lo, hi = at + piece.start, at + piece.stop  # in stacked order (see split.py)
+        entry = self.meta["params"][p.name]
+        dim, parts = entry.get("split", (None, 1))
+        theirs = Split(tuple(entry["shape"]), dim, parts)
         keys = [f"model/{p.name}"]
         if self.optimizers:
             keys += [
                 f"optim/{k}/{p.name}" for k in self.meta["optimizer"]["state_keys"].get(p.name, [])
             ]
         reads = []
-        for file, start, stop in self.meta["params"][p.name]["pieces"]:
-            lo, hi = max(piece.start, start), min(piece.stop, stop)
-            if lo >= hi:
+        for file, start, stop in entry["pieces"]:
+            found = overlaps(mine, lo, hi, theirs, start, stop)
+            if not found:
                 continue
             for key in keys:
                 self._check_stored(file, key, (stop - start,), p.shard.dtype)
-            reads.append((file, start, lo, hi))
+            reads.append((file, found))
             self._read_keys.setdefault(file, set()).update(keys)
-            if (lo, hi) == (start, stop) and lo == piece.start:
+            if found == [(0, 0, stop - start)]:  # one copy of it whole: checked as read
                 whole = {k for k in keys if k.startswith("optim/")}
                 self._checked_when_read.setdefault(file, set()).update(whole)
         return reads
@@ -369,11 +379,11 @@ class _Loader:
     def _read(self, key: str, p: Param, out: Tensor) -> None:
         """Fill ``out`` (this rank's piece of ``p``) with the saved tensor ``key``; check the
         pieces :meth:`_plan_reads` left to be checked here, in ``out`` itself."""
-        first = p.group.pieces[p.index].start
-        for file, start, lo, hi in self.reads[p.name]:
-            region = out.view(-1)[lo - first : hi - first]
+        for file, found in self.reads[p.name]:
             stored = self._open(file).get_slice(key)
-            region.copy_(stored[lo - start : hi - start])
+            for at, to, n in found:
+                region = out.view(-1)[to : to + n]
+                region.copy_(stored[at : at + n])
             if key not in self._checked_when_read.get(file, ()):
                 continue
             saved_dtype, saved_sum = self.meta["checksums"]["tensors"][file][key]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.optim.whole_params import PIECE_ATTR, stepped_whole
+from ..engine.optim.whole_params import stepped_whole
 from .files import few
 
 __all__ = [
@@ -220,7 +220,7 @@ def check_count(optimizers: list[torch.optim.Optimizer], saved: list[dict[str, A
 
 def owns(stepping: Any, param: nn.Parameter) -> bool:
     """Whether this rank steps ``param`` whole, and so holds its optimizer state."""
-    return getattr(param, PIECE_ATTR)[0]().mesh.shard_rank == stepping.owner(param)
+    return stepping.owns(param)
 
 
 def check_optimizer(

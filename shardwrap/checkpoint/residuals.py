@@ -48,12 +48,16 @@ def residuals_of(reductions: Reductions) -> list[tuple[str, Tensor]]:
 
 
 def residual_layout(reductions: Reductions, mesh: Mesh) -> dict[str, Any]:
-    """What residuals are relative to: the metadata's ``residuals`` entry."""
-    return {
+    """What residuals are relative to: the metadata's ``residuals`` entry (with tensor
+    parallelism, the tp degree too: the flat layouts hold its blocks)."""
+    layout: dict[str, Any] = {
         "shard": mesh.shard_size,
         "replicate": mesh.replicate_size,
         "groups": [list(g.names) for g in reductions.order],
     }
+    if mesh.tp_size > 1:
+        layout["tp"] = mesh.tp_size
+    return layout
 
 
 Expected = dict[str, tuple[int, torch.dtype, torch.device]]  # key -> elements, dtype, device

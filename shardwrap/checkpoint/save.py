@@ -11,6 +11,11 @@ loads at any mesh. A loading rank intersects its own pieces (for its world size 
 with the saved ranges and reads only those bytes, memory-mapped. The files of a checkpoint
 folder are listed in :mod:`shardwrap.checkpoint.format`.
 
+With tensor parallelism each rank of one copy of the model (dp x tp) writes a file: a
+tp-split parameter's ranges are of its blocks stacked in tp order (``engine/shards/split.py``),
+recorded with the split (``"split": [dim, parts]``), so a load at another tp degree maps them
+to its own; what every tp rank holds alike is written by the first tp rank alone.
+
 Optimizer state is split by shape: a tensor shaped like the shard parameter (Adam's
 moments, SGD's momentum) is sharded like the parameter; a 0-d tensor or a number (``step``)
 is a scalar, equal on every rank, saved once by rank 0. An optimizer that steps parameters
@@ -74,6 +79,7 @@ from .format import (
     FORMAT,
     METADATA,
     OPTIMIZER,
+    UNSPLIT_VERSION,
     VERSION,
     checksum_file,
     dtype_name,
@@ -265,7 +271,9 @@ class _Save:
         self.target, self.tmp = target, partial_path(target)
         self.optimizers, self.listed = optimizers, listed
         self.keep_last, self.blocking, self.extra = keep_last, blocking, extra
-        self.rank, self.world = mesh.shard_rank, mesh.shard_size  # in the shard group
+        # among the ranks of one copy of the model (shard x tp), each writing a file
+        self.rank, self.world = mesh.model_rank, mesh.shard_size * mesh.tp_size
+        self.tp, self.first_tp = mesh.tp_size, mesh.tp_rank == 0
         self.me, self.ranks = mesh.rank, mesh.world_size  # among every rank of the model
         self.writes = mesh.writes  # this rank writes its shard's file (the first replica)
         self.params: list[Param] = root.params
@@ -287,8 +295,10 @@ class _Save:
         check_latest(self.target.parent)
         self.extra_bytes = extra_bytes_of(self.extra)
         self.plans = plan_optimizers(self.model, self.optimizers)
+        if not self.first_tp:  # what every tp rank holds alike: the first one's is written
+            self._drop_replicated()
         for p in self.params if self.writes else ():
-            if p.shard.numel() == 0:
+            if p.shard.numel() == 0 or not (self.first_tp or p.group.splits[p.index].is_split):
                 continue
             self.entries.append((f"model/{p.name}", (p.shard.numel(),), p.shard.dtype))
             self.tensors.append(p.shard.reshape(-1))
@@ -326,6 +336,15 @@ class _Save:
         if self.me == 0:
             begin_folder(self.target)
         return needed
+
+    def _drop_replicated(self) -> None:
+        """Forget the whole-stepped state of parameters every tp rank holds alike (each tp
+        rank's shard group has an owner for them; the first tp rank's owner writes theirs)."""
+        split = {p.name for p in self.params if p.group.splits[p.index].is_split}
+        for plan in self.plans:
+            plan.owned = {n: v for n, v in plan.owned.items() if n in split}
+            if plan.whole:
+                plan.scalars = {n: v for n, v in plan.scalars.items() if n in split}
 
     def start(self) -> int:
         """Start a non-blocking save's writer thread, held until every rank has started its
@@ -457,14 +476,20 @@ class _Save:
             file_sums[extra_file(r)] = buffer_checksum((tmp / extra_file(r)).read_bytes())
         entries: dict[str, Any] = {}
         for p in self.params:
+            split = p.group.splits[p.index]
+            blocks = self.tp if split.is_split else 1  # the first tp rank's file, else each's
             pieces = [
-                [rank_file(r, world), pc.start, pc.stop] for r, pc in p.group.layout.owners(p.index)
+                [rank_file(r * self.tp + t, world), at + pc.start, at + pc.stop]
+                for t, at in ((t, t * split.block_numel) for t in range(blocks))
+                for r, pc in p.group.layout.owners(p.index)
             ]
             entries[p.name] = {
                 "shape": list(p.shape),
                 "dtype": dtype_name(p.group.dtype),
                 "pieces": pieces,
             }
+            if split.is_split:
+                entries[p.name]["split"] = [split.dim, split.parts]
         with SafetensorsWriter(
             tmp / BUFFERS,
             [(k, tuple(v.shape), v.dtype) for k, v in buffers.items()],
@@ -486,9 +511,10 @@ class _Save:
             torch.save(saved, buffer)
             files[OPTIMIZER] = write_file(tmp / OPTIMIZER, buffer.getvalue())
             file_sums[OPTIMIZER] = buffer_checksum(buffer.getvalue())
+        split = any("split" in entry for entry in entries.values())
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if split else UNSPLIT_VERSION,
             "saved_at_ns": time.time_ns(),
             "sequence": sequence,
             "world_size": world,

@@ -12,6 +12,14 @@ holds them:
   all-ranks agreements of saves and loads, the global gradient norm. A CPU gloo group of its
   own when the model spans the default group (see :func:`resolve_mesh`).
 
+With tensor parallelism (a ``DeviceMesh`` with a ``"tp"`` dimension) two more: ``tp``, the
+tensor-parallel ``DeviceMesh`` the model's DTensor parameters live on (each tp rank's flat
+groups hold its own blocks of them, sharded over ``shard`` alone), and ``model``, the ranks
+that hold one copy of the model between them (``shard`` x ``tp``), over which the norms of
+tensor-parallel gradients and the whole-parameter steps of shape-aware optimizers run.
+``control`` then spans the tp ranks too: they run the same units in the same order, so they
+agree alike.
+
 ``None`` for every group is world size 1: no process group at all, the same code path. It is
 what ``process_group=None`` gives without a process group only where the environment says one
 process; under a launcher that started several, wrapping is refused (each would train alone).
@@ -51,6 +59,10 @@ class Mesh:
         control_device: where the control group's tensors live (``cpu`` for gloo).
         device: where compute runs, and shards live unless an offload tier keeps them apart
             (``tiers/home.py``); ``None`` until resolved.
+        tp: the 1-D tensor-parallel ``DeviceMesh`` of the model's DTensor parameters, or
+            ``None`` without tensor parallelism.
+        model: the ranks of ``shard`` x ``tp`` (those holding one copy of the model), ranked
+            shard-major (``shard_rank * tp_size + tp_rank``); ``None`` means ``shard``.
     """
 
     shard: Group = None
@@ -58,15 +70,28 @@ class Mesh:
     control: Group = None
     control_device: torch.device | None = None
     device: torch.device | None = None
+    tp: DeviceMesh | None = None
+    model: Group = None
 
     def __post_init__(self) -> None:
-        if self.control is None and self.replicate is not None:
+        if self.control is None and (self.replicate is not None or self.tp is not None):
             raise ValueError(
-                "Mesh.control: hybrid sharding needs a control group spanning every rank; "
-                "pass Mesh(shard=..., replicate=..., control=<group of all ranks>)."
+                "Mesh.control: hybrid sharding needs a control group spanning every rank (so "
+                "does tensor parallelism); pass Mesh(shard=..., control=<group of all ranks>)."
             )
         if self.control is None:
             self.control = self.shard
+        if self.model is None and self.tp is None:
+            self.model = self.shard
+        if self.tp is not None and (
+            group_size(self.model) != self.shard_size * self.tp_size
+            or group_rank(self.model) != self.model_rank
+        ):
+            raise ValueError(
+                f"Mesh.model: rank {group_rank(self.model)} of {group_size(self.model)}, not "
+                f"{self.model_rank} of shard {self.shard_size} x tp {self.tp_size}; pass the "
+                "ranks holding one copy of the model, ranked shard rank * tp size + tp rank."
+            )
         _LIVE.add(self)
         if self.control is not None and group_size(self.control) != self.world_size:
             raise ValueError(
@@ -105,13 +130,26 @@ class Mesh:
         return group_size(self.replicate)
 
     @property
+    def tp_rank(self) -> int:
+        return self.tp.get_local_rank() if self.tp is not None else 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size() if self.tp is not None else 1
+
+    @property
+    def model_rank(self) -> int:
+        """This rank's index among the ranks holding one copy of the model (``model``)."""
+        return self.shard_rank * self.tp_size + self.tp_rank
+
+    @property
     def rank(self) -> int:
         """This rank's index among all ranks of the mesh (the control group's rank)."""
         return group_rank(self.control)
 
     @property
     def world_size(self) -> int:
-        return self.shard_size * self.replicate_size
+        return self.shard_size * self.replicate_size * self.tp_size
 
     @property
     def writes(self) -> bool:
@@ -120,7 +158,7 @@ class Mesh:
 
     def release(self) -> None:
         """Drop every group reference (at interpreter exit, see ``_LIVE``)."""
-        self.shard = self.replicate = self.control = None
+        self.shard = self.replicate = self.control = self.model = self.tp = None
 
 
 def resolve_mesh(process_group: dist.ProcessGroup | Mesh | None, device: torch.device) -> Mesh:
@@ -128,8 +166,9 @@ def resolve_mesh(process_group: dist.ProcessGroup | Mesh | None, device: torch.d
 
     Accepts ``None`` (the default group when ``torch.distributed`` is initialised, else world
     size 1 where the launcher started one process), a ``ProcessGroup``, a ``DeviceMesh``
-    (1-D, or 2-D with dimensions ``("replicate", "shard")`` for hybrid sharding), or a
-    :class:`Mesh`.
+    (1-D; 2-D with dimensions ``("replicate", "shard")`` for hybrid sharding; with tensor
+    parallelism ``("dp", "tp")`` or ``("replicate", "dp", "tp")``, ``"shard"`` also naming the
+    sharded dimension), or a :class:`Mesh`.
     """
     if isinstance(process_group, Mesh):
         mesh = process_group
@@ -145,17 +184,28 @@ def resolve_mesh(process_group: dist.ProcessGroup | Mesh | None, device: torch.d
     return mesh
 
 
+# The dimension names a DeviceMesh may have, sharded dimension named "shard" or "dp".
+MESH_NAMES = (
+    ("replicate", "shard"),
+    ("dp", "tp"),
+    ("shard", "tp"),
+    ("replicate", "dp", "tp"),
+    ("replicate", "shard", "tp"),
+)
+
+
 def _from_device_mesh(device_mesh: DeviceMesh) -> Mesh:
     names = tuple(device_mesh.mesh_dim_names or ())
     if device_mesh.ndim == 1:
         group = device_mesh.get_group()
         control, control_device = _control_group(group, torch.device(device_mesh.device_type))
         return Mesh(shard=group, control=control, control_device=control_device)
-    if device_mesh.ndim != 2 or names != ("replicate", "shard"):
+    if names not in MESH_NAMES:
         raise ValueError(
             "process_group: a DeviceMesh for hybrid sharding must be 2-D with dimensions "
-            f'("replicate", "shard"), got {device_mesh.ndim}-D with names {names or None}; e.g. '
-            'init_device_mesh("cuda", (nodes, gpus_per_node), '
+            f'("replicate", "shard"), got {device_mesh.ndim}-D with names {names or None}; for '
+            '2-D parallelism ("dp", "tp") or ("replicate", "dp", "tp"), "tp" the dimension '
+            'parallelize_module used; e.g. init_device_mesh("cuda", (nodes, gpus_per_node), '
             'mesh_dim_names=("replicate", "shard")).'
         )
     if device_mesh.mesh.numel() != dist.get_world_size():
@@ -163,12 +213,35 @@ def _from_device_mesh(device_mesh: DeviceMesh) -> Mesh:
             f"process_group: the DeviceMesh spans {device_mesh.mesh.numel()} of "
             f"{dist.get_world_size()} ranks; shard over a mesh of every rank."
         )
+    timeout = group_timeout(dist.group.WORLD)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    shard = names[-2] if names[-1] == "tp" else "shard"
+    replicate = device_mesh.get_group("replicate") if names[0] == "replicate" else None
+    if names[-1] != "tp":
+        return Mesh(
+            shard=device_mesh.get_group(shard),
+            replicate=replicate,
+            control=control,
+            control_device=torch.device("cpu"),
+        )
     return Mesh(
-        shard=device_mesh.get_group("shard"),
-        replicate=device_mesh.get_group("replicate"),
-        control=dist.new_group(backend="gloo", timeout=group_timeout(dist.group.WORLD)),
+        shard=device_mesh.get_group(shard),
+        replicate=replicate,
+        control=control,
         control_device=torch.device("cpu"),
+        tp=device_mesh["tp"],
+        model=_model_group(device_mesh, timeout),
     )
+
+
+def _model_group(device_mesh: DeviceMesh, timeout: object) -> Group:
+    """The group of this rank's replica: every rank of the mesh without a replicate
+    dimension, else one group per replica (creating each is collective over every rank)."""
+    if device_mesh.ndim == 2:
+        return dist.group.WORLD
+    replicas = [r.flatten().tolist() for r in device_mesh.mesh]
+    mine, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
+    return mine
 
 
 def _default_group(process_group: dist.ProcessGroup | None) -> Group:

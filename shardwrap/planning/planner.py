@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from ..engine.wrap.policy import AutoWrap
 from ..options import Compression, MixedPrecision
 from .replay import Parts, Tier, replay
 from .step import OptimizerFactory, optimizer_bytes, ranks_to_plan
+from .tensor_parallel import localize
 from .trace import Trace, causal_loss, meta_twin, trace
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "estimate_memory"]
@@ -105,6 +106,8 @@ class MemoryPlan:
     rows: tuple[MemoryEstimate, ...] = field(default=())
     inputs: str = ""
     """Each sample, as fed: ``"seq 128"`` (token ids), ``"3x224x224 images"``."""
+    tp: int = 1
+    """The tensor-parallel degree: ``world_size`` is ``world_size / tp`` dp ranks x ``tp``."""
 
     def row(self, stage: int, offload: str | None = None) -> MemoryEstimate:
         """The estimate for ``stage`` and ``offload``."""
@@ -117,7 +120,7 @@ class MemoryPlan:
         sample = self.inputs or f"seq {self.seq}"
         head = (
             f"{self.model}: {self.params / 1e6:,.1f}M parameters in {self.units} units, "
-            f"world size {self.world_size}, batch {self.batch} x {sample}, "
+            f"world size {self.world_size}{self._mesh}, batch {self.batch} x {sample}, "
             f"{self.precision}, {self.device}; per rank:"
         )
         cols = ["stage", "offload", "params", "grads", "optimizer", "working set"]
@@ -135,6 +138,10 @@ class MemoryPlan:
         widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
         table = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
         return "\n".join([head, *table])
+
+    @property
+    def _mesh(self) -> str:
+        return f" (dp {self.world_size // self.tp} x tp {self.tp})" if self.tp > 1 else ""
 
 
 def _peak(parts: Parts) -> tuple[int, int]:
@@ -163,6 +170,8 @@ def estimate_memory(
     compression: Compression | None = None,
     nonblocking_saves: bool = False,
     bucket_mb: float = 4,
+    tp: int = 1,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
     """Estimate what each rank holds while training, without allocating the model.
 
@@ -208,6 +217,13 @@ def estimate_memory(
         bucket_mb: as given to ``ShardedModule``: units gathered with the next ones, flat
             gradients held until their bucket is reduced, and the packed buffers of exchanges
             of several.
+        tp: the tensor-parallel degree: ``world_size`` ranks as ``world_size / tp`` dp ranks x
+            ``tp``, each holding its blocks of the parameters ``tp_plan`` splits
+            (``planning/tensor_parallel.py``); ``batch`` is then per dp rank (every tp rank of
+            one dp rank reads the same batch).
+        tp_plan: with ``tp`` above 1, the plan given to ``parallelize_module`` (module names,
+            ``*`` matching one name, to ``ColwiseParallel``, ``RowwiseParallel`` or
+            ``SequenceParallel``); default for a ``transformers`` model: its own ``tp_plan``.
 
     Returns:
         One :class:`MemoryEstimate` per stage and offload tier; ``print`` it for a table.
@@ -215,17 +231,24 @@ def estimate_memory(
     Raises:
         ValueError: a stage, world size, tier, batch or optimizer out of range, the disk
             tier below stage 3, a ``transformers`` model whose inputs are neither token ids
-            nor images, or one that computes no loss from them, naming the fix.
+            nor images, or one that computes no loss from them, a ``tp`` that does not divide
+            ``world_size`` or a plan the planner cannot read, naming the fix.
     """
     stages = (stage,) if isinstance(stage, int) else tuple(stage)
     tiers = offload if isinstance(offload, tuple) else (offload,)
     _check(world_size, stages, tiers, batch, seq, optimizer, device)
+    _check_tp(world_size, tp, optimizer, tiers)
     bucket = bucket_bytes(bucket_mb)
     name, model, is_hf = _meta_model(model_or_config, kwargs or {})
+    params = sum(p.numel() for p in model.parameters())
+    split: frozenset[int] = frozenset()
+    if tp > 1:
+        split = frozenset(localize(model, _plan_of(model, tp_plan, is_hf), tp))
     feed, inputs = _hf_inputs(model, batch, seq) if is_hf else ({}, f"seq {seq}")
     loss_of = _loss_of(is_hf, feed, torch.zeros(batch, seq, dtype=torch.int64, device="meta"))
     wrap = auto_wrap if auto_wrap is not None else _default_wrap(model)
-    tr = trace(model, wrap, world_size, mixed_precision, loss_of, fused_dropout=device == "cuda")
+    cuda = device == "cuda"
+    tr = trace(model, wrap, world_size // tp, mixed_precision, loss_of, cuda, split)
     make_optimizer = _optimizer(optimizer)
     rows = [
         row
@@ -237,7 +260,7 @@ def estimate_memory(
     rows.sort(key=lambda r: (stages.index(r.stage), tiers.index(r.offload)))
     return MemoryPlan(
         model=name,
-        params=sum(p.numel() for p in model.parameters()),
+        params=params,
         units=len(tr.units),
         world_size=world_size,
         batch=batch,
@@ -246,7 +269,36 @@ def estimate_memory(
         precision=_precision_name(mixed_precision),
         device=device,
         rows=tuple(rows),
+        tp=tp,
     )
+
+
+def _check_tp(world_size: int, tp: int, optimizer: Any, tiers: tuple[str | None, ...]) -> None:
+    if type(tp) is not int or tp < 1 or world_size % tp:
+        raise ValueError(
+            f"tp must be a positive int that divides world_size ({world_size}), got {tp!r}; "
+            "e.g. world_size=8, tp=2 (4 dp ranks x 2 tp ranks)."
+        )
+    if tp > 1 and (callable(optimizer) or any(t is not None for t in tiers)):
+        raise ValueError(
+            "estimate_memory: with tp above 1 the planner plans the optimizers it names "
+            '("adamw", "sgd", "none") without offload, as ShardedModule offloads nothing '
+            "under tensor parallelism; plan a factory's optimizer at tp=1."
+        )
+
+
+def _plan_of(model: nn.Module, tp_plan: Mapping[str, Any] | None, is_hf: bool) -> Any:
+    """The tensor-parallel plan: the one given, or a ``transformers`` model's own."""
+    if tp_plan is not None:
+        return tp_plan
+    own = getattr(model, "tp_plan", None) if is_hf else None
+    if not own:
+        raise ValueError(
+            f"estimate_memory: tp above 1 needs the plan that splits {type(model).__name__}: "
+            "pass tp_plan= as given to parallelize_module (a transformers model's own plan is "
+            "the default)."
+        )
+    return own
 
 
 def _precision_name(mixed_precision: MixedPrecision | None) -> str:

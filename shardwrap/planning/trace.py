@@ -198,12 +198,15 @@ def trace(
     precision: MixedPrecision | None,
     loss_of: Callable[[nn.Module], tuple[Tensor, Any]],
     fused_dropout: bool = False,
+    split: frozenset[int] = frozenset(),
 ) -> Trace:
     """Split ``model`` (meta) into units as ``ShardedModule`` would and trace one training pass.
 
     ``loss_of(model)`` runs forward on meta inputs and returns the loss and what the caller
     keeps of the outputs through the optimizer step. Attention takes the fused kernel where
-    the device would (with dropout only on CUDA: ``fused_dropout``).
+    the device would (with dropout only on CUDA: ``fused_dropout``). ``split``: the ids of a
+    tp rank's blocks of tensor-parallel parameters (``planning/tensor_parallel.py``), laid out
+    apart from the rest as the engine lays them out.
     """
     model.train()
     policy = resolve_policy(model, auto_wrap)
@@ -212,10 +215,11 @@ def trace(
     groups: list[GroupSpec] = []
     members: list[list[tuple[nn.Parameter, list[Slot]]]] = []  # per group, in flat order
     for index, entries in enumerate(placement.params):
-        by_key: dict[tuple[torch.dtype, bool], list[tuple[nn.Parameter, list[Slot]]]] = {}
+        by_key: dict[tuple[torch.dtype, bool, bool], list[tuple[nn.Parameter, list[Slot]]]] = {}
         for _, p, slots in entries:
-            by_key.setdefault(group_key(p), []).append((p, slots))
-        for (dtype, requires_grad), group in by_key.items():
+            dtype, trainable, _ = group_key(p)
+            by_key.setdefault((dtype, trainable, id(p) in split), []).append((p, slots))
+        for (dtype, requires_grad, _), group in by_key.items():
             compute = precision.compute_dtype(dtype) if precision else dtype
             reduce = precision.gradient_dtype(dtype) if precision else compute
             layout = FlatLayout(tuple(p.numel() for p, _ in group), world_size)

@@ -51,3 +51,15 @@ class MuonAndAdamW:
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
+
+
+class MuonAndSGD(MuonAndAdamW):
+    """Muon over the matrices and SGD with momentum over the rest: exact where AdamW would turn
+    rounding in parameters whose true gradient is zero (attention key biases) into noise."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        self.optimizers = (
+            torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3),
+            torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.05, momentum=0.9),
+        )

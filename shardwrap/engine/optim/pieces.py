@@ -90,9 +90,9 @@ def as_piece(t: Tensor, full_shape: tuple[int, ...], start: int, stop: int) -> S
     return piece
 
 
-def piece_of(param: Tensor) -> tuple[torch.Size, int, int, tuple[int, ...], int] | None:
-    """A shard parameter's (full shape, start, stop, piece shape, shard rank), or ``None``
-    for a tensor that is no shard parameter."""
+def piece_of(param: Tensor) -> tuple[torch.Size, int, int, tuple[int, ...]] | None:
+    """A shard parameter's (full shape, start, stop, piece shape), or ``None`` for a tensor
+    that is no shard parameter."""
     info = getattr(param, PIECE_ATTR, None)
     if info is None:
         return None
@@ -100,22 +100,22 @@ def piece_of(param: Tensor) -> tuple[torch.Size, int, int, tuple[int, ...], int]
     group = ref()
     piece = group.pieces[index]
     shape = group.shapes[index]
-    return shape, piece.start, piece.stop, tuple(group.piece_shapes[index]), group.mesh.shard_rank
+    return shape, piece.start, piece.stop, tuple(group.piece_shapes[index])
 
 
 # optimizers ------------------------------------------------------------------------------
 
-Owner = Callable[[nn.Parameter], int]  # the shard rank that steps a parameter whole
+Owns = Callable[[nn.Parameter], bool]  # whether this rank steps a parameter whole
 _adopted: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
-def adopt_optimizer(optimizer: Optimizer, owner: Owner | None) -> None:
+def adopt_optimizer(optimizer: Optimizer, owns: Owns | None) -> None:
     """Hook ``optimizer``'s ``state_dict()`` and ``load_state_dict()`` (once), and cut the state
     it already holds (see the module's note).
 
     Args:
         optimizer: an optimizer over shard parameters.
-        owner: for an optimizer stepping parameters whole, each one's owner rank; ``None``
+        owns: for an optimizer stepping parameters whole, whether this rank steps each; ``None``
             for one stepping pieces.
 
     Raises:
@@ -126,14 +126,14 @@ def adopt_optimizer(optimizer: Optimizer, owner: Owner | None) -> None:
     _adopted.add(optimizer)
 
     def mark(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return _marked(optimizer, state_dict, owner)
+        return _marked(optimizer, state_dict, owns)
 
     def cut(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         params = _params(optimizer)
         state = {}
         for i, entry in state_dict["state"].items():
             param = params[i] if isinstance(i, int) and 0 <= i < len(params) else None
-            kept = _cut_entry(param, entry, owner, i, strict=True)
+            kept = _cut_entry(param, entry, owns, i, strict=True)
             if kept is not None:
                 state[i] = kept
         return {**state_dict, "state": state}
@@ -142,7 +142,7 @@ def adopt_optimizer(optimizer: Optimizer, owner: Owner | None) -> None:
     optimizer.register_load_state_dict_pre_hook(cut)
     index = {id(p): i for i, p in enumerate(_params(optimizer))}
     for param, entry in list(optimizer.state.items()):  # loaded before the engine saw it
-        kept = _cut_entry(param, entry, owner, index.get(id(param)), strict=False)
+        kept = _cut_entry(param, entry, owns, index.get(id(param)), strict=False)
         if kept is None:
             del optimizer.state[param]
         else:
@@ -159,7 +159,7 @@ def _is_state_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.ndim > 0
 
 
-def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owner: Owner | None) -> dict:
+def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owns: Owns | None) -> dict:
     """``state_dict`` with each sharded parameter's state tensors as pieces (new entries: the
     optimizer's own state is left plain)."""
     params = _params(optimizer)
@@ -169,14 +169,14 @@ def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owner: Owner | Non
         if info is None:
             state[i] = entry
             continue
-        full, start, stop, shape, _ = info
+        full, start, stop, shape = info
         state[i] = {
             key: (
                 as_piece(v, v.shape, 0, v.numel())  # whole, on its owner alone
-                if owner is not None
+                if owns is not None
                 else as_piece(v, full, start, stop)
             )
-            if _is_state_tensor(v) and (owner is not None or tuple(v.shape) == shape)
+            if _is_state_tensor(v) and (owns is not None or tuple(v.shape) == shape)
             else v
             for key, v in entry.items()
         }
@@ -184,7 +184,7 @@ def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owner: Owner | Non
 
 
 def _cut_entry(
-    param: Tensor | None, entry: dict[str, Any], owner: Owner | None, index: Any, strict: bool
+    param: Tensor | None, entry: dict[str, Any], owns: Owns | None, index: Any, strict: bool
 ) -> dict[str, Any] | None:
     """One parameter's loaded state as this rank holds it; ``None`` where it holds none (a
     parameter stepped whole on another rank). A tensor of neither the parameter's shape nor its
@@ -193,10 +193,10 @@ def _cut_entry(
     info = piece_of(param) if param is not None else None
     if info is None:
         return entry
-    full, start, stop, shape, rank = info
+    full, start, stop, shape = info
     assert isinstance(param, nn.Parameter)
-    if owner is not None:  # stepped whole: the owner keeps it as it is, made like the param's
-        if owner(param) != rank:
+    if owns is not None:  # stepped whole: the owner keeps it as it is, made like the param's
+        if not owns(param):
             return None
         return {k: _made_from(param, v) if _is_state_tensor(v) else v for k, v in entry.items()}
     out = {}

@@ -215,11 +215,31 @@ def _all_partial(args: tuple) -> bool:
 
 
 def _completed(values: Any) -> Any:
+    _complete_together(_partials(values))
+    return _replaced(values)
+
+
+def _replaced(values: Any) -> Any:
     if isinstance(values, PartialNorm):
         return values.complete()
     if isinstance(values, (list, tuple)):
-        return type(values)(_completed(v) for v in values)
+        return type(values)(_replaced(v) for v in values)
     return values
+
+
+def _complete_together(parts: list[PartialNorm]) -> None:
+    """Complete ``parts`` with one all-reduce per owner, order and dtype rather than one each:
+    norms of gradients sharded over different groups (a tensor-parallel model's) stacked by
+    ``clip_grad_norm_`` are completed at once, in the order they first appear."""
+    pending: dict[tuple[int, float, torch.dtype], list[PartialNorm]] = {}
+    unique = {id(part): part for part in parts if part._shardwrap_complete is None}
+    for part in unique.values():
+        key = (id(part._shardwrap_owner), part._shardwrap_order, part.dtype)
+        pending.setdefault(key, []).append(part)
+    for same in pending.values():
+        if len(same) > 1:
+            for part, whole in zip(same, _complete(same)):
+                part._shardwrap_complete = whole
 
 
 class PartialNorm(Tensor):
@@ -249,9 +269,10 @@ class PartialNorm(Tensor):
             return func(*args, **kwargs)
 
     def complete(self) -> Tensor:
-        """The whole norm: one all-reduce over the shard group, on every rank, once."""
+        """The whole norm: one all-reduce over the group its gradient is sharded over, on
+        every rank, once."""
         if self._shardwrap_complete is None:
-            self._shardwrap_complete = _complete(self)
+            self._shardwrap_complete = _complete([self])[0]
         return self._shardwrap_complete
 
     def __deepcopy__(self, memo: dict) -> Tensor:
@@ -271,14 +292,25 @@ class PartialNorm(Tensor):
             )
 
 
-def _complete(part: PartialNorm) -> Tensor:
-    order, owner = part._shardwrap_order, part._shardwrap_owner
+def _complete(parts: list[PartialNorm]) -> list[Tensor]:
+    """The whole norms of ``parts`` (one owner, order and dtype), with one all-reduce."""
+    first = parts[0]
+    order, owner = first._shardwrap_order, first._shardwrap_owner
     with _DisableSubclass():
         # at least float32 (low-precision partial sums lose the small parts), float64 kept
-        dtype = torch.promote_types(part.dtype, torch.float32)
-        local = part.detach().to(owner.device if owner else None, dtype, copy=True)
+        dtype = torch.promote_types(first.dtype, torch.float32)
+        device = owner.device if owner else None
+        local = torch.cat([p.detach().reshape(-1).to(device, dtype, copy=True) for p in parts])
+    local = _reduced(local, order, owner)
+    with _DisableSubclass():
+        wholes = local.split([p.numel() for p in parts])
+        return [w.view(p.shape).to(p.device, p.dtype) for w, p in zip(wholes, parts)]
+
+
+def _reduced(local: Tensor, order: float, owner: _Owner | None) -> Tensor:
+    """Partial norms ``local`` (1-D) combined over ``owner``'s group."""
     if owner is None or owner.group is None:
-        return local.to(part.device, part.dtype)
+        return local
     owner.enter()
     if order == float("inf"):
         all_reduce(local, owner.group, dist.ReduceOp.MAX, owner.stats).wait()
@@ -290,4 +322,4 @@ def _complete(part: PartialNorm) -> Tensor:
         local = local.pow_(order)
         all_reduce(local, owner.group, dist.ReduceOp.SUM, owner.stats).wait()
         local = local.pow_(1.0 / order)
-    return local.to(part.device, part.dtype)
+    return local

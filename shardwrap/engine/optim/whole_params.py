@@ -25,6 +25,13 @@ Per step this moves, three times (values and gradients in, values out), the part
 parameter that its owner does not hold, against the ``2 (N-1)/N`` of all elements that the
 step's gathers and reductions move.
 
+A tensor-parallel parameter (split in blocks over the tp ranks) is stepped whole too: its
+owner is one of the ranks holding one copy of the model (shard x tp, the mesh's ``model``
+group), its pieces are ranges of its blocks stacked one after the other (``shards/split.py``),
+and the owner turns the stacked values into the whole parameter and back around the step. A
+parameter every tp rank holds whole is owned within each tp rank's shard group, as without
+tensor parallelism (each tp rank steps its copy alike).
+
 Which optimizers are which: torch's own are known (``ELEMENTWISE``, ``WHOLE``, ``REFUSED``); a
 subclass that keeps its base's ``step`` is what its base is; any other class is *undeclared*:
 it steps the pieces, with a warning at its first step naming :func:`declare_optimizer`, since
@@ -265,7 +272,7 @@ def _classify(optimizer: Optimizer) -> _WholeStep | None:
             stacklevel=4,
         )
     whole = _WholeStep(optimizer) if kind == "whole" else None
-    adopt_optimizer(optimizer, None if whole is None else whole.owner)  # its state dicts' pieces
+    adopt_optimizer(optimizer, None if whole is None else whole.owns)  # its state dicts' pieces
     return whole
 
 
@@ -277,14 +284,20 @@ class _Entry:
     """One shard parameter the optimizer steps, and where its pieces are."""
 
     param: nn.Parameter
-    shape: torch.Size
-    pieces: list[tuple[int, int]]  # per shard rank: [start, stop) of the flattened parameter
+    split: Any  # its whole shape and tp blocks: a Split (engine/shards/split.py, a room apart)
+    pieces: list[tuple[int, int]]  # per rank of ``group``: [start, stop) in stacked order
     grad_owner: Any  # what types its whole gradient on the owner (``as_shard_grad``)
+    group: Any  # the ranks among which it has an owner: the shard group, or shard x tp
+    rank: int  # this rank's index in ``group``
     owner: int = 0
 
     @property
     def numel(self) -> int:
-        return self.shape.numel()
+        return self.split.numel
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.split.shape
 
 
 @dataclass
@@ -315,6 +328,9 @@ class _WholeStep:
         # what ``after`` puts back: (param, its piece or None where untouched, its .grad)
         self._restore: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
         self._copied: list[tuple[Tensor, Tensor]] = []  # (owner's piece, its part of the whole)
+        # owned entries whose whole is not their stacked values (tp blocks split off dim 0):
+        # (entry, its stacked values, refreshed from the whole after the step)
+        self._stacked: list[tuple[_Entry, Tensor]] = []
 
     def before(self, args: Any, kwargs: Any) -> None:
         optimizer = self._optimizer()
@@ -352,12 +368,15 @@ class _WholeStep:
             self._homed = any(hasattr(p, HOME_ATTR) for p in params)
         return self._entries
 
-    def owner(self, param: nn.Parameter) -> int:
-        """The shard rank that steps ``param`` whole."""
-        return self.entries()[id(param)].owner
+    def owns(self, param: nn.Parameter) -> bool:
+        """Whether this rank steps ``param`` whole (and so holds its state)."""
+        e = self.entries()[id(param)]
+        return e.owner == e.rank
 
     def after(self) -> None:
         with torch.no_grad():
+            for e, values in self._stacked:  # the stepped whole, in stacked order again
+                values.copy_(e.split.stacked(e.param.detach()))
             for plan in self._plans:
                 self._scatter(plan)
             for piece, values in self._copied:
@@ -370,7 +389,7 @@ class _WholeStep:
             if data is not None:
                 p.data = data
             p.grad = grad
-        self._restore, self._copied = [], []
+        self._restore, self._copied, self._stacked = [], [], []
 
     def _gather(self, plan: _Plan) -> None:
         """Give each owned parameter its whole values and gradient; hide the others' gradients."""
@@ -390,7 +409,8 @@ class _WholeStep:
             for q, es in enumerate(plan.recvs)
         ]
         all_to_all(outs, ins, plan.group, plan.stats).wait()
-        copies: dict[int, tuple[Tensor, Tensor]] = {}  # owned, not held whole: (values, grads)
+        owned: dict[int, tuple[Tensor, Tensor]] = {}  # (values, grads) in stacked order
+        copies: set[int] = set()  # owned, not held whole: filled from the peers' pieces
         for e in plan.entries:
             p, piece, grad = e.param, e.param.data, e.param.grad
             if e.owner != r:
@@ -405,30 +425,41 @@ class _WholeStep:
                 a, b = e.pieces[r]
                 values[a:b].copy_(piece.view(-1))
                 grads[a:b].copy_(grad.view(-1))
-                copies[id(e)] = values, grads
+                copies.add(id(e))
                 self._copied.append((piece, values[a:b]))
+            owned[id(e)] = values, grads
             self._restore.append((p, piece, grad))
-            p.grad = None
-            p.data = values.view(e.shape)
-            p.grad = as_shard_grad(grads.view(e.shape), e.grad_owner)
         for q, es in enumerate(plan.recvs):
             n, at = _held(es, q), 0
             for e in es:
                 a, b = e.pieces[q]
-                values, grads = copies[id(e)]
+                values, grads = owned[id(e)]
                 values[a:b].copy_(outs[q][at : at + b - a])
                 grads[a:b].copy_(outs[q][n + at : n + at + b - a])
                 at += b - a
+        for e in plan.entries:
+            if id(e) not in owned:
+                continue
+            values, grads = owned[id(e)]
+            p = e.param
+            p.grad = None
+            p.data = e.split.unstacked(values)
+            p.grad = as_shard_grad(e.split.unstacked(grads), e.grad_owner)
+            if not e.split.identity:
+                self._stacked.append((e, values))
 
     def _scatter(self, plan: _Plan) -> None:
         """Send each rank its pieces of the owned parameters' new values, and take ours."""
         r, dtype, device = plan.rank, plan.dtype, plan.device
+        stacked = {id(e): values for e, values in self._stacked}
         ins = []
         for q, es in enumerate(plan.recvs):
             buf, at = torch.empty(_held(es, q), dtype=dtype, device=device), 0
             for e in es:
                 a, b = e.pieces[q]
-                buf[at : at + b - a].copy_(e.param.detach().view(-1)[a:b])
+                values = stacked.get(id(e))
+                values = e.param.detach().view(-1) if values is None else values
+                buf[at : at + b - a].copy_(values[a:b])
                 at += b - a
             ins.append(buf)
         outs = [torch.empty(_held(es, r), dtype=dtype, device=device) for es in plan.sends]
@@ -451,8 +482,9 @@ def _held(entries: list[_Entry], q: int) -> int:
 
 
 def _owners(params: list[nn.Parameter], kept: dict[int, int]) -> dict[int, _Entry]:
-    """Each parameter's pieces and owner, by ``id``, over each shard group: ``kept[id]`` where
-    given, else by :func:`owners` among the parameters not kept."""
+    """Each parameter's pieces and owner, by ``id``, over each shard group (shard x tp for a
+    tp-split parameter): ``kept[id]`` where given, else by :func:`owners` among the
+    parameters not kept."""
     entries: dict[int, _Entry] = {}
     by_group: dict[int, tuple[int, list[_Entry]]] = {}
     ranges: dict[int, list[tuple]] = {}
@@ -460,14 +492,21 @@ def _owners(params: list[nn.Parameter], kept: dict[int, int]) -> dict[int, _Entr
     for p in params:
         ref, index, stats = getattr(p, PIECE_ATTR)
         fg = ref()
-        world = fg.mesh.shard_size
+        mesh = fg.mesh
         if id(fg) not in ranges:
-            ranges[id(fg)] = [fg.layout.local_pieces(q) for q in range(world)]
+            ranges[id(fg)] = [fg.layout.local_pieces(q) for q in range(mesh.shard_size)]
             # sharded over no one: a whole gradient's norms are its own, made on this rank
             whole[id(fg)] = shard_grad_owner(None, stats, fg.home)
-        pieces = [(pcs[index].start, pcs[index].stop) for pcs in ranges[id(fg)]]
-        e = entries[id(p)] = _Entry(p, fg.shapes[index], pieces, whole[id(fg)])
-        by_group.setdefault(id(fg.mesh.shard), (world, []))[1].append(e)
+        split = fg.splits[index]
+        spans = [(pcs[index].start, pcs[index].stop) for pcs in ranges[id(fg)]]
+        if split.is_split:  # model rank q = shard rank * tp + block: a range of that block
+            block = split.block_numel
+            pieces = [(t * block + a, t * block + b) for a, b in spans for t in range(split.parts)]
+            group, rank = mesh.model, mesh.model_rank
+        else:
+            pieces, group, rank = spans, mesh.shard, mesh.shard_rank
+        e = entries[id(p)] = _Entry(p, split, pieces, whole[id(fg)], group, rank)
+        by_group.setdefault(id(group), (len(pieces), []))[1].append(e)
     for world, group in by_group.values():
         new = [e for e in group if id(e.param) not in kept]
         spans = [[_span(e, q) for q in range(world)] for e in new]
@@ -508,13 +547,10 @@ def _plan(entries: list[_Entry]) -> list[_Plan]:
     plans: dict[tuple[int, torch.dtype], _Plan] = {}
     for e in entries:
         p = e.param
-        ref, _, stats = getattr(p, PIECE_ATTR)
-        mesh = ref().mesh
-        key = (id(mesh.shard), p.dtype)
+        _, _, stats = getattr(p, PIECE_ATTR)
+        key = (id(e.group), p.dtype)
         if key not in plans:
-            plans[key] = _Plan(
-                mesh.shard, mesh.shard_rank, mesh.shard_size, p.dtype, p.device, [], stats
-            )
+            plans[key] = _Plan(e.group, e.rank, len(e.pieces), p.dtype, p.device, [], stats)
         plans[key].entries.append(e)
     for plan in plans.values():
         r = plan.rank

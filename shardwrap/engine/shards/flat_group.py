@@ -11,6 +11,9 @@ through each module's instance ``__dict__``: ``module.weight`` returns the full 
 ``module._parameters`` keeps the shard. Autograd accumulates the gradients of all views into
 the group's one leaf, ``full``, whose ``.grad`` is then reduce-scattered straight from the
 flat layout.
+
+A tensor-parallel parameter (a DTensor on the mesh's ``tp`` dimension) is laid out as its
+local block; its view is shown to the module as the DTensor it was (``tensor_parallel.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from ...comm.quantize import Codec
 from ...tiers.home import Home
 from .layout import FlatLayout, LocalPiece
 from .pool import BufferPool
+from .split import Split
+from .tensor_parallel import TPSpec, local_of
 
 __all__ = ["FlatGroup", "Slot", "views_of"]
 
@@ -63,6 +68,8 @@ class FlatGroup:
         codec: the wire format of the gathers for compute (``Compression.params``), or
             ``None`` to gather exactly. Such a group keeps no resident buffer: its gathered
             values are decoded ones, and the shard must stay exact.
+        specs: for each parameter, how it lies over the tp ranks where it is a DTensor
+            (``None`` elsewhere, or for all).
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class FlatGroup:
         home: Home | None = None,
         codec: Codec | None = None,
         requires_grad: bool | None = None,
+        specs: list[TPSpec | None] | None = None,
     ) -> None:
         self.names = names
         self.codec = codec
@@ -86,7 +94,11 @@ class FlatGroup:
         self.mesh = mesh
         self.home = home = home or Home(mesh.device)
         device = home.device
-        self.shapes = [p.shape for p in params]
+        self.specs: list[TPSpec | None] = specs or [None] * len(params)
+        # per parameter: its whole shape and the blocks the tp ranks hold (one: the whole)
+        self.splits = [s.split if s else Split(tuple(p.shape)) for s, p in zip(self.specs, params)]
+        params = [local_of(p.detach()) for p in params]
+        self.shapes = [p.shape for p in params]  # of what the layout holds: local blocks
         self.dtype = params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype
         self.grad_dtype = grad_dtype or self.compute_dtype
@@ -266,17 +278,23 @@ class FlatGroup:
             return
         if track_grad:
             self.splits_pending += 1
-            self.views = list(_FullParams.apply(self.full, self._buffer, self))
+            views = list(_FullParams.apply(self.full, self._buffer, self))
         else:
-            self.views = self.param_views()
+            views = self.param_views()
+        self.views = [v if s is None else s.as_param(v) for v, s in zip(views, self.specs)]
         self.views_track_grad = track_grad
         for view, slots in zip(self.views, self.slots):
             for module, attr in slots:
                 module.__dict__[attr] = view
 
     def param_views(self) -> list[Tensor]:
-        """The gathered buffer shaped into the parameters, outside autograd."""
+        """The gathered buffer shaped into the parameters (local blocks), outside autograd."""
         return views_of(self.full_data, self)
+
+    def wholes(self, views: list[Tensor]) -> list[Tensor]:
+        """The whole parameters from ``views`` of a gathered buffer: the views themselves, but
+        for tensor-parallel blocks, gathered over tp (every tp rank must call it alike)."""
+        return [v if s is None else s.whole(v) for v, s in zip(views, self.specs)]
 
     def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
         """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
@@ -331,13 +349,20 @@ class FlatGroup:
         self.drop_views()
         self.free_storage()
 
+    def piece_of(self, index: int, whole: Tensor) -> Tensor:
+        """This rank's piece of ``whole``, a value of parameter ``index`` in its whole shape
+        (1-D; of this tp rank's block for a tensor-parallel parameter)."""
+        pc, spec = self.pieces[index], self.specs[index]
+        block = whole if spec is None else spec.local_of(whole)
+        return block.reshape(-1)[pc.start : pc.stop]
+
     def assign(self, index: int, value: Tensor) -> None:
         """Copy this rank's piece of ``value``, parameter ``index``'s new full value, into the
         shard (a gathered buffer of it is then stale, and gathered again before use)."""
         pc = self.pieces[index]
         with torch.no_grad():
             self.shard[pc.shard_offset : pc.shard_offset + pc.numel].copy_(
-                value.reshape(-1)[pc.start : pc.stop]
+                self.piece_of(index, value)
             )
 
     def write_back(self) -> None:
@@ -387,11 +412,12 @@ class FlatGroup:
         return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
 
     def accumulate(
-        self, new: Tensor, as_grad: Callable[[Tensor], Tensor], seen: list[bool]
+        self, new: Tensor, as_grad: Callable[[int, Tensor], Tensor], seen: list[bool]
     ) -> list[nn.Parameter]:
         """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
 
-        The ``.grad`` tensors are views of one flat buffer, typed by ``as_grad``, known here
+        The ``.grad`` tensors are views of one flat buffer, typed by ``as_grad(index, view)``,
+        known here
         only weakly: once ``zero_grad()`` drops them, their memory is freed. As in plain
         PyTorch, a shard param that does not require grad now gets none, and neither does one
         that no rank's backward gave a gradient (``seen``, agreed across ranks): its ``.grad``
@@ -414,20 +440,20 @@ class FlatGroup:
             flat.add_(new)
         elif every and all(p.grad is None for p in params):
             views = [
-                as_grad(new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
-                for pc, shape in zip(self.pieces, self.piece_shapes)
+                as_grad(i, new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
+                for i, (pc, shape) in enumerate(zip(self.pieces, self.piece_shapes))
             ]
             for p, v in zip(params, views):
                 p.grad = v
             self._grad_flat = weakref.ref(new)
             self._grad_views = [weakref.ref(v) for v in views]
         else:
-            for p, pc, take in zip(params, self.pieces, takes):
+            for i, (p, pc, take) in enumerate(zip(params, self.pieces, takes)):
                 if not take:
                     continue
                 piece = new[pc.shard_offset : pc.shard_offset + pc.numel].view(p.shape)
                 if p.grad is None:
-                    p.grad = as_grad(piece.clone())
+                    p.grad = as_grad(i, piece.clone())
                 else:
                     p.grad.add_(piece)
             self._grad_flat, self._grad_views = _dead_ref, []

@@ -29,7 +29,8 @@ class Param(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.group.shapes[self.index])
+        """The whole parameter's shape (of all tp ranks' blocks, for a tensor-parallel one)."""
+        return self.group.splits[self.index].shape
 
 
 def index_params(units: list[Unit]) -> tuple[list[Param], dict[int, Param]]:

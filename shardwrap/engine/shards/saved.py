@@ -5,7 +5,8 @@ pool and may serve other units. A view of it that autograd saved for backward mu
 it, nor read what another unit put there: while a root's call runs, saved-tensor hooks
 replace every saved view of a pooled buffer with where it lies in its flat group (offset,
 shape, stride), and rebuild it at backward over wherever the group is gathered then,
-gathering it first if it is not.
+gathering it first if it is not. A saved DTensor over such a view (a tensor-parallel
+parameter) is kept as its local view's address and its DTensor layout, and rebuilt alike.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from .flat_group import FlatGroup
 from .pool import BufferPool
@@ -28,6 +31,16 @@ class _SavedView(NamedTuple):
 
     group: weakref.ReferenceType[FlatGroup]  # weakly: the graph must not keep the model
     offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class _SavedDTensor(NamedTuple):
+    """A saved DTensor whose local tensor views a gathered buffer."""
+
+    local: _SavedView
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
 
@@ -74,6 +87,11 @@ class SavedViews:
         self._hooks, self.owner = None, None
 
     def _pack(self, t: Tensor) -> Any:
+        if isinstance(t, DTensor):
+            local = self._pack(t.detach().to_local())
+            if not isinstance(local, _SavedView):
+                return t
+            return _SavedDTensor(local, t.device_mesh, t.placements, t.shape, t.stride())
         try:
             group = self.pool.holder.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # tensors without plain storage
@@ -83,6 +101,16 @@ class SavedViews:
         return _SavedView(weakref.ref(group), t.storage_offset(), t.shape, t.stride())
 
     def _unpack(self, saved: Any) -> Tensor:
+        if isinstance(saved, _SavedDTensor):
+            local = self._unpack(saved.local)
+            return DTensor.from_local(
+                local,
+                saved.mesh,
+                saved.placements,
+                run_check=False,
+                shape=saved.shape,
+                stride=saved.stride,
+            )
         if not isinstance(saved, _SavedView):
             return saved
         group = saved.group()

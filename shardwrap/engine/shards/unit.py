@@ -143,7 +143,8 @@ class Unit:
     def readable(self, group: FlatGroup) -> Iterator[list[Tensor]]:
         """Yield ``group``'s full parameters in the shards' dtype, for reading outside forward.
 
-        Gathers into a buffer of its own, leaving the unit's state as it was.
+        Gathers into a buffer of its own, leaving the unit's state as it was. A
+        tensor-parallel parameter is yielded whole, gathered over tp too.
         """
         if self.state is ShardState.GATHERING:
             self.finish_gather()
@@ -152,7 +153,7 @@ class Unit:
             all_gather(
                 buffer, group.home.gather_input(group.shard), group.mesh.shard, self.stats
             ).wait()
-            yield views_of(buffer, group)
+            yield group.wholes(views_of(buffer, group))
         finally:
             group.pool.give(buffer, keep=group.dtype == group.compute_dtype)
 

@@ -11,6 +11,11 @@ and new values. So before anything is written back the ranks agree, in one small
    reach all; without one, every rank must have made the same edits: a fingerprint of each
    parameter's bits is compared, and where one differs every rank raises, naming it, before
    anything is written.
+
+With tensor parallelism each tp rank holds its own block of a split parameter: its fingerprint
+is the sum of the blocks' over tp (one more small all-reduce), compared across the rest. A
+``modifier_rank`` is refused there: one rank holds one block of each split parameter, so its
+edits could not reach the others' (load whole weights with ``load_full_state_dict``).
 """
 
 from __future__ import annotations
@@ -28,18 +33,28 @@ __all__ = ["agree_edits", "check_modifier_rank", "fingerprint"]
 _CHUNK = 1 << 20  # elements fingerprinted at a time: the int64 copy stays small
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NONE = 1 << 62  # an int64 larger than any rank: "not me" in a MIN
+_TP_HASH = 1 << 56  # a block's hashes are cut to this before summing: 64 tp ranks fit an int64
 
 
-def check_modifier_rank(modifier_rank: int | None, writeback: bool | None, world_size: int) -> bool:
+def check_modifier_rank(modifier_rank: int | None, writeback: bool | None, mesh: Mesh) -> bool:
     """Validate ``gathered()``'s arguments before any collective; returns whether edits are
     written back (``writeback=None``: where a ``modifier_rank`` is given).
 
     Raises:
         TypeError: a ``modifier_rank`` that is not an int.
-        ValueError: one outside ``[0, world_size)``, or given with ``writeback=False``.
+        ValueError: one outside ``[0, world_size)``, given with ``writeback=False``, or with
+            tensor parallelism.
     """
+    world_size = mesh.world_size
     if modifier_rank is None:
         return bool(writeback)
+    if mesh.tp is not None:
+        raise ValueError(
+            "gathered(modifier_rank=...) with tensor parallelism: each rank holds one block of "
+            "each split parameter, so one rank's edits cannot reach the others'. Load whole "
+            "weights with model.load_full_state_dict(sd) on every rank, or make the same edits "
+            "on every rank inside gathered(writeback=True)."
+        )
     if type(modifier_rank) is not int:
         raise TypeError(
             f"gathered(modifier_rank={modifier_rank!r}): the rank whose edits every rank takes "
@@ -84,7 +99,7 @@ def agree_edits(
     modifier = -1 if modifier_rank is None else modifier_rank
     here = modifier_rank == me
     location = [mesh.shard_rank, mesh.replicate_rank] if here else [_NONE, _NONE]
-    prints = [] if modifier_rank is not None else [h for g in groups for h in _fingerprints(g)]
+    prints = [] if modifier_rank is not None else _fingerprints(groups, mesh, stats)
     header = [modifier, -modifier, -int(raised), len(prints), -len(prints), *location]
     t = torch.tensor(header + prints + [-h for h in prints], dtype=torch.int64)
     all_reduce(t.to(mesh.control_device), mesh.control, dist.ReduceOp.MIN, stats).wait()
@@ -118,8 +133,15 @@ def agree_edits(
     return True
 
 
-def _fingerprints(group: FlatGroup) -> list[int]:
-    return [h for view in group.param_views() for h in fingerprint(view)]
+def _fingerprints(groups: list[FlatGroup], mesh: Mesh, stats: CommStats) -> list[int]:
+    """Every parameter's two hashes; a tp-split one's summed over the tp ranks' blocks."""
+    hashes = [h for g in groups for view in g.param_views() for h in fingerprint(view)]
+    split = [s.is_split for g in groups for s in g.splits for _ in range(2)]
+    if mesh.tp is None or not any(split):
+        return hashes
+    t = torch.tensor([h % _TP_HASH if s else 0 for h, s in zip(hashes, split)], dtype=torch.int64)
+    all_reduce(t.to(mesh.control_device), mesh.tp.get_group(), dist.ReduceOp.SUM, stats).wait()
+    return [int(v) if s else h for v, h, s in zip(t.tolist(), hashes, split)]
 
 
 def fingerprint(t: Tensor) -> tuple[int, int]:

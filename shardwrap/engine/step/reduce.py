@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -117,8 +117,24 @@ class Reductions:
         self._bucket_bytes = 0 if alone else bucket_bytes
         self.refresh()
         self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
-        self._as_grad = functools.partial(as_shard_grad, owner=self.grad_owner)
+        # a tensor-parallel block's gradient is sharded over the tp ranks too: its norms sum
+        # over both (a replicated parameter's only over shard: each tp rank holds all of it)
+        self.split_grad_owner = (
+            shard_grad_owner(mesh.model, stats, home) if mesh.tp is not None else self.grad_owner
+        )
         self.reset()
+
+    @property
+    def grad_owners(self) -> tuple[Any, ...]:
+        """What the shard gradients' norms complete over (``shard_grad.py``), each once."""
+        owners = (self.grad_owner, self.split_grad_owner)
+        return owners[:1] if owners[0] is owners[1] else owners
+
+    def _as_grad(self, group: FlatGroup, index: int, view: Tensor) -> Tensor:
+        """``view``, parameter ``index`` of ``group``'s piece of a reduced gradient, typed with
+        the group its norms complete over."""
+        split = group.splits[index].is_split
+        return as_shard_grad(view, self.split_grad_owner if split else self.grad_owner)
 
     def refresh(self) -> None:
         """Cut the order into buckets again, after a frozen group began to train: a frozen
@@ -268,7 +284,8 @@ class Reductions:
             if used_anywhere[i]:
                 group = self.order[i]
                 seen = seen_anywhere[i] if seen_anywhere is not None else [True] * len(group.names)
-                for p in group.accumulate(out, self._as_grad, seen):
+                as_grad = functools.partial(self._as_grad, group)
+                for p in group.accumulate(out, as_grad, seen):
                     _post_accumulate(p)
         self.reset()
 

@@ -138,7 +138,8 @@ class Root:
             if live is not None:
                 live.enter("a gradient norm (clip_grad_norm_)")
 
-        self.reductions.grad_owner.enter = enter_norm
+        for owner in self.reductions.grad_owners:
+            owner.enter = enter_norm
         mesh.set_whereabouts(self.whereabouts)
         weakref.finalize(self, self.home.close)
         self.optimizers: OptimizerHooks | None = None  # the offload tiers' optimizer hooks

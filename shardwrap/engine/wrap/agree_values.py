@@ -8,6 +8,10 @@ the tensors that differ, with a warning naming them. :func:`differing_values` co
 over the weights and one small all-reduce (two float64 numbers per tensor);
 :func:`copy_from_rank0` broadcasts parameters and buffers from the model's first rank, one
 tensor at a time.
+
+A tensor-parallel parameter (a DTensor) differs across tp ranks by design: each holds its
+block. It is compared by the sums of its blocks (one more small all-reduce, over tp), and
+copied block by block from the first rank of each tp rank's shard group.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ...comm.collectives import Group, all_reduce, group_size
 from ...comm.mesh import Mesh
@@ -29,35 +34,49 @@ __all__ = ["copy_from_rank0", "differing_values", "warn_copied"]
 _RELATIVE = 1e-9
 
 
-def _tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+def _tensors(module: nn.Module) -> list[tuple[str, Tensor, bool]]:
+    """Every parameter and buffer: name, tensor (a DTensor's local block), whether a block."""
     named = list(module.named_parameters()) + list(module.named_buffers())
-    return [(n, t.detach()) for n, t in named]
+    return [
+        (n, t.detach().to_local(), True) if isinstance(t, DTensor) else (n, t.detach(), False)
+        for n, t in named
+    ]
 
 
 def _summary(t: Tensor) -> tuple[float, float]:
-    """(sum, 2-norm) of ``t`` accumulated in float64, without a float64 copy of ``t``."""
+    """(sum, sum of squares) of ``t`` accumulated in float64, without a float64 copy of ``t``."""
     if _is_float8(t):  # torch sums no float8: its bytes are summed
         t = t.view(torch.uint8)
     if not (t.is_floating_point() or t.is_complex()):
         t = t.double()
     return (
         torch.sum(t, dtype=torch.float64).item(),
-        torch.linalg.vector_norm(t, dtype=torch.float64).item(),
+        torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2,
     )
 
 
-def differing_values(module: nn.Module, group: Group, device: torch.device) -> list[str]:
+def differing_values(
+    module: nn.Module, group: Group, device: torch.device, tp: Group = None
+) -> list[str]:
     """The names of the parameters and buffers whose values differ across ranks (the same
-    list on every rank)."""
+    list on every rank; a tensor-parallel block: where the sums of its blocks over ``tp``
+    do)."""
     if group_size(group) == 1:
         return []
     named = _tensors(module)
-    sums = torch.tensor([v for _, t in named for v in _summary(t)], dtype=torch.float64)
+    summed = torch.tensor([v for _, t, _ in named for v in _summary(t)], dtype=torch.float64)
+    if group_size(tp) > 1:
+        blocks = torch.tensor([b for _, _, b in named for _ in range(2)])
+        over_tp = torch.where(blocks, summed, 0.0).to(device)
+        all_reduce(over_tp, tp, dist.ReduceOp.SUM).wait()
+        summed = torch.where(blocks, over_tp.cpu(), summed)
+    sums = summed.clone()
+    sums[1::2] = summed[1::2].sqrt()
     both = torch.cat([sums, -sums]).to(device)
     all_reduce(both, group, dist.ReduceOp.MIN).wait()
     low, high = both[: len(sums)].cpu(), -both[len(sums) :].cpu()
     differ = []
-    for i, (name, t) in enumerate(named):
+    for i, (name, t, _) in enumerate(named):
         scale = float(high[2 * i + 1]) * max(1.0, math.sqrt(t.numel())) + 1e-30
         if ((high[2 * i : 2 * i + 2] - low[2 * i : 2 * i + 2]).abs() > _RELATIVE * scale).any():
             differ.append(name)
@@ -84,20 +103,23 @@ def copy_from_rank0(module: nn.Module, mesh: Mesh, names: list[str] | None = Non
     with the mesh's first rank's values.
 
     With hybrid sharding the values go first across the replicate groups from replica 0,
-    then within every shard group from its first rank, so rank 0's reach every rank.
+    then within every shard group from its first rank, then (but for tensor-parallel blocks)
+    across the tp group from its first rank, so rank 0's reach every rank.
     """
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    groups = [g for g in (mesh.replicate, mesh.shard) if g is not None and group_size(g) > 1]
+    tp = mesh.tp.get_group() if mesh.tp is not None else None
+    groups = [g for g in (mesh.replicate, mesh.shard, tp) if g is not None and group_size(g) > 1]
     chosen = None if names is None else set(names)
-    for name, t in _tensors(module):
+    for name, t, block in _tensors(module):
         if chosen is not None and name not in chosen:
             continue
         staged = t if t.is_contiguous() else t.contiguous()
         # gloo sends no float8: its bytes go as they are
         wire = staged.view(torch.uint8) if _is_float8(staged) else staged
         for group in groups:
-            group.broadcast([wire], options).wait()
+            if not (block and group is tp):
+                group.broadcast([wire], options).wait()
         if staged is not t:
             t.copy_(staged)
 

@@ -23,6 +23,7 @@ from ...tiers.home import Home
 from ..optim.whole_params import PIECE_ATTR, install, release
 from ..shards.flat_group import FlatGroup
 from ..shards.pool import BufferPool
+from ..shards.tensor_parallel import spec_of
 from ..shards.unit import Unit
 from ..step.root import Root
 from ..step.strategy import Strategy
@@ -67,14 +68,14 @@ def build_root(
             meta_params, params = params, materialize(index, params)
             for name, p, _ in meta_params:
                 retire(p, name)
-        by_key: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter, list]]] = {}
+        by_key: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter, list]]] = {}
         for entry in params:
             by_key.setdefault(group_key(entry[1], entry[0] in trainable_later), []).append(entry)
         frozen = sum(p.numel() for _, p, _ in params if not p.requires_grad)
         trainable = sum(p.numel() for _, p, _ in params) - frozen
         stage3 = strategy.stage3_lifetime(frozen_numel=frozen, trainable_numel=trainable)
         flat_groups = []
-        for (_, grad), entries in by_key.items():
+        for (_, grad, _), entries in by_key.items():
             names = [n for n, _, _ in entries]
             originals = [p for _, p, _ in entries]
             dtype = originals[0].dtype
@@ -99,6 +100,7 @@ def build_root(
                 home=home,
                 codec=codec,
                 requires_grad=grad,
+                specs=[spec_of(p) for p in originals],
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
                 shard_param.requires_grad_(p.requires_grad)

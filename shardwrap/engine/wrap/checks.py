@@ -150,12 +150,13 @@ def unit_plan(
     names = {id(m): name for name, m in module.named_modules()}
     units = []
     for index, (unit, params) in enumerate(zip(placement.units, placement.params)):
-        sizes: dict[tuple[torch.dtype, bool], int] = {}
+        sizes: dict[tuple[torch.dtype, bool, bool], int] = {}
         for _, p, _ in params:
             sizes[group_key(p)] = sizes.get(group_key(p), 0) + p.numel()
         groups = ", ".join(
-            f"{str(dtype).removeprefix('torch.')} {'trainable' if grad else 'frozen'} {n}"
-            for (dtype, grad), n in sizes.items()
+            f"{str(dtype).removeprefix('torch.')} {'trainable' if grad else 'frozen'}"
+            f"{' tp-split' if split else ''} {n}"
+            for (dtype, grad, split), n in sizes.items()
         )
         units.append(f"#{index} {names[id(unit)] or '(root)'}: {groups or 'no parameters'}")
     recomputed = [names[id(m)] for m in placement.units[1:] if checkpoint(m)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "AutoWrap",
@@ -186,8 +187,15 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a[:n]
 
 
-def group_key(p: torch.Tensor, may_train: bool = False) -> tuple[torch.dtype, bool]:
-    """Parameters share a flat buffer when they share dtype and ``requires_grad``; a frozen
-    parameter the model may make trainable later (``may_train``: an inactive PEFT adapter)
-    groups with the trainable ones."""
-    return p.dtype, p.requires_grad or may_train
+def group_key(p: torch.Tensor, may_train: bool = False) -> tuple[torch.dtype, bool, bool]:
+    """Parameters share a flat buffer when they share dtype, ``requires_grad`` and whether the
+    tp ranks hold different blocks of them (a ``Shard`` DTensor); a frozen parameter the model
+    may make trainable later (``may_train``: an inactive PEFT adapter) groups with the
+    trainable ones.
+
+    NOTE: blocks and parameters every tp rank holds alike go in flat buffers apart, so that
+    what the tp ranks hold alike stays alike through compressed collectives (a quantization
+    block's scale is its largest element's, and a block would otherwise mix both).
+    """
+    split = isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
+    return p.dtype, p.requires_grad or may_train, split

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["retire"]
 
@@ -18,7 +19,11 @@ def retire(p: nn.Parameter, name: str) -> None:
     built before wrapping raises at its first ``step()``, naming the parameter, rather than
     silently never training the model. Nothing is registered outside the parameter.
     """
-    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        if isinstance(p, DTensor):
+            # NOTE: its memory is its local tensor's, which to_local() only aliases.
+            p._local_tensor.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     trap = torch.Tensor._make_subclass(_StaleGrad, torch.empty(0, dtype=p.dtype, device=p.device))
     trap._shardwrap_name = name
     object.__setattr__(p, "_shardwrap_stale_grad", trap)

@@ -22,6 +22,7 @@ from ...comm.mesh import resolve_mesh
 from ...options import Compression, MixedPrecision, Offload
 from ...tiers.home import make_home
 from ..optim.pieces import as_piece
+from ..shards.tensor_parallel import check_tensor_parallel
 from ..step.edits import check_modifier_rank
 from ..step.inference import fits_gathered
 from ..step.own_calls import piece_hint
@@ -167,6 +168,8 @@ class ShardedModule(DDPHabits, nn.Module):
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
         check_options(stage, device, mixed_precision, offload, compression)
+        unsupported = {"offload": offload is not None, "compile": bool(compile)}
+        check_tensor_parallel(module, process_group, {**unsupported, "meta init": is_meta(module)})
         bucket = bucket_bytes(bucket_mb)
         checkpoint = checkpoint_policy(module, policy, checkpoint_activations)
         compile_options = resolve_compile(compile)
@@ -194,7 +197,8 @@ class ShardedModule(DDPHabits, nn.Module):
         if sync_module_states and not is_meta(module):
             copy_from_rank0(module, mesh)
         elif sync_module_states is None and not is_meta(module):
-            differ = differing_values(module, mesh.control, mesh.control_device)
+            tp = mesh.tp.get_group() if mesh.tp is not None else None
+            differ = differing_values(module, mesh.control, mesh.control_device, tp)
             if differ:  # as DDP does: rank 0's weights, and a word of it
                 copy_from_rank0(module, mesh, differ)
                 warn_copied(module, differ)
@@ -314,7 +318,7 @@ class ShardedModule(DDPHabits, nn.Module):
         ``RuntimeError`` saying so).
         """
         root = self._shardwrap_root
-        writeback = check_modifier_rank(modifier_rank, writeback, root.mesh.world_size)
+        writeback = check_modifier_rank(modifier_rank, writeback, root.mesh)
         with root.gathered(writeback, modifier_rank):
             yield
 
@@ -496,8 +500,7 @@ class ShardedModule(DDPHabits, nn.Module):
                 value = state_dict[k].to(v.device)
                 if id(v) in index:
                     param = index[id(v)]
-                    pc = param.group.pieces[param.index]
-                    v.copy_(value.reshape(-1)[pc.start : pc.stop])
+                    v.copy_(param.group.piece_of(param.index, value))
                 else:
                     v.copy_(value)
 

@@ -1,0 +1,165 @@
+"""Parameters that are DTensors on a tensor-parallel mesh, as a flat group keeps them.
+
+Design note. Tensor parallelism (``parallelize_module`` on the mesh's ``"tp"`` dimension,
+before wrapping) leaves some parameters as DTensors: split along one dimension (``Shard``) or
+replicated (``Replicate``) over the tp ranks. A flat group lays out each one's *local* tensor,
+this tp rank's block, so the flat groups of tp ranks differ in values but not in layout, and
+each is sharded over the shard (dp) group alone. What the layout forgets is kept here, in a
+:class:`TPSpec` per parameter: the mesh, placement and whole shape. A gathered view of the
+local tensor becomes the DTensor the tensor-parallel layer expects with ``DTensor.from_local``,
+without communication; in backward its gradient (a DTensor, which DTensor's own rules have
+already reduced over tp where the placement asks for it) arrives at the view as the local
+gradient, and so in the flat gradient.
+
+What is refused, by :func:`check_tensor_parallel` before any collective, each naming the fix:
+placements other than one ``Shard`` or ``Replicate`` on the tp mesh (``Partial`` at rest, a
+strided shard, a parameter on another mesh), blocks of unequal size (every tp rank must lay
+out the same flat groups, and checkpoints stack equal blocks), DTensor parameters without a
+``"tp"`` mesh to shard them over, and the options not built for it (offload tiers,
+``compile``, a model on the meta device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from .split import Split
+
+__all__ = ["TPSpec", "check_tensor_parallel", "local_of", "spec_of", "tp_mesh_of"]
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """How one DTensor parameter lies over the tp ranks.
+
+    Attributes:
+        mesh: the 1-D tensor-parallel mesh.
+        placements: its placement on that mesh (one ``Shard`` or ``Replicate``).
+        split: the whole parameter's shape and the blocks the ranks hold (not split for
+            ``Replicate``).
+        stride: the whole parameter's stride.
+        index: which block this rank holds.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    split: Split
+    stride: tuple[int, ...]
+    index: int
+
+    def as_param(self, local: Tensor) -> Tensor:
+        """``local`` (a view shaped like this rank's block) as the DTensor the tensor-parallel
+        layer reads; no communication, and differentiable back to ``local``."""
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.split.shape,
+            stride=self.stride,
+        )
+
+    def whole(self, local: Tensor) -> Tensor:
+        """The whole parameter from this rank's block (an all-gather over tp where split)."""
+        if not self.split.is_split:
+            return local
+        return self.as_param(local).full_tensor()
+
+    def local_of(self, whole: Tensor) -> Tensor:
+        """This rank's block of the whole value ``whole`` (a view)."""
+        return self.split.block(whole, self.index)
+
+
+def tp_mesh_of(process_group: Any) -> DeviceMesh | None:
+    """The ``"tp"`` dimension of ``process_group`` where it is a ``DeviceMesh`` that has one."""
+    if isinstance(process_group, DeviceMesh) and "tp" in (process_group.mesh_dim_names or ()):
+        return process_group["tp"]
+    tp = getattr(process_group, "tp", None)  # a shardwrap Mesh
+    return tp if isinstance(tp, DeviceMesh) else None
+
+
+def spec_of(p: nn.Parameter) -> TPSpec | None:
+    """The spec of ``p`` where it is a DTensor (checked by :func:`check_tensor_parallel`)."""
+    if not isinstance(p, DTensor):
+        return None
+    placement = p.placements[0]
+    parts = p.device_mesh.size()
+    dim = placement.dim % p.ndim if isinstance(placement, Shard) else None
+    split = Split(tuple(p.shape), dim, parts if dim is not None else 1)
+    index = p.device_mesh.get_local_rank() if dim is not None else 0
+    return TPSpec(p.device_mesh, tuple(p.placements), split, tuple(p.stride()), index)
+
+
+def local_of(p: Tensor) -> Tensor:
+    """The tensor a flat group lays out for ``p``: its local block where it is a DTensor."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def check_tensor_parallel(module: nn.Module, process_group: Any, options: dict[str, bool]) -> None:
+    """Refuse, before any collective, DTensor parameters shardwrap cannot shard.
+
+    Args:
+        module: the model, after ``parallelize_module``.
+        process_group: ``ShardedModule``'s argument.
+        options: which options not built for tensor parallelism are on, by name.
+
+    Raises:
+        ValueError: naming every parameter refused (and why), or the option, and the fix.
+    """
+    tp = tp_mesh_of(process_group)
+    dtensors = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if not dtensors:
+        return
+    if tp is None:
+        raise ValueError(
+            f"ShardedModule: parameter '{dtensors[0][0]}' is a DTensor (tensor parallelism), "
+            'but process_group has no "tp" dimension to keep it on. Pass the DeviceMesh that '
+            'parallelize_module used the "tp" dimension of: mesh = init_device_mesh("cuda", '
+            '(dp, tp), mesh_dim_names=("dp", "tp")); parallelize_module(model, mesh["tp"], '
+            "plan); ShardedModule(model, process_group=mesh)."
+        )
+    problems = [f"'{n}': {why}" for n, p in dtensors if (why := _problem(p, tp)) is not None]
+    if problems:
+        raise ValueError(
+            "ShardedModule: tensor-parallel parameters it cannot shard: "
+            + "; ".join(problems[:4])
+            + ("; ..." if len(problems) > 4 else "")
+            + '. Each parameter must be a DTensor on the mesh\'s "tp" dimension, placed '
+            "Shard(d) with equal blocks or Replicate(), as parallelize_module's "
+            "ColwiseParallel, RowwiseParallel and SequenceParallel leave them."
+        )
+    for option, on in options.items():
+        if on:
+            raise ValueError(
+                f"ShardedModule: {option} is not supported with tensor parallelism yet (its "
+                "shards would need the DTensor layout it does not keep). Leave it out, or train "
+                "without parallelize_module."
+            )
+
+
+def _problem(p: DTensor, tp: DeviceMesh) -> str | None:
+    """Why ``p`` cannot be laid out, or ``None``."""
+    mesh = p.device_mesh
+    if mesh.ndim != 1 or mesh.mesh.tolist() != tp.mesh.tolist():
+        return f'on mesh {mesh.mesh.tolist()}, not the "tp" dimension {tp.mesh.tolist()}'
+    placement = p.placements[0]
+    if type(placement) is Replicate:
+        return None
+    if type(placement) is not Shard:  # Partial, or a strided shard
+        return (
+            f"placed {type(placement).__name__}: only Shard(d) and Replicate() are kept at "
+            "rest (a Partial "
+            "parameter's value is a sum nobody holds; redistribute it first)"
+        )
+    dim = placement.dim % p.ndim
+    if p.shape[dim] % mesh.size():
+        return (
+            f"dimension {dim} of {tuple(p.shape)} does not split into {mesh.size()} equal "
+            "blocks (choose sizes the tp degree divides)"
+        )
+    return None
