@@ -10,6 +10,7 @@ Every check runs on every rank before anything is written into the model or the 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import mmap
@@ -37,6 +38,7 @@ from .optimizer_state import (
     owns,
     saved_optimizers,
 )
+from .packed_state import unpack
 from .save import (
     BUFFERS,
     FORMAT,
@@ -377,6 +379,7 @@ class _Loader:
         by_name = {p.name: p for p in self.params}
         keys, scalars = self.meta["optimizer"]["state_keys"], saved_optimizer["state"]
         whole = self.meta["optimizer"].get("whole_state", {})
+        packed = self.meta["optimizer"].get("packed_state", {})
         state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
@@ -387,9 +390,12 @@ class _Loader:
                 if stepping is not None:
                     if (name in whole or name in scalars) and owns(stepping, param):
                         entry = dict(scalars.get(name, {}))
-                        for key, at in whole.get(name, {}).items():
-                            value = self._read_whole(f"optim/{key}/{name}", at)
-                            entry[key] = _made_from(param, value)
+                        read = {
+                            key: self._read_whole(f"optim/{key}/{name}", at)
+                            for key, at in whole.get(name, {}).items()
+                        }
+                        made = functools.partial(_made_from, param)
+                        entry.update(unpack(read, packed.get(name, {}), made, param.device))
                         state[index] = entry
                 elif name in keys or name in scalars:
                     p = by_name[name]

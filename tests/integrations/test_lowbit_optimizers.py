@@ -11,7 +11,8 @@ gradients in the order shardwrap's reductions do, not one pass over the batch (t
 from it by up to 3e-4 at 4 ranks, as DDP's would). The model's matrices have 6144 and 4096
 elements: quantized whole, left in float32 as any rank's piece of them would be. The state each
 parameter gets, counted in bytes over every rank, must equal the unwrapped model's optimizer's
-at every world size.
+at every world size. Also: the state saved at 2 ranks loads at 4 and training goes on exactly,
+in the same low-bit form.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_lowbit_optimizers.py``
 """
@@ -182,3 +183,15 @@ def test_low_bit_optimizers_train_like_the_plain_model(name: str, world_size: in
     assert _summed(runs) == ref_bytes
     matrices = {n: p.numel() for n, p in build().named_parameters() if p.ndim == 2}
     assert all(ref_bytes[n] < 3 * numel for n, numel in matrices.items()), ref_bytes  # low-bit
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_low_bit_state_saved_at_two_ranks_loads_at_four(name: str, tmp_path: Path) -> None:
+    make = OPTIMIZERS[name]
+    half = STEPS // 2
+    train_sharded(make, 2, range(half), save=tmp_path / "ckpt")
+    runs = train_sharded(make, 4, range(half, STEPS), load=tmp_path / "ckpt")
+    ref, ref_bytes = train_reference(make, [2] * half + [4] * (STEPS - half))
+    for rank, (state, _) in enumerate(runs):
+        _assert_exact(ref, state, rank)
+    assert _summed(runs) == ref_bytes
