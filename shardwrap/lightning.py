@@ -68,6 +68,7 @@ __all__ = ["LightningRoot", "ShardwrapStrategy"]
 
 SHARDS = "shardwrap"  # the model's and optimizers' shardwrap checkpoint, in the checkpoint path
 LIGHTNING_STATE = "lightning.pt"  # the rest of Lightning's checkpoint, written by rank 0
+ROOT_ATTR = "_shardwrap_lightning_root"  # on a LightningModule: the sharded root around it
 
 
 class LightningRoot(nn.Module):
@@ -202,15 +203,20 @@ class ShardwrapStrategy(ParallelStrategy):
     # the model ----------------------------------------------------------------------
 
     def setup(self, trainer: Trainer) -> None:
-        """Shard the ``LightningModule`` (once: a later ``validate`` or ``test`` reuses it),
-        then build its optimizers over the pieces."""
+        """Shard the ``LightningModule`` (once: a later ``fit``, ``validate`` or ``test``, by
+        this ``Trainer`` or another, reuses its root), then build its optimizers over the
+        pieces."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if not isinstance(self.model, ShardedModule):
+        root = getattr(self.model, ROOT_ATTR, None)
+        if root is None:
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
             self.model.to(self.root_device)
-            self.model = ShardedModule(LightningRoot(self.model), **self._wrap)
+            root = ShardedModule(LightningRoot(self.model), **self._wrap)
+            # on the module, unregistered: a later Trainer's validate or test finds it
+            object.__setattr__(self.model, ROOT_ATTR, root)
+        self.model = root
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

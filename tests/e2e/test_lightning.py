@@ -6,6 +6,7 @@ Lightning's own DDP strategy, and resumes from a ``ModelCheckpoint`` at another 
   equals DDP's (bit for bit, measured; asserted within 1e-6);
 - ``gradient_clip_val``, ``accumulate_grad_batches`` and ``precision="bf16-mixed"`` take
   effect (the losses differ from the fp32 run's without them) and equal DDP's with them;
+- the trained model validated by a new ``Trainer`` has DDP's validation loss;
 - ``ModelCheckpoint`` writes one folder per epoch: a shardwrap checkpoint (every rank's
   pieces) and Lightning's own state; resumed from the first at 1 rank, the second epoch's losses
   are the 2-rank run's (within 1e-5: the global batch's gradient summed in another order).
@@ -39,6 +40,8 @@ def test_trainer_matches_ddp_and_resumes_from_a_checkpoint_at_another_world_size
         assert sharded == pytest.approx(ddp, abs=1e-6, rel=0), name
     for name in ("clip", "accumulate", "bf16-mixed"):  # each changed the training
         assert max(abs(a - b) for a, b in zip(got[f"shardwrap-{name}"], got["ddp-3"])) > 1e-3, name
+    ddp_validated, validated = got["validated"]  # a new Trainer reuses the sharded model
+    assert validated == pytest.approx(ddp_validated, abs=1e-6, rel=0)
     folders = {f.split("/")[0] for f in got["checkpoints"]}
     assert folders == {"epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"}
     for folder in folders:

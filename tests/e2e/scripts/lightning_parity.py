@@ -10,11 +10,12 @@ Launched by tests/e2e/test_lightning.py:
 stages 1, 2 and 3 (units: the blocks); then ``gradient_clip_val``, ``accumulate_grad_batches``
 and ``precision="bf16-mixed"`` with ``strategy="shardwrap"`` (its defaults: stage 3, the whole
 model one unit); every run two epochs of 4 batches of 8 rows (each rank its 4). The stage-3
-fp32 run also keeps a ``ModelCheckpoint`` of each epoch. (On the CPU Lightning runs
+fp32 run also keeps a ``ModelCheckpoint`` of each epoch, and its trained model is then
+validated by a new ``Trainer`` (as is DDP's). (On the CPU Lightning runs
 ``"16-mixed"`` as ``"bf16-mixed"``, so it is not run here.)
 ``resume`` (1 rank, the same global batch of 8) fits from the first epoch's checkpoint to the
 end of the second. Rank 0 writes each run's losses (the global mean loss of every
-``training_step``, in order) and the files of the checkpoint.
+``training_step``, in order), the validation losses and the files of the checkpoint.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class Regressor(pl.LightningModule):
         self.losses.append(loss.detach().float())
         return loss
 
+    def validation_step(self, batch: tuple[Tensor, Tensor], index: int) -> None:
+        x, y = batch
+        self.log("val", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
@@ -92,30 +97,43 @@ def _fit(strategy: Any, ckpt_dir: Path | None = None, resume: Path | None = None
         else None,
         **kw,
     )
-    world = trainer.world_size
-    trainer.fit(model, _data(GLOBAL_BATCH // world), ckpt_path=resume)
+    data = _data(GLOBAL_BATCH // trainer.world_size)
+    trainer.fit(model, data, ckpt_path=resume)
     losses = torch.stack(model.losses)
     losses = trainer.strategy.reduce(losses, reduce_op="mean")
-    return [float(v) for v in losses], trainer
+    return [float(v) for v in losses], model, data
+
+
+def _validate(strategy: Any, model: Regressor, data: Any) -> float:
+    """The trained model's mean loss over the data, from a new Trainer."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=torch.distributed.get_world_size(),
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return float(trainer.validate(model, data, verbose=False)[0]["val"])
 
 
 def _train(out: Path, folder: Path) -> None:
     result: dict[str, Any] = {}
     for stage in (1, 2, 3):
         ckpt = folder / "checkpoints" if stage == 3 else None
-        result[f"ddp-{stage}"], _ = _fit("ddp")
-        result[f"shardwrap-{stage}"], trainer = _fit(
-            ShardwrapStrategy(auto_wrap=Block, stage=stage), ckpt_dir=ckpt
-        )
+        result[f"ddp-{stage}"], ddp_model, data = _fit("ddp")
+        strategy = ShardwrapStrategy(auto_wrap=Block, stage=stage)
+        result[f"shardwrap-{stage}"], model, _ = _fit(strategy, ckpt_dir=ckpt)
+    result["validated"] = [_validate("ddp", ddp_model, data), _validate("shardwrap", model, data)]
     settings = {
         "clip": {"gradient_clip_val": 0.05},
         "accumulate": {"accumulate_grad_batches": 2},
         "bf16-mixed": {"precision": "bf16-mixed"},
     }
     for name, kw in settings.items():
-        result[f"ddp-{name}"], _ = _fit("ddp", **kw)
-        result[f"shardwrap-{name}"], trainer = _fit("shardwrap", **kw)
-    result["strategy"] = type(trainer.strategy).__name__
+        result[f"ddp-{name}"], *_ = _fit("ddp", **kw)
+        result[f"shardwrap-{name}"], *_ = _fit("shardwrap", **kw)
+    result["strategy"] = type(pl.Trainer(strategy="shardwrap", logger=False).strategy).__name__
     result["checkpoints"] = sorted(
         str(p.relative_to(folder / "checkpoints"))
         for p in (folder / "checkpoints").rglob("*")
@@ -127,7 +145,7 @@ def _train(out: Path, folder: Path) -> None:
 
 def _resume(out: Path, folder: Path) -> None:
     first = sorted((folder / "checkpoints").glob("epoch=0-*.ckpt"))[0]
-    losses, _ = _fit(ShardwrapStrategy(auto_wrap=Block), resume=first)
+    losses, *_ = _fit(ShardwrapStrategy(auto_wrap=Block), resume=first)
     out.write_text(json.dumps({"resumed": losses}))
 
 
