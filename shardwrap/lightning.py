@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .engine.optim.grad_scaler import ShardedGradScaler
+from .engine.wrap.policy import AutoWrap
 from .engine.wrap.sharded_module import ShardedModule
 
 __all__ = ["LightningRoot", "ShardwrapStrategy"]
@@ -105,7 +106,7 @@ class ShardwrapStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        auto_wrap: Any = None,
+        auto_wrap: AutoWrap = None,
         *,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
