@@ -39,7 +39,9 @@ def environment() -> dict[str, Any]:
     admitted = re.search(r'"torch>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text())
     low, high = admitted.groups() if admitted else ("?", "?")
     ours = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
-    within = admitted is not None and ours == tuple(int(x) for x in low.split(".")[:2])
+    within = admitted is not None and (
+        tuple(int(x) for x in low.split(".")[:2]) <= ours < tuple(int(x) for x in high.split("."))
+    )
     env: dict[str, Any] = {
         "python": f"{platform.python_version()} ({sys.executable})",
         "torch": torch.__version__,

@@ -16,7 +16,7 @@ wheel source at all (a CUDA build of torch is gigabytes, too large to carry). So
    the interpreter's own site-packages: where the interpreter is itself a virtual
    environment (as on the project's GPU machines, ``/opt/torch/.venv``), ``venv`` would
    otherwise see its base's packages, not its torch. shardwrap is not installed (its
-   ``torch>=2.13,<2.14`` would make pip replace torch): the check puts this checkout on
+   ``torch>=2.13,<2.16`` would make pip replace another release): the check puts this checkout on
    ``PYTHONPATH``.
 3. What the check needs besides torch, only where missing: ``pytest``, ``einops`` and
    ``safetensors`` (required), ``transformers`` and ``pytest-timeout`` (without them the Llama

@@ -18,6 +18,7 @@ from .engine.optim.whole_params import declare_optimizer
 from .engine.wrap.sharded_module import ShardedModule
 from .integrations import hf as _hf  # noqa: F401  (registers its habits with the engine)
 from .integrations import hf_accelerate as _hf_accelerate  # noqa: F401  (its prepare check)
+from .integrations import lowbit as _lowbit  # noqa: F401  (declares low-bit optimizers)
 from .integrations import peft as _peft  # noqa: F401  (registers its habits with the engine)
 from .options import Compression, MixedPrecision, Offload
 from .planning.allocations import AllocationTracker, track_allocations

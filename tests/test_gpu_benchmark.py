@@ -116,7 +116,9 @@ def test_every_method_of_the_step_starts_from_the_same_weights() -> None:
     cfg = step.Config(width=64, depth=2, heads=4, context=16, batch=2, warmup=1, steps=1, rounds=1)
     result = step.run(cfg, ["fp32"], list(step.METHODS), 60, torch.device("cpu"))
     by_method = result["results"]["fp32"]
-    assert "accelerator" in by_method["fsdp2-offload"]["error"]  # named; the others went on
+    # named, the others went on: torch's CPU build finds no accelerator, a CUDA build no driver
+    error = by_method["fsdp2-offload"]["error"]
+    assert error.startswith("RuntimeError") and ("accelerator" in error or "NVIDIA" in error)
     ran = {m: e for m, e in by_method.items() if m != "fsdp2-offload"}
     first = {m: e["losses"][0] for m, e in ran.items()}
     assert max(first.values()) - min(first.values()) < 1e-5, first

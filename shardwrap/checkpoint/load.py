@@ -12,6 +12,7 @@ Every check runs on every rank before anything is written into the model or the 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import mmap
@@ -57,6 +58,7 @@ from .optimizer_state import (
     saved_optimizers,
     whole_state_shapes,
 )
+from .packed_state import unpack
 from .residuals import expected_residuals, restore, start_at_zero
 
 __all__ = ["load_checkpoint"]
@@ -474,6 +476,7 @@ class _Loader:
         by_name = {p.name: p for p in self.params}
         keys, scalars = self.meta["optimizer"]["state_keys"], saved_optimizer["state"]
         whole = self.meta["optimizer"].get("whole_state", {})
+        packed = self.meta["optimizer"].get("packed_state", {})
         state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
@@ -485,10 +488,13 @@ class _Loader:
                     if (name in whole or name in scalars) and owns(stepping, param):
                         entry = dict(scalars.get(name, {}))
                         known = whole_state_shapes(optimizer, self._shapes[name]) is not None
-                        for key, at in whole.get(name, {}).items():
-                            dtype = param.dtype if known else None  # its rule: floating point
-                            value = self._read_whole(f"optim/{key}/{name}", at, dtype)
-                            entry[key] = _made_from(param, value)
+                        dtype = param.dtype if known else None  # its rule: floating point
+                        read = {
+                            key: self._read_whole(f"optim/{key}/{name}", at, dtype)
+                            for key, at in whole.get(name, {}).items()
+                        }
+                        made = functools.partial(_made_from, param)
+                        entry.update(unpack(read, packed.get(name, {}), made, param.device))
                         state[index] = entry
                 elif name in keys or name in scalars:
                     p = by_name[name]

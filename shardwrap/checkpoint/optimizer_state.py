@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..engine.optim.whole_params import stepped_whole
 from .files import few
+from .packed_state import pack
 
 __all__ = [
     "OptimizerPlan",
@@ -79,6 +80,7 @@ class OptimizerPlan:
     groups: list[dict[str, Any]]  # hyperparameters, "params": names
     whole: bool = False  # stepped whole: ``owned`` and ``scalars`` are this rank's parameters'
     owned: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # name -> key -> any shape
+    packed: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> key -> its record
 
 
 def names_by_id(model: nn.Module) -> dict[int, str]:
@@ -111,11 +113,14 @@ def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Optimi
                 )
             name = names[id(p)]
             group_names.append(name)
-            tensors, scalars = {}, {}
+            tensors, scalars, packed = {}, {}, {}
             for key, value in optimizer.state.get(p, {}).items():
                 if _is_scalar(value):
                     scalars[key] = value
-                elif isinstance(value, Tensor) and (whole or value.shape == p.shape):
+                elif isinstance(value, Tensor) and whole:  # a subclass as its plain parts
+                    parts, packed[key] = pack(key, value)
+                    tensors.update(parts)
+                elif isinstance(value, Tensor) and value.shape == p.shape:
                     tensors[key] = value
                 else:
                     raise ValueError(
@@ -129,6 +134,9 @@ def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Optimi
             if p in optimizer.state:  # stepped whole: on the parameter's owner alone
                 plan.scalars[name] = scalars
                 (plan.owned if whole else plan.sharded)[name] = tensors
+                packed = {k: r for k, r in packed.items() if r is not None}
+                if packed:
+                    plan.packed[name] = packed
         plan.groups.append({**hyper, "params": group_names})
     return plan
 
@@ -160,6 +168,7 @@ def owned_summary(plans: list[OptimizerPlan], file: str) -> list[dict[str, Any]]
     return [
         {
             "scalars": plan.scalars,
+            "packed_state": plan.packed,
             "whole_state": {
                 name: {key: {"file": file, "shape": list(v.shape)} for key, v in state.items()}
                 for name, state in plan.owned.items()
@@ -178,7 +187,7 @@ def optimizer_record(
     One optimizer passed alone is written as before optimizers could be listed.
     """
     saved, stepped = [], []
-    meta: dict[str, Any] = {"state_keys": {}, "whole_state": {}}
+    meta: dict[str, Any] = {"state_keys": {}, "whole_state": {}, "packed_state": {}}
     for i, plan in enumerate(plans):
         scalars = plan.scalars
         if plan.whole:  # held by the owners alone
@@ -186,6 +195,7 @@ def optimizer_record(
             for summary in summaries:
                 scalars.update(summary[i]["scalars"])
                 meta["whole_state"].update(summary[i]["whole_state"])
+                meta["packed_state"].update(summary[i]["packed_state"])
         saved.append({"class": plan.cls, "param_groups": plan.groups, "state": scalars})
         meta["state_keys"].update({n: sorted(s) for n, s in plan.sharded.items()})
         stepped.append(plan.whole)

@@ -48,6 +48,14 @@ class StoreError(RuntimeError):
     """
 
 
+# torch's fused optimizer kernels, which write their parameters (argument 0) in place
+_FUSED_STEPS = frozenset(
+    getattr(torch, name)
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+    if hasattr(torch, name)
+)
+
+
 def count_fused_write(func: Callable[..., Any], args: tuple) -> None:
     """After one of torch's fused optimizer kernels (``torch._fused_adamw_``, ...): count its
     write to the parameters (argument 0) in their version counters.
@@ -57,7 +65,7 @@ def count_fused_write(func: Callable[..., Any], args: tuple) -> None:
     shard parameters' and shard gradients' torch-function handlers, whichever torch calls,
     count it here.
     """
-    if getattr(func, "__name__", "").startswith("_fused_") and args:
+    if func in _FUSED_STEPS and args:
         if isinstance(args[0], (list, tuple)):
             torch.autograd.graph.increment_version([p for p in args[0] if isinstance(p, Tensor)])
 

@@ -69,6 +69,7 @@ from .shard_grad import as_shard_grad, shard_grad_owner
 __all__ = [
     "PIECE_ATTR",
     "declare_optimizer",
+    "declare_optimizer_name",
     "install",
     "owners",
     "release",
@@ -112,6 +113,7 @@ REFUSED: dict[type[Optimizer], str] = {
 }
 
 _declared: dict[type, bool] = {}  # class -> reads shapes
+_declared_names: dict[str, bool] = {}  # "module.QualName" of a class -> reads shapes
 _warned: set[type] = set()
 
 
@@ -142,6 +144,12 @@ def declare_optimizer(cls: type[Optimizer], *, reads_shapes: bool) -> None:
     _declared[cls] = reads_shapes
 
 
+def declare_optimizer_name(name: str, *, reads_shapes: bool) -> None:
+    """As :func:`declare_optimizer`, for a class named ``"module.QualName"`` (where it is
+    defined): an integration declares another library's optimizers without importing it."""
+    _declared_names[name] = bool(reads_shapes)
+
+
 def steps_whole(cls: type) -> bool:
     """Whether shardwrap steps each parameter of optimizer class ``cls`` whole, on its owner
     (torch's Muon and Adafactor, classes declared with ``reads_shapes=True``)."""
@@ -153,21 +161,30 @@ def _kind(cls: type) -> str:
     for base in cls.__mro__:
         if base is Optimizer or base is object:
             break
-        if base in _declared or base in REFUSED or base in ELEMENTWISE or base in WHOLE:
-            if base is not cls and _step_of(cls) is not _step_of(base):
+        kind = _known(base)
+        if kind is not None:
+            if base is not cls and _step(cls) is not _step(base):
                 return "undeclared"  # a subclass with a step of its own
-            if base in _declared:
-                return "whole" if _declared[base] else "pieces"
-            if base in REFUSED:
-                return "refused"
-            return "whole" if base in WHOLE else "pieces"
+            return kind
     return "undeclared"
 
 
-def _step_of(cls: type) -> object:
-    """``cls.step`` as written: torch wraps the ``step`` of a class at its first instance
-    (``Optimizer._patch_step_function``), on the subclass itself when that comes first, so a
-    subclass that keeps its base's step can hold a wrapper of it of its own."""
+def _known(cls: type) -> str | None:
+    """What ``cls`` itself is: declared (as a class, or by name), else one of torch's."""
+    declared = _declared.get(cls, _declared_names.get(f"{cls.__module__}.{cls.__qualname__}"))
+    if declared is not None:
+        return "whole" if declared else "pieces"
+    if cls in REFUSED:
+        return "refused"
+    if cls in WHOLE:
+        return "whole"
+    return "pieces" if cls in ELEMENTWISE else None
+
+
+def _step(cls: type) -> Any:
+    """``cls.step`` as defined. NOTE: torch wraps the ``step`` of an optimizer's class in a
+    profiling hook when the class's first instance is made, so a subclass that keeps its base's
+    ``step`` holds a wrapper of it."""
     return inspect.unwrap(getattr(cls, "step", None))
 
 

@@ -1,0 +1,59 @@
+"""``shardwrap.lightning``'s strategy as Lightning's ``Trainer`` builds it, in this process:
+``strategy="shardwrap"`` finds it by name; precisions it does not run are refused by name when
+the ``Trainer`` is built (``"bf16-true"``, ``"16-true"``, ``"64-true"``, and an autocast
+precision together with shardwrap's own ``mixed_precision``), as are ``process_group`` and
+``device``, which the strategy chooses; float16's loss scaler becomes a ``ShardedGradScaler``.
+Training, checkpoints and resuming under torchrun: ``tests/e2e/test_lightning.py``.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_lightning.py``
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision as AutocastPrecision
+
+from shardwrap import MixedPrecision, ShardedGradScaler
+from shardwrap.lightning import ShardwrapStrategy
+
+pytestmark = pytest.mark.stage3  # no stage involved
+
+
+def _trainer(**kw: object) -> pl.Trainer:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on loggers and workers
+        return pl.Trainer(accelerator="cpu", devices=1, logger=False, **kw)
+
+
+def test_strategy_shardwrap_is_found_by_name() -> None:
+    assert isinstance(_trainer(strategy="shardwrap").strategy, ShardwrapStrategy)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_precisions_it_does_not_run_are_refused_by_name(precision: str) -> None:
+    with pytest.raises(ValueError, match=f"precision='{precision}'.*MixedPrecision"):
+        _trainer(strategy="shardwrap", precision=precision)
+
+
+def test_autocast_with_shardwraps_own_mixed_precision_is_refused() -> None:
+    strategy = ShardwrapStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="precision='bf16-mixed'.*choose one"):
+        _trainer(strategy=strategy, precision="bf16-mixed")
+
+
+@pytest.mark.parametrize("chosen", ["process_group", "device"])
+def test_what_the_strategy_chooses_is_refused(chosen: str) -> None:
+    with pytest.raises(ValueError, match=f"chooses {chosen} itself"):
+        ShardwrapStrategy(**{chosen: None})
+
+
+def test_float16_loss_scaling_skips_steps_on_every_rank_alike() -> None:
+    """Lightning runs ``"16-mixed"`` as ``"bf16-mixed"`` on the CPU, so the plugin a GPU run
+    gets is handed to the strategy directly."""
+    plugin = AutocastPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    ShardwrapStrategy().precision_plugin = plugin
+    assert isinstance(plugin.scaler, ShardedGradScaler)
