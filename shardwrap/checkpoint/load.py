@@ -234,7 +234,9 @@ class _Loader:
                 if saved_whole and name in whole:  # before any of it is read, on every rank
                     shapes = {key: tuple(at["shape"]) for key, at in whole[name].items()}
                     where = str(self.folder / METADATA)
-                    check_whole_state(optimizer, name, self._shapes[name], shapes, where)
+                    packed = self.meta["optimizer"].get("packed_state", {}).get(name)
+                    shape = self._shapes[name]
+                    check_whole_state(optimizer, name, shape, shapes, where, packed)
         return saved
 
     def _open(self, file: str) -> Any:

@@ -10,6 +10,7 @@ the metadata says of each whether it stepped whole; per-parameter state stays ke
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,8 @@ from torch import Tensor, nn
 from ..engine.optim.whole_params import stepped_whole
 from .files import few
 from .packed_state import pack
+
+_ONE_BYTE_TABLE = 256  # a quantized state's lookup table: one entry per code of a byte
 
 __all__ = [
     "OptimizerPlan",
@@ -375,6 +378,7 @@ def check_whole_state(
     shape: tuple[int, ...],
     saved: dict[str, tuple[int, ...]],
     where: str,
+    packed: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Raise unless the state a checkpoint holds for parameter ``name`` (of ``shape``) stepped
     whole, ``saved`` (key to shape, as the metadata ``where`` says), is what ``optimizer``
@@ -383,11 +387,28 @@ def check_whole_state(
 
     1. Muon, Adafactor: each key one of theirs, at the shape they make it.
     2. A class declared ``reads_shapes=True``: no more dimensions than the parameter has (at
-       least 2: a preconditioner of a vector is a matrix) and none larger than its largest.
+       least 2: a preconditioner of a vector is a matrix) and none larger than its largest,
+       unless it has at most 256 elements (a lookup table of one byte's codes).
+    3. State saved as its parts (``packed``, see :mod:`.packed_state`): the tensor each record
+       rebuilds is held to rule 2, and each part to as many elements as the parameter has, or
+       256 (a lookup table of one byte's codes), whichever is more.
     """
     cls = type(optimizer).__name__
     expected = whole_state_shapes(optimizer, shape)
-    for key, got in saved.items():
+    records = (packed or {}).items()
+    parts = {f"{key}.{n}": key for key, record in records for n in record.get("parts", ())}
+    rebuilt = {key: tuple(record.get("shape", ())) for key, record in records}
+    bound = max(math.prod(shape), _ONE_BYTE_TABLE)
+    for key, got in [*saved.items(), *rebuilt.items()]:
+        if key in parts:
+            if math.prod(got) > bound:
+                raise ValueError(
+                    f"load_checkpoint: {where} holds {cls} state '{key}' of '{name}' with shape "
+                    f"{got}, more than the {bound} elements a part of a parameter of shape "
+                    f"{shape}'s state can have. The file was altered or written for another "
+                    "model: load a checkpoint saved for this one"
+                )
+            continue
         if expected is not None:
             want = expected.get(key)
             if want == got:
@@ -403,7 +424,8 @@ def check_whole_state(
                 "altered or written for another model: load a checkpoint saved for this one"
             )
         largest = max(shape, default=1)
-        if len(got) > max(len(shape), 2) or any(d > largest for d in got):
+        table = math.prod(got) <= _ONE_BYTE_TABLE
+        if not table and (len(got) > max(len(shape), 2) or any(d > largest for d in got)):
             raise ValueError(
                 f"load_checkpoint: {where} holds {cls} state '{key}' of '{name}' with shape "
                 f"{got}, larger than any state of a parameter of shape {shape} (at most "

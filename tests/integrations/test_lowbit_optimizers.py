@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroup
 
 import shardwrap
 from shardwrap import ShardedModule
+from shardwrap.checkpoint.optimizer_state import check_whole_state
 from tests.support.ranks import run_ranks
 
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -214,3 +215,20 @@ def test_low_bit_state_saved_at_two_ranks_loads_at_four(name: str, tmp_path: Pat
     for rank, (state, _) in enumerate(runs):
         _assert_exact(ref, state, rank)
     assert _summed(runs) == ref_bytes
+
+
+def test_packed_state_parts_larger_than_their_parameter_are_refused() -> None:
+    """A checkpoint's low-bit state is checked before a load reads it: the lookup table (256
+    codes) and the codes and scales of a (96, 64) weight pass; a part, or the tensor a record
+    rebuilds, larger than the weight's state can be is refused by name."""
+    weight = nn.Parameter(torch.zeros(96, 64))
+    optimizer = torchao.optim.AdamW8bit([weight])
+    record = {"exp_avg": {"parts": ["codes", "scale", "qmap"], "shape": [96, 64]}}
+    parts = {"exp_avg.codes": (96, 64), "exp_avg.scale": (24,), "exp_avg.qmap": (256,)}
+    check_whole_state(optimizer, "w", (96, 64), parts, "metadata.json", record)
+    with pytest.raises(ValueError, match=r"'exp_avg.codes' of 'w' with shape \(96, 6400\)"):
+        crafted = {**parts, "exp_avg.codes": (96, 6400)}
+        check_whole_state(optimizer, "w", (96, 64), crafted, "metadata.json", record)
+    with pytest.raises(ValueError, match=r"'exp_avg' of 'w' with shape \(96, 6400\)"):
+        rebuilt = {"exp_avg": {**record["exp_avg"], "shape": [96, 6400]}}
+        check_whole_state(optimizer, "w", (96, 64), parts, "metadata.json", rebuilt)

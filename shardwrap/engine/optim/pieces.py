@@ -159,6 +159,12 @@ def _is_state_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.ndim > 0
 
 
+def _packed(value: Tensor) -> bool:
+    """State an optimizer keeps in a tensor subclass of its own (a low-bit optimizer's
+    quantized state): only that optimizer reads it, so it is handed on as it is."""
+    return type(value) is not Tensor and not isinstance(value, ShardPiece)
+
+
 def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owns: Owns | None) -> dict:
     """``state_dict`` with each sharded parameter's state tensors as pieces (new entries: the
     optimizer's own state is left plain)."""
@@ -176,7 +182,9 @@ def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owns: Owns | None)
                 if owns is not None
                 else as_piece(v, full, start, stop)
             )
-            if _is_state_tensor(v) and (owns is not None or tuple(v.shape) == shape)
+            if _is_state_tensor(v)
+            and not _packed(v)
+            and (owns is not None or tuple(v.shape) == shape)
             else v
             for key, v in entry.items()
         }
@@ -224,7 +232,10 @@ def _cut_entry(
 
 def _made_from(param: nn.Parameter, value: Tensor) -> Tensor:
     """Whole-stepped state ``value``, made from the shard parameter as the optimizer makes such
-    state (``new_empty``: in the disk tier's files) where it is floating point."""
+    state (``new_empty``: in the disk tier's files) where it is floating point; state in an
+    optimizer's own subclass as it is (copying it into a plain tensor would dequantize it)."""
+    if _packed(value):
+        return value
     if not value.is_floating_point():
         return value.as_subclass(Tensor) if isinstance(value, ShardPiece) else value
     out = param.new_empty(value.shape, dtype=value.dtype)
