@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import all_gather, all_reduce, all_to_all
+from ..engine.optim.dcp_pieces import register_full_optimizer_state
 from ..engine.optim.whole_params import stepped_whole
 from ..engine.shards.flat_group import FlatGroup
 from ..engine.step.root import Root
@@ -218,3 +219,7 @@ def _send_owned(root: Root, plan: OptimizerPlan, to_rank0: bool) -> StateByName:
             data = io.BytesIO(out.cpu().numpy().tobytes())
             held.update(torch.load(data, weights_only=True))
     return held
+
+
+# get_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True)) gathers with it
+register_full_optimizer_state(full_optimizer_state_dict)

@@ -20,11 +20,18 @@ engine first sees it: its first step, or a save or load of it):
    tensor of a parameter's full shape is cut to this rank's piece (stepped whole: kept by the
    owner, dropped elsewhere), made where the optimizer makes its state (the disk tier's files);
 3. state loaded before it was adopted is cut alike when it is.
+
+For ``torch.distributed.checkpoint`` (DCP), both state dicts hand out pieces shaped as the whole
+tensor instead (``dcp_pieces.py``), and a ``ShardPiece`` that reaches DCP anyway (a state dict
+taken with ``state_dict()`` itself) is refused there, at its save and at ``async_save``'s
+staging, naming ``get_model_state_dict``.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +39,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from .dcp_pieces import (
+    DCPPiece,
+    dcp_call,
+    full_optimizer_state,
+    local_piece,
+    owned_elsewhere,
+    refuse_tensor_parallel,
+)
 
 __all__ = ["PIECE_ATTR", "ShardPiece", "adopt_optimizer", "as_piece"]
 
@@ -45,6 +61,15 @@ SAVE_FIXES = (
     "shardwrap.save_checkpoint(path, model, optimizer) on every rank (each rank writes its "
     "pieces). See docs/ddp.md"
 )
+
+# What to give torch.distributed.checkpoint instead of a rank's state dict.
+DCP_FIX = (
+    "Give torch.distributed.checkpoint get_model_state_dict(model) and "
+    "get_optimizer_state_dict(model, optimizer) (or the model and optimizer themselves): they "
+    "show it where each piece lies in the whole tensor. See docs/dcp.md"
+)
+# torch's helpers that copy a state dict's tensors into plain ones (async_save's CPU staging)
+_STAGING = os.path.join("torch", "distributed", "_state_dict_utils.py")
 
 
 class ShardPiece(Tensor):
@@ -62,14 +87,49 @@ class ShardPiece(Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: this rank's piece would be saved as if it were the whole tensor."""
+        raise TypeError(
+            f"shardwrap: saving {self._held()}: a sharded model's state_dict() and its "
+            "optimizer's hold each rank's pieces, so a state dict saved on one rank would hold "
+            f"that rank's pieces under the full names and lose the others'. {SAVE_FIXES}."
+        )
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        """As any tensor, but refusing to be copied into a plain tensor by DCP's staging: the
+        copy would be written as the whole tensor."""
+        if (
+            func is Tensor.copy_
+            and len(args) > 1
+            and isinstance(args[1], ShardPiece)
+            and not isinstance(args[0], ShardPiece)
+            and sys._getframe(1).f_code.co_filename.endswith(_STAGING)
+        ):
+            raise TypeError(
+                f"shardwrap: staging {args[1]._held()} for torch.distributed.checkpoint copies "
+                f"it into a plain tensor, which DCP would write as the whole tensor. {DCP_FIX}."
+            )
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> Any:
+        """Refused: DCP would write the piece as the whole tensor ``fqn``."""
+        raise TypeError(
+            f"shardwrap: torch.distributed.checkpoint was given {self._held()} as '{fqn}', from "
+            f"a sharded model's (or its optimizer's) state_dict(). {DCP_FIX}."
+        )
+
+    def __create_chunk_list__(self) -> Any:
+        """Refused: DCP would load the whole tensor's rectangles into the piece."""
+        raise TypeError(
+            f"shardwrap: torch.distributed.checkpoint was asked to load into {self._held()}, "
+            f"from a sharded model's (or its optimizer's) state_dict(). {DCP_FIX}."
+        )
+
+    def _held(self) -> str:
         shape = getattr(self, "full_shape", None)
         held = "" if shape is None else f" (elements {self.start}:{self.stop} of {tuple(shape)})"
-        raise TypeError(
-            f"shardwrap: saving this rank's piece of a sharded tensor{held}, of shape "
-            f"{tuple(self.shape)}: a sharded model's state_dict() and its optimizer's hold "
-            "each rank's pieces, so a state dict saved on one rank would hold that rank's "
-            f"pieces under the full names and lose the others'. {SAVE_FIXES}."
-        )
+        return f"this rank's piece of a sharded tensor{held}, of shape {tuple(self.shape)}"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardPiece:
         """A copy that is a piece of the same tensor (``copy.deepcopy(model.state_dict())``)."""
@@ -129,11 +189,13 @@ def adopt_optimizer(optimizer: Optimizer, owns: Owns | None) -> None:
         return _marked(optimizer, state_dict, owns)
 
     def cut(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        params = _params(optimizer)
+        # a state's key is its parameter's position, or its name (DCP's set_optimizer_state_dict):
+        # matched to the parameters as torch matches them, by the groups' order
+        saved = [k for group in state_dict.get("param_groups", ()) for k in group["params"]]
+        params = dict(zip(saved, _params(optimizer)))
         state = {}
         for i, entry in state_dict["state"].items():
-            param = params[i] if isinstance(i, int) and 0 <= i < len(params) else None
-            kept = _cut_entry(param, entry, owns, i, strict=True)
+            kept = _cut_entry(params.get(i), entry, owns, i, strict=True)
             if kept is not None:
                 state[i] = kept
         return {**state_dict, "state": state}
@@ -162,33 +224,60 @@ def _is_state_tensor(value: Any) -> bool:
 def _packed(value: Tensor) -> bool:
     """State an optimizer keeps in a tensor subclass of its own (a low-bit optimizer's
     quantized state): only that optimizer reads it, so it is handed on as it is."""
-    return type(value) is not Tensor and not isinstance(value, ShardPiece)
+    return (
+        isinstance(value, Tensor)
+        and not isinstance(value, ShardPiece | DCPPiece)
+        and (type(value) is not Tensor)
+    )
 
 
 def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owns: Owns | None) -> dict:
     """``state_dict`` with each sharded parameter's state tensors as pieces (new entries: the
-    optimizer's own state is left plain)."""
+    optimizer's own state is left plain).
+
+    For torch.distributed.checkpoint the pieces are :class:`DCPPiece`\\ s and, for a parameter
+    stepped whole, every rank shows the same entry (empty pieces but on its owner), as DCP's
+    helpers expect; asked for the whole state (``full_state_dict=True``), it is gathered.
+    """
+    call = dcp_call()
     params = _params(optimizer)
+    sharded = [i for i, p in enumerate(params) if piece_of(p) is not None]
+    mesh = getattr(params[sharded[0]], PIECE_ATTR)[0]().mesh if sharded else None
+    if call is not None and mesh is not None:
+        refuse_tensor_parallel(mesh, call)
+    if call is not None and call.full:
+        full = full_optimizer_state(call.model, optimizer, call.rank0_only)
+        # {} on a rank that DCP keeps nothing of (rank0_only): the groups alone, no exchange
+        return dict(full) if full else {**state_dict, "state": {}}
+    dcp = call is not None
     state = {}
     for i, entry in state_dict["state"].items():
         info = piece_of(params[i]) if isinstance(i, int) and 0 <= i < len(params) else None
         if info is None:
             state[i] = entry
-            continue
-        full, start, stop, shape = info
-        state[i] = {
-            key: (
-                as_piece(v, v.shape, 0, v.numel())  # whole, on its owner alone
-                if owns is not None
-                else as_piece(v, full, start, stop)
-            )
-            if _is_state_tensor(v)
-            and not _packed(v)
-            and (owns is not None or tuple(v.shape) == shape)
-            else v
-            for key, v in entry.items()
-        }
+        elif owns is not None:  # whole, on its owner alone; for DCP its scalars too
+            state[i] = {
+                k: _shown(v, v.shape, 0, v.numel(), dcp)
+                if not _packed(v) and (_is_state_tensor(v) or (dcp and isinstance(v, Tensor)))
+                else v
+                for k, v in entry.items()
+            }
+        else:
+            full_shape, start, stop, shape = info
+            state[i] = {
+                k: _shown(v, full_shape, start, stop, dcp)
+                if _is_state_tensor(v) and not _packed(v) and tuple(v.shape) == shape
+                else v
+                for k, v in entry.items()
+            }
+    if dcp and owns is not None and mesh is not None:
+        state.update(owned_elsewhere(state, sharded, mesh.shard, mesh.device))
     return {**state_dict, "state": state}
+
+
+def _shown(v: Tensor, full: tuple[int, ...], start: int, stop: int, dcp: bool) -> Tensor:
+    """State tensor ``v`` as the piece ``[start, stop)`` of a tensor of shape ``full``."""
+    return DCPPiece(v, full, start, stop) if dcp else as_piece(v, full, start, stop)
 
 
 def _cut_entry(
@@ -206,9 +295,12 @@ def _cut_entry(
     if owns is not None:  # stepped whole: the owner keeps it as it is, made like the param's
         if not owns(param):
             return None
-        return {k: _made_from(param, v) if _is_state_tensor(v) else v for k, v in entry.items()}
+        whole = {k: _whole(v, f"'{k}' of parameter {index}") for k, v in entry.items()}
+        return {k: _made_from(param, v) if _is_state_tensor(v) else v for k, v in whole.items()}
     out = {}
     for key, value in entry.items():
+        name = f"optimizer state '{key}' of parameter {index}"
+        value = local_piece(value, full, start, stop, name)
         if not _is_state_tensor(value):
             out[key] = value
         elif tuple(value.shape) == shape:  # this rank's own piece
@@ -228,6 +320,13 @@ def _cut_entry(
                 "shardwrap.full_optimizer_state_dict), or this rank's own state_dict()."
             )
     return out
+
+
+def _whole(value: Tensor, name: str) -> Tensor:
+    """Whole-stepped state as loaded: a :class:`DCPPiece` of it must hold all of it."""
+    if isinstance(value, DCPPiece):
+        return local_piece(value, value.full_shape, 0, value.full_shape.numel(), name)
+    return value
 
 
 def _made_from(param: nn.Parameter, value: Tensor) -> Tensor:

@@ -352,7 +352,8 @@ class _WholeStep:
     def before(self, args: Any, kwargs: Any) -> None:
         optimizer = self._optimizer()
         assert optimizer is not None
-        if args[1:] or kwargs:  # args[0] is the optimizer itself
+        # args[0] is the optimizer itself; DCP's state-dict functions step with closure=None
+        if any(a is not None for a in (*args[1:], *kwargs.values())):
             raise ValueError(
                 f"{type(optimizer).__name__}.step(closure) on a sharded model: the closure's "
                 "backward would run after shardwrap gathered the gradients to their owners. "

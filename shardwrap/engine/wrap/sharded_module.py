@@ -21,6 +21,7 @@ from ...comm.failures import CollectiveFailed
 from ...comm.mesh import resolve_mesh
 from ...options import Compression, MixedPrecision, Offload
 from ...tiers.home import make_home
+from ..optim.dcp_pieces import DCPPiece, dcp_call, local_pieces, refuse_tensor_parallel
 from ..optim.pieces import as_piece
 from ..shards.tensor_parallel import check_tensor_parallel
 from ..step.edits import check_modifier_rank
@@ -408,7 +409,8 @@ class ShardedModule(DDPHabits, nn.Module):
            does, each rank taking its pieces; ``strict`` must be true.
         2. Every sharded parameter in this rank's piece shape (``state_dict()`` of a
            wrapped model at the same world size, on the same rank): loaded as
-           ``nn.Module.load_state_dict`` does.
+           ``nn.Module.load_state_dict`` does. So are the pieces DCP loaded into
+           (``set_model_state_dict``), once checked to be this rank's.
 
         Raises:
             ValueError: parameters of neither shape, or of both kinds mixed, or another
@@ -417,6 +419,13 @@ class ShardedModule(DDPHabits, nn.Module):
         """
         own = nn.Module.state_dict(self, keep_vars=True)
         index = self._shardwrap_root.param_of
+        if any(isinstance(v, DCPPiece) for v in state_dict.values()):  # set_model_state_dict
+            ranges = {
+                k: (p.shape, p.group.pieces[p.index])
+                for k, v in own.items()
+                if (p := index.get(id(v))) is not None
+            }
+            state_dict = local_pieces(state_dict, ranges)
         full, shard, neither = [], [], []
         for key, value in state_dict.items():
             param = index.get(id(own.get(key)))
@@ -551,11 +560,26 @@ def _make_sharded(module: nn.Module, root: Root) -> None:
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
-        for key, param in pieces.items():
-            value = state.get(prefix + key)
-            if value is not None and not isinstance(value, nn.Parameter):  # not keep_vars
-                piece = param.group.pieces[param.index]
-                state[prefix + key] = as_piece(value, param.shape, piece.start, piece.stop)
+        taken = {  # with keep_vars, the shard parameters themselves: left as they are
+            k: v
+            for k in pieces
+            if isinstance(v := state.get(prefix + k), Tensor) and not isinstance(v, nn.Parameter)
+        }
+        call = dcp_call() if taken else None
+        if call is not None:
+            refuse_tensor_parallel(mesh, call)
+        full = {}
+        if call is not None and call.full:  # DCP asks for the whole tensors
+            full = module.full_state_dict(rank0_only=call.rank0_only)  # type: ignore[operator]
+        for key, value in taken.items():
+            param, at = pieces[key], prefix + key
+            piece = param.group.pieces[param.index]
+            if call is None:
+                state[at] = as_piece(value, param.shape, piece.start, piece.stop)
+            elif not call.full:
+                state[at] = DCPPiece(value, param.shape, piece.start, piece.stop)
+            elif full:  # else a rank that DCP keeps nothing of (rank0_only)
+                state[at] = full[key]
 
     module.register_state_dict_post_hook(note_shards)
     module.__class__ = _sharded_class(type(module))
