@@ -112,6 +112,33 @@ def test_a_transformers_llama_under_its_own_plan_trains_like_the_plain_model(sta
         torch.testing.assert_close(run.norms, want.norms, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_transformers_llama_under_its_own_plan_evaluates_and_generates_without_grad(
+    stage: int,
+) -> None:
+    """Under ``torch.no_grad()`` the plan's layers compute on local tensors (swapping their
+    registered DTensor parameters): logits and greedy ``generate`` equal the plain model's, and
+    the shard parameters stay registered after."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = tp_llama()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+
+    def fn(rank: int, mesh: DeviceMesh) -> None:
+        plain = parallelize_llama(copy.deepcopy(model), mesh["tp"])
+        m = ShardedModule(plain, process_group=mesh, auto_wrap=LlamaDecoderLayer, stage=stage)
+        registered = [id(p) for p in m.parameters()]
+        with torch.no_grad():
+            torch.testing.assert_close(m(ids).logits, want, atol=1e-6, rtol=0)
+        assert torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+        assert [id(p) for p in m.parameters()] == registered
+
+    run_mesh_ranks(*DP_TP, fn)
+
+
 def test_sequence_parallel_norms_count_their_replicated_gradients_once() -> None:
     torch.manual_seed(0)
     model = SPStack()

@@ -17,20 +17,36 @@ strided shard, a parameter on another mesh), blocks of unequal size (every tp ra
 out the same flat groups, and checkpoints stack equal blocks), DTensor parameters without a
 ``"tp"`` mesh to shard them over, and the options not built for it (offload tiers,
 ``compile``, a model on the meta device).
+
+A ``transformers`` model under its own tensor-parallel plan runs a layer's forward under
+``torch.no_grad()`` on local tensors: its layer swaps the DTensor parameters registered on the
+module (``_parameters``) for their local tensors. A flat group shadows the registered shard
+parameters with its views in the module's ``__dict__``, out of that swap's reach, so
+:func:`local_views_for_inference` lends such a layer its DTensor views as registered
+parameters for the length of its forward.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .split import Split
 
-__all__ = ["TPSpec", "check_tensor_parallel", "local_of", "spec_of", "tp_mesh_of"]
+__all__ = [
+    "TPSpec",
+    "check_tensor_parallel",
+    "local_of",
+    "local_views_for_inference",
+    "spec_of",
+    "tp_mesh_of",
+]
 
 
 @dataclass(frozen=True)
@@ -163,3 +179,35 @@ def _problem(p: DTensor, tp: DeviceMesh) -> str | None:
             "blocks (choose sizes the tp degree divides)"
         )
     return None
+
+
+def local_views_for_inference(model: nn.Module) -> None:
+    """Hook each layer of ``model`` that ``transformers`` made tensor-parallel (it marks them
+    ``_is_hooked``) so that, in a forward without gradients, the layer's gathered DTensor
+    views are its registered parameters, which its plan swaps for their local tensors; the
+    shard parameters are registered again when the forward ends, however it ends."""
+    for module in model.modules():
+        if getattr(module, "_is_hooked", False) and module._parameters:
+            lent: list[tuple[str, Tensor | None]] = []
+            module.register_forward_pre_hook(functools.partial(_lend, lent=lent))
+            module.register_forward_hook(functools.partial(_take_back, lent=lent), always_call=True)
+
+
+def _lend(module: nn.Module, args: Any, *, lent: list[tuple[str, Tensor | None]]) -> None:
+    if torch.is_grad_enabled():  # the plan's DTensor path reads the views where they are
+        return
+    for attr, registered in list(module._parameters.items()):
+        view = module.__dict__.get(attr)
+        if isinstance(view, DTensor):
+            lent.append((attr, registered))
+            module._parameters[attr] = view
+            del module.__dict__[attr]  # else it shadows what the plan swaps in
+
+
+def _take_back(
+    module: nn.Module, args: Any, output: Any, *, lent: list[tuple[str, Tensor | None]]
+) -> None:
+    for attr, registered in lent:
+        module.__dict__[attr] = module._parameters[attr]  # the plan has put the view back
+        module._parameters[attr] = registered
+    lent.clear()

@@ -23,7 +23,7 @@ from ...tiers.home import Home
 from ..optim.whole_params import PIECE_ATTR, install, release
 from ..shards.flat_group import FlatGroup
 from ..shards.pool import BufferPool
-from ..shards.tensor_parallel import spec_of
+from ..shards.tensor_parallel import local_views_for_inference, spec_of
 from ..shards.unit import Unit
 from ..step.root import Root
 from ..step.strategy import Strategy
@@ -131,6 +131,8 @@ def build_root(
         compression,
         bucket_bytes,
     )
+    if mesh.tp is not None:
+        local_views_for_inference(module)
     install()  # the step hooks that give shape-aware optimizers whole parameters
     weakref.finalize(root, release)
     root.assignments = assign.Assignments(module, units, root.note_change)
