@@ -6,7 +6,8 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
 - ``model.state_dict()`` and ``optimizer.state_dict()`` hand out this rank's pieces as
   ``ShardPiece`` tensors that know the whole tensor's shape and their element range; saving
   one (``torch.save``, also of a ``.cpu()`` or ``.clone()`` of it) raises naming
-  ``full_state_dict``, ``full_optimizer_state_dict`` and ``save_checkpoint``, for elementwise
+  ``full_state_dict``, ``full_optimizer_state_dict`` and ``save_checkpoint``, before the file
+  is opened (a checkpoint it would replace is kept), for elementwise
   and shape-aware optimizers and at world size 1; in memory they load back (the optimizer's
   state plain again), and training then goes on exactly as if they had never been taken;
 - ``model.module`` is the model (a submodule named ``module`` stays reachable);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,7 +56,9 @@ def _refused(obj: object) -> str:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
-def test_state_dicts_hold_pieces_that_refuse_to_be_saved(world_size: int, kind: str) -> None:
+def test_state_dicts_hold_pieces_that_refuse_to_be_saved(
+    world_size: int, kind: str, tmp_path: Path
+) -> None:
     torch.manual_seed(0)
     model = GPT(tied=True)
     x, y = make_batch(0, 4)
@@ -83,6 +87,14 @@ def test_state_dicts_hold_pieces_that_refuse_to_be_saved(world_size: int, kind: 
             assert "model.full_state_dict(rank0_only=True)" in message
             assert "shardwrap.full_optimizer_state_dict" in message
             assert "shardwrap.save_checkpoint" in message
+        # refused before the file is opened: the checkpoint it would replace is kept
+        path = tmp_path / f"ckpt-{rank}.pt"
+        path.write_bytes(b"the previous checkpoint")
+        with pytest.raises(TypeError, match="model.full_state_dict"):
+            torch.save({"model": sd, "iter_num": 1}, path)
+        assert path.read_bytes() == b"the previous checkpoint"
+        torch.save({"model": m.full_state_dict()}, path)  # anything else saves as before
+        assert torch.load(path)["model"].keys() == sd.keys()
         held = [v for entry in osd["state"].values() for v in entry.values() if v.ndim > 0]
         assert held and all(isinstance(v, ShardPiece) for v in held)
         assert "full_optimizer_state_dict" in _refused({"optimizer": osd})
