@@ -69,3 +69,11 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> N
     """Run ``script`` under ``torchrun``; fail on error."""
     proc = launch(script, *args, nproc=nproc, timeout=timeout)
     assert proc.returncode == 0, f"{script} {args} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+def say(line: str) -> None:
+    """Print ``line`` from a launched rank in one write, so that ranks sharing the launcher's
+    stdout cannot interleave two lines into one (``print`` writes the text and its newline
+    apart)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import shardwrap.checkpoint.save
 from shardwrap import ShardedModule, save_checkpoint
 from shardwrap.checkpoint.files import SafetensorsWriter
+from tests.support.launch import say
 from tests.support.models import GPT, Block, make_batch
 
 BACKGROUND_STEPS = 200  # steps every rank trains while a non-blocking save writes
@@ -167,11 +168,11 @@ def main(case: str, work: str, timeout_s: str) -> None:
             run(case, Path(work), rank, timeout)
     except Exception as e:
         traceback.print_exc()
-        print(f"ENDED {rank} {type(e).__name__}: {e}", flush=True)
+        say(f"ENDED {rank} {type(e).__name__}: {e}")
         if case == "no-group":
             _wait_for_every_rank(Path(work), rank)
         sys.exit(1)
-    print(f"ENDED {rank} normally", flush=True)
+    say(f"ENDED {rank} normally")
 
 
 if __name__ == "__main__":

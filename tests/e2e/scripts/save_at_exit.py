@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from shardwrap import Logbook, ShardedModule, save_checkpoint
 from shardwrap.checkpoint.files import SafetensorsWriter
+from tests.support.launch import say
 from tests.support.models import GPT, Block, make_batch
 
 WRITE_DELAY_S = 0.05  # per tensor: the writers are still writing when the program ends
@@ -135,9 +136,9 @@ def main(case: str, work: str) -> None:
         run(case, Path(work), rank)
     except Exception as e:
         traceback.print_exc()
-        print(f"ENDED {rank} {type(e).__name__}: {e}", flush=True)
+        say(f"ENDED {rank} {type(e).__name__}: {e}")
         sys.exit(1)
-    print(f"ENDED {rank} normally", flush=True)
+    say(f"ENDED {rank} normally")
 
 
 if __name__ == "__main__":
