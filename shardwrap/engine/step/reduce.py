@@ -112,6 +112,9 @@ class Reductions:
         self.stats = stats
         self.defer = defer
         self.sync = True
+        # Whether every rank agreed, at the end of forward, that this backward issues its
+        # reductions as gradients complete, without handshakes (set by ``Schedule``).
+        self.without_handshakes = False
         self._position = {id(g): i for i, g in enumerate(order)}
         alone = reduces_alone(self.codec is not None, mesh.shard_size)
         self._bucket_bytes = 0 if alone else bucket_bytes
@@ -160,9 +163,13 @@ class Reductions:
         self._landed: list[tuple[int, Tensor]] = []
 
     def grad_ready(self, group: FlatGroup) -> None:
-        """Note that ``group``'s flat gradient for this backward is complete."""
+        """Note that ``group``'s flat gradient for this backward is complete; issue what is
+        ready where no handshake need agree on it first (one rank, or a backward agreed to
+        reduce without handshakes)."""
         i = self._position[id(group)]
         self.ready[i] = self.used[i] = True
+        if self.mesh.world_size == 1 or self.without_handshakes:
+            self.issue(self.ready_prefix())
 
     def close(self) -> list[bool]:
         """End of backward: every gradient is as complete as it gets; deferred ones may go.

@@ -415,7 +415,7 @@ class Root:
             self._release_after_backward(group)
             self._released.add(id(group))
             self._maybe_release(unit)
-            self.schedule.grad_ready(group)
+            self.reductions.grad_ready(group)
 
     def _release_after_backward(self, group: FlatGroup) -> None:
         """Backward no longer reads ``group``: drop its views (and buffer, if the strategy says)."""

@@ -73,7 +73,6 @@ import torch.distributed as dist
 from ...comm.buckets import Gathers, bucket_size, last_bucket
 from ...comm.collectives import CommStats, all_reduce
 from ...comm.mesh import Mesh
-from ..shards.flat_group import FlatGroup
 from ..shards.unit import ShardState, Unit
 from .reduce import Reductions
 
@@ -145,7 +144,6 @@ class Schedule:
         self._last: list[int] = []
         self._proposing = False
         self._slots = 2 * n
-        self._no_backward_handshakes = False  # this backward (see the note above)
         # Whether, at the end of this backward, some rank gave some parameter of a group it
         # used no gradient: the groups' parameters with a gradient are then agreed too.
         self._partial_anywhere = False
@@ -204,12 +202,12 @@ class Schedule:
     def gathers_nothing_in_backward(self) -> bool:
         """Whether every rank agreed at the end of forward that this backward gathers nothing
         (it reduces without handshakes)."""
-        return self._no_backward_handshakes
+        return self.reductions.without_handshakes
 
     def offer_reductions(self) -> None:
         """Issue the reductions every rank has ready, gathering nothing (one handshake; none
         where this backward reduces without them)."""
-        if self.world > 1 and not self._no_backward_handshakes:
+        if self.world > 1 and not self.reductions.without_handshakes:
             self._negotiate(self.reduce_only_priority)
 
     def end_forward(self, gathers_nothing_after: bool = False) -> None:
@@ -291,7 +289,7 @@ class Schedule:
                 )
             reductions.issue(ready)
             if agreed == want:
-                self._no_backward_handshakes = all_alone == 1
+                self.reductions.without_handshakes = all_alone == 1
                 self._partial_anywhere = any_partial < 0
                 self._used_anywhere = [u < 0 for u in rest[:groups]]
                 self._accept(proposal, rest[groups:])
@@ -445,12 +443,6 @@ class Schedule:
 
     # reductions ----------------------------------------------------------------------
 
-    def grad_ready(self, group: FlatGroup) -> None:
-        """Note that ``group``'s flat gradient is complete; reduce what every rank has ready."""
-        self.reductions.grad_ready(group)
-        if self.world == 1 or self._no_backward_handshakes:
-            self.reductions.issue(self.reductions.ready_prefix())
-
     def finish_backward(self) -> None:
         """End of backward: reduce what is left (zeros where unused) and wait for all of it."""
         reductions = self.reductions
@@ -482,7 +474,7 @@ class Schedule:
     def abandon_backward(self) -> None:
         """Where this backward reduces without handshakes, issue every reduction not issued yet
         (peers wait on them, not on a handshake); then reduce with handshakes again."""
-        if self._no_backward_handshakes:
+        if self.reductions.without_handshakes:
             self.reductions.close()
             self.reductions.issue(self.reductions.ready_prefix())
-            self._no_backward_handshakes = False
+            self.reductions.without_handshakes = False
