@@ -157,6 +157,9 @@ class FlatGroup:
         # though its slot of the flat gradient holds zeros.
         self.grads_seen = [False] * len(params)
         self._on_views_done: Callable[[FlatGroup], None] | None = None
+        # Whether backward gives the buffer back once done with it, or only drops the views
+        # (the unit's lifetime: ``Unit.release_after_backward``).
+        self.release_after_backward = False
         self.gathered_version = -1
         # 1-D uint8, codec.nbytes(padded/N): the shard as a compressed gather sent it, kept
         # for the unit's next gather (backward's, while the shard is unchanged), with the
@@ -348,6 +351,13 @@ class FlatGroup:
         """Drop the views and give the buffer back to the pool."""
         self.drop_views()
         self.free_storage()
+
+    def after_backward(self) -> None:
+        """Backward reads the group no more: release it, or only its views (as told)."""
+        if self.release_after_backward:
+            self.release()
+        else:
+            self.drop_views()
 
     def piece_of(self, index: int, whole: Tensor) -> Tensor:
         """This rank's piece of ``whole``, a value of parameter ``index`` in its whole shape

@@ -47,7 +47,7 @@ from ...options import Compression
 from ...tiers.home import Home
 from ..optim.shard_grad import as_shard_grad, shard_grad_owner
 from ..shards.flat_group import FlatGroup
-from .profile import label
+from ..shards.profile import label
 
 __all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions", "reduces_alone", "reduction_order"]
 

@@ -47,12 +47,12 @@ from ..optim.step_hooks import OptimizerHooks
 from ..shards.flat_group import FlatGroup
 from ..shards.param_index import Param, index_params
 from ..shards.pool import BufferPool
+from ..shards.profile import label
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 from .edits import agree_edits
 from .order import successors, unit_index
 from .own_calls import OwnCalls
-from .profile import label
 from .reduce import Reductions, reduction_order
 from .schedule import Schedule
 from .strategy import Strategy
@@ -155,10 +155,7 @@ class Root:
         self._forward_kept: set[int] = set()
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
         self._backward_next: dict[int, Unit] = {}
-        self._recording: list[Unit] = []
-        self._backward_seen: set[int] = set()
-        self._released: set[int] = set()
-        self._inputs_pending: dict[int, int] = {}
+        self._recording: list[Unit] = []  # the units this forward or backward reached, in order
         # the frozen groups that may start to train (see ``_train_unfrozen``)
         self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
         for unit in units:
@@ -166,8 +163,7 @@ class Root:
             unit.module.register_forward_hook(self._hook_post_forward(unit))
             for g in unit.groups:
                 g.call_when_views_done(self._on_views_done)
-            for g in unit.trainable:
-                unit.register_grad_hook(g, self._on_grad)
+            unit.hook_grads(self, self.reductions)
         self.own_calls = OwnCalls(self, units)
 
     @property
@@ -326,7 +322,7 @@ class Root:
         tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor) and t.requires_grad]
         if not tensors:
             return
-        self._inputs_pending[unit.index] = self._inputs_pending.get(unit.index, 0) + 1
+        unit.progress.inputs_pending += 1
         # Weakly: torch keeps this hook in a cycle through the autograd graph (the hook holds
         # the inputs' grad_fns, which hold the hook) that only the garbage collector breaks,
         # and late; held strongly, the whole model would wait for it.
@@ -340,8 +336,10 @@ class Root:
         torch.autograd.graph.register_multi_grad_hook(tensors, on_inputs_done, mode="all")
 
     def _inputs_done(self, index: int) -> None:
-        self._inputs_pending[index] -= 1
-        self._maybe_release(self.units[index])
+        unit = self.units[index]
+        unit.progress.inputs_pending -= 1
+        if self.phase is Phase.BACKWARD:
+            unit.release_if_done()
 
     def _train_unfrozen(self) -> None:
         """Frozen groups with a parameter unfrozen since (``requires_grad_(True)``: progressive
@@ -352,7 +350,7 @@ class Root:
         for unit, g in self._frozen:
             if any(p.requires_grad for p in g.shard_params):
                 g.start_training()
-                unit.register_grad_hook(g, self._on_grad)
+                unit.hook_grad(g)
                 self.note_change(self.reductions.order.index(g))
             else:
                 still.append((unit, g))
@@ -368,20 +366,19 @@ class Root:
 
     # backward ------------------------------------------------------------------------
 
-    def _start_backward(self) -> None:
+    def enter_backward(self) -> None:
+        """Begin backward, unless it has begun: the first pre-backward or gradient hook."""
+        if self.phase is Phase.BACKWARD:
+            return
         self.check_state()
         self.phase = Phase.BACKWARD
         self._recording = []
-        self._backward_seen = set()
-        self._released = set()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if self.phase is not Phase.BACKWARD:
-            self._start_backward()
-        if unit.index in self._backward_seen:
+        self.enter_backward()
+        if not unit.begin_backward():
             return
-        self._backward_seen.add(unit.index)
         self._recording.append(unit)
         if self.strategy.offers_reductions_in_backward:
             self.schedule.offer_reductions()
@@ -403,41 +400,10 @@ class Root:
         buffers fewer alive at that moment.
         """
         if self.phase is Phase.BACKWARD:
-            self._release_after_backward(group)
+            group.after_backward()
             # The reduction in flight is almost always done by now; landing it first means
             # its flat gradient is freed before this group's is allocated.
             self.reductions.drain()
-
-    def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
-        with label("post_backward"):
-            if self.phase is not Phase.BACKWARD:
-                self._start_backward()
-            self._release_after_backward(group)
-            self._released.add(id(group))
-            self._maybe_release(unit)
-            self.reductions.grad_ready(group)
-
-    def _release_after_backward(self, group: FlatGroup) -> None:
-        """Backward no longer reads ``group``: drop its views (and buffer, if the strategy says)."""
-        if self.strategy.release_after_backward or self._unit_of[id(group)].stage3_lifetime:
-            group.release()
-        else:
-            group.drop_views()
-
-    def _maybe_release(self, unit: Unit) -> None:
-        """Reshard ``unit`` once backward no longer needs any of its groups."""
-        if self.phase is not Phase.BACKWARD or unit.state is ShardState.SHARDED:
-            return
-        if self._inputs_pending.get(unit.index, 0) > 0:
-            return
-        if all(id(g) in self._released for g in unit.trainable):
-            self._release_unit_after_backward(unit)
-
-    def _release_unit_after_backward(self, unit: Unit) -> None:
-        if self.strategy.release_after_backward or unit.stage3_lifetime:
-            unit.reshard()
-        else:
-            unit.drop_views()
 
     def _end_backward(self) -> None:
         """The callback autograd runs once backward is done: release what is still gathered,
@@ -448,7 +414,7 @@ class Root:
     def _finish_backward(self) -> None:
         for unit in self.units:
             if unit.state is not ShardState.SHARDED:
-                self._release_unit_after_backward(unit)
+                unit.after_backward()
             if self.reductions.sync:
                 # The optimizer steps next, and not every write to a shard is counted in its
                 # version counter (``.data`` writes are not); a unit that stays gathered
@@ -465,10 +431,8 @@ class Root:
     def _leave_backward(self) -> None:
         """Forget what one backward counted, however it ended, and return to IDLE."""
         self.pool.trim_scratch()
-        self._inputs_pending.clear()
         for unit in self.units:
-            for g in unit.trainable:
-                g.end_backward()
+            unit.end_backward()
         self.phase = Phase.IDLE
 
     def settle(self) -> None:
