@@ -156,7 +156,8 @@ class FlatGroup:
         # gradient. A parameter none gave one keeps ``.grad = None``, as in plain PyTorch,
         # though its slot of the flat gradient holds zeros.
         self.grads_seen = [False] * len(params)
-        self._on_views_done: Callable[[FlatGroup], None] | None = None
+        # While a backward runs: what lands the reductions in flight (``begin_backward``).
+        self._land_reductions: Callable[[], None] | None = None
         # Whether backward gives the buffer back once done with it, or only drops the views
         # (the unit's lifetime: ``Unit.release_after_backward``).
         self.release_after_backward = False
@@ -313,20 +314,31 @@ class FlatGroup:
         flat[self.layout.numel :].zero_()
         return flat
 
-    def views_backward_done(self) -> None:
-        """One autograd use of the views has its gradients: at the last, release the buffer."""
-        self.splits_pending -= 1
-        if self.splits_pending == 0 and self._on_views_done is not None:
-            self._on_views_done(self)
+    def begin_backward(self, land_reductions: Callable[[], None]) -> None:
+        """A backward begins: once it last reads the views, release them (see
+        :meth:`views_backward_done`), calling ``land_reductions`` then."""
+        self._land_reductions = land_reductions
 
-    def call_when_views_done(self, callback: Callable[[FlatGroup], None]) -> None:
-        """Have ``callback(group)`` called when backward last reads the views (see above)."""
-        self._on_views_done = callback
+    def views_backward_done(self) -> None:
+        """One autograd use of the views has its gradients: at the last, inside a backward,
+        release the parameters early.
+
+        The flat gradient is still to be assembled from the per-parameter ones; freeing the
+        parameters, and the previous reduction's flat gradient, first keeps two unit-sized
+        buffers fewer alive at that moment.
+        """
+        self.splits_pending -= 1
+        if self.splits_pending == 0 and self._land_reductions is not None:
+            self.after_backward()
+            # The reduction in flight is almost always done by now; landing it first means
+            # its flat gradient is back in the pool before this group's is taken.
+            self._land_reductions()
 
     def end_backward(self) -> None:
         """Forget the uses of the views one backward counted, however it ended, and the packed
         shard (an optimizer may step next)."""
         self.splits_pending = 0
+        self._land_reductions = None  # outside backward, the views' last read releases nothing
         self._packed = None
 
     def mark_gathered(self) -> None:

@@ -3,10 +3,11 @@
 Design note. Each unit gets a forward pre-hook (gather, make the full parameters visible)
 and a forward hook (reshard, unless it is the root, ``reshard_after_forward`` is off or
 backward starts with it, and hook the outputs so the unit is gathered again before autograd
-needs it). After a unit's flat gradient is complete (a post-accumulate-grad hook on the flat
-buffer) that group's storage is released and its reduce-scatter becomes ready. A callback
-queued on the autograd engine at the start of backward releases whatever is still gathered,
-reduces what no hook reduced (unused units send zeros) and waits for every reduction.
+needs it). Backward's gradients are the units' own (``Unit.hook_grads``): once a group's
+flat gradient is complete, its unit releases it, reshards itself when backward is done with
+it, and hands the gradient to the reductions. A callback queued on the autograd engine at the
+start of backward releases whatever is still gathered, reduces what no hook reduced (unused
+units send zeros) and waits for every reduction.
 
 The order in which units ran in the previous forward and backward drives prefetch: when a
 unit starts, the next one's all-gather is issued so that it overlaps this unit's compute; as
@@ -44,7 +45,6 @@ from ...options import Compression, MixedPrecision
 from ...tiers.home import Home
 from ...tiers.offload import before_step
 from ..optim.step_hooks import OptimizerHooks
-from ..shards.flat_group import FlatGroup
 from ..shards.param_index import Param, index_params
 from ..shards.pool import BufferPool
 from ..shards.profile import label
@@ -161,8 +161,6 @@ class Root:
         for unit in units:
             unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
             unit.module.register_forward_hook(self._hook_post_forward(unit))
-            for g in unit.groups:
-                g.call_when_views_done(self._on_views_done)
             unit.hook_grads(self, self.reductions)
         self.own_calls = OwnCalls(self, units)
 
@@ -373,6 +371,11 @@ class Root:
         self.check_state()
         self.phase = Phase.BACKWARD
         self._recording = []
+        for unit in self.units:
+            for g in unit.trainable:
+                # Told now, a group releases itself once backward last reads its views, and
+                # lands the reduction in flight: both before its flat gradient is allocated.
+                g.begin_backward(self.reductions.drain)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -391,19 +394,6 @@ class Root:
         else:  # nothing more to gather in this backward: keep no spare buffers
             self.pool.holding = False
             self.pool.trim()
-
-    def _on_views_done(self, group: FlatGroup) -> None:
-        """Backward read the group's parameters for the last time: release them early.
-
-        The flat gradient is still to be assembled from the per-parameter ones; freeing the
-        parameters, and the previous reduction's flat gradient, first keeps two unit-sized
-        buffers fewer alive at that moment.
-        """
-        if self.phase is Phase.BACKWARD:
-            group.after_backward()
-            # The reduction in flight is almost always done by now; landing it first means
-            # its flat gradient is freed before this group's is allocated.
-            self.reductions.drain()
 
     def _end_backward(self) -> None:
         """The callback autograd runs once backward is done: release what is still gathered,
