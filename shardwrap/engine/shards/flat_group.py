@@ -401,10 +401,11 @@ class FlatGroup:
         (under ``no_sync``, any of the backwards since the last reduction)."""
         return any(self.grads_seen)
 
-    def take_grad(self) -> tuple[Tensor, list[bool]]:
+    def take_grad(self) -> tuple[Tensor, list[bool], Tensor]:
         """Take the flat gradient (1-D, padded numel, ``grad_dtype``) out of the leaf, for
         reduction (zeros where this rank produced none), with which parameters it holds a
-        gradient of (``grads_seen``, reset here)."""
+        gradient of (``grads_seen``, reset here) and where the reduction writes this rank's
+        shard of it (1-D, padded/N, ``grad_dtype``: ``Home.reduce_into``)."""
         grad, seen = self.full.grad, self.grads_seen
         self.full.grad = None
         self.grads_seen = [False] * len(seen)
@@ -412,7 +413,8 @@ class FlatGroup:
             grad = torch.zeros(
                 self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
             )
-        return grad, seen
+        out = self.home.reduce_into(self.shard.numel(), self.grad_dtype, self.free_home_grad())
+        return grad, seen, out
 
     def drop_grad(self) -> None:
         """Drop the flat gradient of a backward that raised."""

@@ -229,9 +229,9 @@ class Unit:
         with label("post_backward"):
             if not self.progress.began:  # no pre-backward hook ran here: begin, if none has
                 driver.enter_backward()
-            group.after_backward()
             self.progress.grads_done.add(id(group))
-            self.release_if_done()
+            if not self.release_if_done():  # the unit's release covers the group's
+                group.after_backward()
             # Last: where the reduction goes out at once, the group's views are gone by then.
             sink.grad_ready(group)
 
@@ -240,14 +240,20 @@ class Unit:
         began, self.progress.began = self.progress.began, True
         return not began
 
-    def release_if_done(self) -> None:
+    def release_if_done(self) -> bool:
         """Release the unit once backward reads none of its groups again: every trainable
-        group's gradient is complete and every forward call's input gradients are computed."""
+        group's gradient is complete and every forward call's input gradients are computed.
+
+        Returns:
+            Whether it released the unit now.
+        """
         progress = self.progress
         if self.state is ShardState.SHARDED or progress.inputs_pending > 0:
-            return
-        if all(id(g) in progress.grads_done for g in self.trainable):
-            self.after_backward()
+            return False
+        if not all(id(g) in progress.grads_done for g in self.trainable):
+            return False
+        self.after_backward()
+        return True
 
     def after_backward(self) -> None:
         """Backward is done with the unit: release its buffers, or only its views (see

@@ -112,6 +112,7 @@ class Reductions:
         self.stats = stats
         self.defer = defer
         self.sync = True
+        self._one_rank = mesh.world_size == 1
         # Whether every rank agreed, at the end of forward, that this backward issues its
         # reductions as gradients complete, without handshakes (set by ``Schedule``).
         self.without_handshakes = False
@@ -168,7 +169,7 @@ class Reductions:
         reduce without handshakes)."""
         i = self._position[id(group)]
         self.ready[i] = self.used[i] = True
-        if self.mesh.world_size == 1 or self.without_handshakes:
+        if self._one_rank or self.without_handshakes:
             self.issue(self.ready_prefix())
 
     def close(self) -> list[bool]:
@@ -225,13 +226,9 @@ class Reductions:
             outs, grads = [], []
             for i in positions:
                 group = self.order[i]
-                grad, self.seen[i] = group.take_grad()
+                grad, self.seen[i], out = group.take_grad()
                 grads.append(grad)
-                outs.append(
-                    self.home.reduce_into(
-                        group.shard.numel(), group.grad_dtype, group.free_home_grad()
-                    )
-                )
+                outs.append(out)
             if self.codec is None:
                 work = reduce_scatter_many(outs, grads, self.mesh.shard, self.stats)
             else:  # one group a bucket

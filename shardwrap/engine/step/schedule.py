@@ -120,6 +120,8 @@ class Schedule:
         self.mesh = mesh
         self.stats = stats
         self.reductions = reductions
+        # unit index -> bytes its gather holds (fixed at wrapping), which buckets are cut by
+        self._nbytes = [u.gather_nbytes for u in units].__getitem__
         n = len(units)
         self.reduce_only_priority = 2 * n
         self.end_forward_priority = 2 * n + 1
@@ -391,9 +393,6 @@ class Schedule:
         candidates = list(range(unit.index, 0, -1)) or [unit.index]
         count = bucket_size(candidates, self._nbytes, self.bucket_bytes)
         return [self.units[i] for i in candidates[:count]]
-
-    def _nbytes(self, index: int) -> int:
-        return self.units[index].gather_nbytes
 
     def _serve_plan(self) -> None:
         """Issue the rest of the forward plan, bucket by bucket, as the ranks following it do
