@@ -250,6 +250,7 @@ class FlatGroup:
         shard, group = self.home.gather_input(self.shard), self.mesh.shard
         if self.codec is not None and not exact:
             version = (self.shard._version, self.shard.data_ptr())
+            # Backward's gather of a shard unchanged since forward's sends the same packing.
             if self._packed is None or self._packed[0] != version:
                 self._packed = (version, self.codec.pack(shard))
             return all_gather_quantized(buffer, shard, group, self.codec, stats, self._packed[1])
@@ -281,7 +282,7 @@ class FlatGroup:
         if self.views is not None and self.views_track_grad == track_grad:
             return
         if track_grad:
-            self.splits_pending += 1
+            self.splits_pending += 1  # one more backward to read these views before release
             views = list(_FullParams.apply(self.full, self._buffer, self))
         else:
             views = self.param_views()

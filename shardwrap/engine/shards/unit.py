@@ -127,7 +127,7 @@ class Unit:
         The plain gathers join ``batch`` (issued by the caller); without one, the unit's own
         groups go in one exchange while they fit in ``bucket_bytes``.
         """
-        if self.state is ShardState.GATHERING:
+        if self.state is ShardState.GATHERING:  # a gather in flight writes the buffers it replaces
             self.finish_gather()
         own = batch is None
         batch = Gathers(self.stats, self.bucket_bytes) if batch is None else batch
@@ -173,7 +173,7 @@ class Unit:
 
     def reshard(self) -> None:
         """Release the full buffers; the module's attributes fall back to the shards."""
-        if self.state is ShardState.GATHERING:
+        if self.state is ShardState.GATHERING:  # a buffer goes back to the pool only once landed
             self.finish_gather()
         for g in self.groups:
             g.release()

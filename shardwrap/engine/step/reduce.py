@@ -182,6 +182,8 @@ class Reductions:
         """
         for i in range(self._issued, len(self.order)):
             self.used[i] = self.used[i] or self.order[i].has_grad
+        # Every rank must issue every reduction, in order: one it has no gradient for sends
+        # zeros, as a peer that used the group waits for it.
         self.ready = [True] * len(self.order)
         self._closing = True
         return list(self.used)
@@ -217,6 +219,7 @@ class Reductions:
     def _issue(self, upto: int) -> None:
         while self._issued < upto and self._ends[self._issued] <= upto:
             while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
+                # Each holds a unit-sized flat gradient: land one before taking another.
                 self._complete_oldest()
             bucket = range(self._issued, self._ends[self._issued])
             self._issued = bucket.stop
@@ -283,7 +286,7 @@ class Reductions:
                 ``None`` where every rank gave one to every parameter of the groups it used.
         """
         self.drain()
-        self.home.quiesce()
+        self.home.quiesce()  # the host tier's copies of landed shards, before ``.grad`` sees them
         for i, out in self._landed:
             if used_anywhere[i]:
                 group = self.order[i]

@@ -204,7 +204,7 @@ class Root:
         return hook
 
     def _pre_forward(self, unit: Unit) -> None:
-        self.settle()
+        self.settle()  # a backward that raised: its reductions go out before any gather here
         if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
             self.ensure_gathered(unit, backward=True)
             unit.use_full(torch.is_grad_enabled())
@@ -216,12 +216,16 @@ class Root:
             self.schedule.begin_forward()
             self._recording = []
             self.saved.stop()  # left over from a forward that raised
+            # Released buffers wait in the pool for the next unit of their size, until
+            # backward's last gather (no allocation, on CPU no page faults).
             self.pool.holding = True
         if torch.is_grad_enabled():
             self.saved.start(unit)
         self._recording.append(unit)
         self.ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
+        # After this unit's own gather: it computes first, and the next unit's gather then
+        # overlaps that compute.
         self._prefetch(self._forward_next, unit, backward=False)
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
@@ -257,7 +261,7 @@ class Root:
                 self._stage_after(last, backward=True)
             if len(self._recording) > 1:
                 kept = {self._recording[-1].index, *self.schedule.last_bucket()}
-                self._forward_kept = kept - {self.root.index}
+                self._forward_kept = kept - {self.root.index}  # kept after forward anyway
             else:
                 self._forward_kept = set()
             self._forward_next = successors(self._recording, unit_index)
@@ -384,6 +388,8 @@ class Root:
             return
         self._recording.append(unit)
         if self.strategy.offers_reductions_in_backward:
+            # No gather's handshake will carry the reductions ready so far: offer them here,
+            # so they overlap this unit's backward.
             self.schedule.offer_reductions()
         self.ensure_gathered(unit, backward=True)
         if unit.index in self._backward_next:
@@ -435,6 +441,7 @@ class Root:
         """
         if self.phase is not Phase.BACKWARD or torch._C._current_graph_task_id() != -1:
             return
+        # First: peers of a backward without handshakes wait on this rank's reductions.
         self.schedule.abandon_backward()
         self.reductions.drain()
         self.reductions.reset()
@@ -492,9 +499,9 @@ class Root:
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
         self.check_state()
-        self.schedule.enter("gathered")
+        self.schedule.enter("gathered")  # the gathers below are paired by this one handshake
         for unit in self.units:
-            unit.reshard()
+            unit.reshard()  # a unit kept gathered holds the compute dtype; this needs the shards'
             unit.start_gather(exact=True)
             unit.finish_gather()
             unit.use_full(track_grad=False)

@@ -188,6 +188,8 @@ class Schedule:
             return [unit]
         if backward or not self._planned_next(unit):
             n = len(self.units)
+            # Backward asks by reverse index, after every forward request: the MIN serves the
+            # unit it needs first, the last unit of forward.
             self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
         if backward:
             units = self._backward_bucket(unit)
@@ -248,7 +250,7 @@ class Schedule:
 
     def _negotiate(self, want: int, call: int = 0, alone: bool = False) -> None:
         reductions = self.reductions
-        self._serve_plan()
+        self._serve_plan()  # peers still following the plan wait for its rest, not for this
         groups = len(reductions.used)
         while True:
             ready = reductions.ready_prefix()
@@ -289,6 +291,8 @@ class Schedule:
                     "the same change on every rank, with the same values; to load values on "
                     "one rank, write them inside model.gathered(modifier_rank=0)."
                 )
+            # Every rank learnt the same count: issue now, whichever request won, so that each
+            # rank's reductions and gathers interleave alike.
             reductions.issue(ready)
             if agreed == want:
                 self.reductions.without_handshakes = all_alone == 1
@@ -434,7 +438,7 @@ class Schedule:
                 served.append(unit)
             unit.start_gather(batch=batch)
         batch.issue()
-        for done in apart:
+        for done in apart:  # only now: each waits for its part of the exchange just issued
             done()
         for unit in served:
             unit.finish_gather()
