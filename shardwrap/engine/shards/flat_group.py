@@ -156,7 +156,11 @@ class FlatGroup:
         # gradient. A parameter none gave one keeps ``.grad = None``, as in plain PyTorch,
         # though its slot of the flat gradient holds zeros.
         self.grads_seen = [False] * len(params)
-        self._on_views_done: Callable[[FlatGroup], None] | None = None
+        # While a backward runs: what lands the reductions in flight (``begin_backward``).
+        self._land_reductions: Callable[[], None] | None = None
+        # Whether backward gives the buffer back once done with it, or only drops the views
+        # (the unit's lifetime: ``Unit.release_after_backward``).
+        self.release_after_backward = False
         self.gathered_version = -1
         # 1-D uint8, codec.nbytes(padded/N): the shard as a compressed gather sent it, kept
         # for the unit's next gather (backward's, while the shard is unchanged), with the
@@ -246,6 +250,7 @@ class FlatGroup:
         shard, group = self.home.gather_input(self.shard), self.mesh.shard
         if self.codec is not None and not exact:
             version = (self.shard._version, self.shard.data_ptr())
+            # Backward's gather of a shard unchanged since forward's sends the same packing.
             if self._packed is None or self._packed[0] != version:
                 self._packed = (version, self.codec.pack(shard))
             return all_gather_quantized(buffer, shard, group, self.codec, stats, self._packed[1])
@@ -277,7 +282,7 @@ class FlatGroup:
         if self.views is not None and self.views_track_grad == track_grad:
             return
         if track_grad:
-            self.splits_pending += 1
+            self.splits_pending += 1  # one more backward to read these views before release
             views = list(_FullParams.apply(self.full, self._buffer, self))
         else:
             views = self.param_views()
@@ -310,20 +315,31 @@ class FlatGroup:
         flat[self.layout.numel :].zero_()
         return flat
 
-    def views_backward_done(self) -> None:
-        """One autograd use of the views has its gradients: at the last, release the buffer."""
-        self.splits_pending -= 1
-        if self.splits_pending == 0 and self._on_views_done is not None:
-            self._on_views_done(self)
+    def begin_backward(self, land_reductions: Callable[[], None]) -> None:
+        """A backward begins: once it last reads the views, release them (see
+        :meth:`views_backward_done`), calling ``land_reductions`` then."""
+        self._land_reductions = land_reductions
 
-    def call_when_views_done(self, callback: Callable[[FlatGroup], None]) -> None:
-        """Have ``callback(group)`` called when backward last reads the views (see above)."""
-        self._on_views_done = callback
+    def views_backward_done(self) -> None:
+        """One autograd use of the views has its gradients: at the last, inside a backward,
+        release the parameters early.
+
+        The flat gradient is still to be assembled from the per-parameter ones; freeing the
+        parameters, and the previous reduction's flat gradient, first keeps two unit-sized
+        buffers fewer alive at that moment.
+        """
+        self.splits_pending -= 1
+        if self.splits_pending == 0 and self._land_reductions is not None:
+            self.after_backward()
+            # The reduction in flight is almost always done by now; landing it first means
+            # its flat gradient is back in the pool before this group's is taken.
+            self._land_reductions()
 
     def end_backward(self) -> None:
         """Forget the uses of the views one backward counted, however it ended, and the packed
         shard (an optimizer may step next)."""
         self.splits_pending = 0
+        self._land_reductions = None  # outside backward, the views' last read releases nothing
         self._packed = None
 
     def mark_gathered(self) -> None:
@@ -348,6 +364,13 @@ class FlatGroup:
         """Drop the views and give the buffer back to the pool."""
         self.drop_views()
         self.free_storage()
+
+    def after_backward(self) -> None:
+        """Backward reads the group no more: release it, or only its views (as told)."""
+        if self.release_after_backward:
+            self.release()
+        else:
+            self.drop_views()
 
     def piece_of(self, index: int, whole: Tensor) -> Tensor:
         """This rank's piece of ``whole``, a value of parameter ``index`` in its whole shape
@@ -379,10 +402,11 @@ class FlatGroup:
         (under ``no_sync``, any of the backwards since the last reduction)."""
         return any(self.grads_seen)
 
-    def take_grad(self) -> tuple[Tensor, list[bool]]:
+    def take_grad(self) -> tuple[Tensor, list[bool], Tensor]:
         """Take the flat gradient (1-D, padded numel, ``grad_dtype``) out of the leaf, for
         reduction (zeros where this rank produced none), with which parameters it holds a
-        gradient of (``grads_seen``, reset here)."""
+        gradient of (``grads_seen``, reset here) and where the reduction writes this rank's
+        shard of it (1-D, padded/N, ``grad_dtype``: ``Home.reduce_into``)."""
         grad, seen = self.full.grad, self.grads_seen
         self.full.grad = None
         self.grads_seen = [False] * len(seen)
@@ -390,7 +414,8 @@ class FlatGroup:
             grad = torch.zeros(
                 self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
             )
-        return grad, seen
+        out = self.home.reduce_into(self.shard.numel(), self.grad_dtype, self.free_home_grad())
+        return grad, seen, out
 
     def drop_grad(self) -> None:
         """Drop the flat gradient of a backward that raised."""

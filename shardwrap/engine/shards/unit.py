@@ -1,7 +1,10 @@
 """One wrapped module's flat groups and their shared SHARDED <-> GATHERED state machine.
 
 A unit knows nothing of other units or of the order of collectives; the schedule decides
-when to gather, and the root decides when to reshard.
+when to gather, and the root decides when to reshard after forward. In backward the unit
+owns its gradients' first steps: its hooks release each group once its flat gradient is
+complete, reshard the unit once backward is done with it (``BackwardProgress``), and hand
+the gradient to the reductions.
 """
 
 from __future__ import annotations
@@ -9,15 +12,18 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Protocol
 
 from torch import Tensor, nn
 
 from ...comm.buckets import Gathers
 from ...comm.collectives import CommStats, Pending, all_gather
 from .flat_group import FlatGroup, views_of
+from .profile import label
 
-__all__ = ["ShardState", "Unit"]
+__all__ = ["BackwardProgress", "GradSink", "ShardState", "Unit"]
 
 
 class ShardState(Enum):
@@ -27,6 +33,30 @@ class ShardState(Enum):
     SHARDED = auto()  # only this rank's shards; the module's attributes are the shard params
     GATHERING = auto()  # all-gathers in flight into full buffers; nothing may read them yet
     GATHERED = auto()  # full buffers hold every rank's shards; views may stand for the params
+
+
+class GradSink(Protocol):
+    """Where a unit hands each flat gradient once complete (the reductions)."""
+
+    def grad_ready(self, group: FlatGroup) -> None: ...
+
+
+class BackwardDriver(Protocol):
+    """What a unit's gradient hook asks of the root: to begin backward, where no pre-backward
+    hook of the unit has (a module called on its own)."""
+
+    def enter_backward(self) -> None: ...
+
+
+@dataclass
+class BackwardProgress:
+    """How far one backward has come through a unit; forgotten when it ends, however it ends."""
+
+    began: bool = False  # the unit's pre-backward hook ran: it is in this backward's order
+    grads_done: set[int] = field(default_factory=set)  # ids of groups with a complete gradient
+    # Forward calls whose input gradients backward has yet to compute: a frozen group has no
+    # gradient to tell when backward is done with it. Counted from forward on.
+    inputs_pending: int = 0
 
 
 class Unit:
@@ -42,6 +72,9 @@ class Unit:
             (``Strategy.stage3_lifetime``).
         bucket_bytes: the most bytes of full buffers one gather exchange carries
             (``comm/buckets.py``).
+        release_after_backward: give the full buffers back once backward is done with them
+            (``Strategy.release_after_backward``, or ``stage3_lifetime``); else only the views
+            go, and the buffers stay for the next step.
     """
 
     def __init__(
@@ -52,6 +85,7 @@ class Unit:
         stats: CommStats,
         stage3_lifetime: bool = False,
         bucket_bytes: int = 0,
+        release_after_backward: bool = False,
     ) -> None:
         self.module = module
         self.bucket_bytes = bucket_bytes
@@ -61,6 +95,12 @@ class Unit:
         self.stats = stats
         self.state = ShardState.SHARDED
         self._pending: list[Pending] = []
+        self.release_after_backward = release_after_backward
+        for g in groups:
+            g.release_after_backward = release_after_backward
+        self.progress = BackwardProgress()
+        self._driver: Callable[[], BackwardDriver | None] = lambda: None
+        self._sink: Callable[[], GradSink | None] = lambda: None
 
     @property
     def trainable(self) -> list[FlatGroup]:
@@ -87,7 +127,7 @@ class Unit:
         The plain gathers join ``batch`` (issued by the caller); without one, the unit's own
         groups go in one exchange while they fit in ``bucket_bytes``.
         """
-        if self.state is ShardState.GATHERING:
+        if self.state is ShardState.GATHERING:  # a gather in flight writes the buffers it replaces
             self.finish_gather()
         own = batch is None
         batch = Gathers(self.stats, self.bucket_bytes) if batch is None else batch
@@ -133,7 +173,7 @@ class Unit:
 
     def reshard(self) -> None:
         """Release the full buffers; the module's attributes fall back to the shards."""
-        if self.state is ShardState.GATHERING:
+        if self.state is ShardState.GATHERING:  # a buffer goes back to the pool only once landed
             self.finish_gather()
         for g in self.groups:
             g.release()
@@ -157,20 +197,74 @@ class Unit:
         finally:
             group.pool.give(buffer, keep=group.dtype == group.compute_dtype)
 
-    def register_grad_hook(
-        self, group: FlatGroup, on_grad: Callable[[Unit, FlatGroup], None]
-    ) -> None:
-        """Call ``on_grad(unit, group)`` once ``group``'s flat gradient is complete.
+    # backward ------------------------------------------------------------------------
 
-        The hook lives in autograd's C++ side, out of sight of Python's garbage collector,
-        so it holds only weak references: a dropped model is freed.
+    def hook_grads(self, driver: BackwardDriver, sink: GradSink) -> None:
+        """Hand each trainable group's flat gradient to ``sink`` once complete, after releasing
+        what backward no longer reads; ``driver`` begins backward where nothing else has.
+
+        The hooks live in autograd's C++ side, out of sight of Python's garbage collector, so
+        they hold the unit, its groups, ``driver`` and ``sink`` only weakly: a dropped model is
+        freed.
         """
+        self._driver, self._sink = weakref.ref(driver), weakref.ref(sink)
+        for g in self.trainable:
+            self.hook_grad(g)
+
+    def hook_grad(self, group: FlatGroup) -> None:
+        """Hook one group (a frozen group that starts to train, too) as :meth:`hook_grads`."""
         unit_ref, group_ref = weakref.ref(self), weakref.ref(group)
-        callback = weakref.WeakMethod(on_grad)  # type: ignore[arg-type]
 
         def hook(_full: Tensor) -> None:
-            unit, g, fn = unit_ref(), group_ref(), callback()
-            if unit is not None and g is not None and fn is not None:
-                fn(unit, g)
+            unit, g = unit_ref(), group_ref()
+            if unit is not None and g is not None:
+                unit._grad_done(g)
 
         group.full.register_post_accumulate_grad_hook(hook)
+
+    def _grad_done(self, group: FlatGroup) -> None:
+        driver, sink = self._driver(), self._sink()
+        if driver is None or sink is None:
+            return
+        with label("post_backward"):
+            if not self.progress.began:  # no pre-backward hook ran here: begin, if none has
+                driver.enter_backward()
+            self.progress.grads_done.add(id(group))
+            if not self.release_if_done():  # the unit's release covers the group's
+                group.after_backward()
+            # Last: where the reduction goes out at once, the group's views are gone by then.
+            sink.grad_ready(group)
+
+    def begin_backward(self) -> bool:
+        """Note that backward reached the unit; ``False`` where it already had."""
+        began, self.progress.began = self.progress.began, True
+        return not began
+
+    def release_if_done(self) -> bool:
+        """Release the unit once backward reads none of its groups again: every trainable
+        group's gradient is complete and every forward call's input gradients are computed.
+
+        Returns:
+            Whether it released the unit now.
+        """
+        progress = self.progress
+        if self.state is ShardState.SHARDED or progress.inputs_pending > 0:
+            return False
+        if not all(id(g) in progress.grads_done for g in self.trainable):
+            return False
+        self.after_backward()
+        return True
+
+    def after_backward(self) -> None:
+        """Backward is done with the unit: release its buffers, or only its views (see
+        ``release_after_backward``)."""
+        if self.release_after_backward:
+            self.reshard()
+        else:
+            self.drop_views()
+
+    def end_backward(self) -> None:
+        """Forget what one backward counted, however it ended."""
+        self.progress = BackwardProgress()
+        for g in self.trainable:
+            g.end_backward()

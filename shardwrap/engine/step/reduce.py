@@ -47,7 +47,7 @@ from ...options import Compression
 from ...tiers.home import Home
 from ..optim.shard_grad import as_shard_grad, shard_grad_owner
 from ..shards.flat_group import FlatGroup
-from .profile import label
+from ..shards.profile import label
 
 __all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "Reductions", "reduces_alone", "reduction_order"]
 
@@ -112,6 +112,10 @@ class Reductions:
         self.stats = stats
         self.defer = defer
         self.sync = True
+        self._one_rank = mesh.world_size == 1
+        # Whether every rank agreed, at the end of forward, that this backward issues its
+        # reductions as gradients complete, without handshakes (set by ``Schedule``).
+        self.without_handshakes = False
         self._position = {id(g): i for i, g in enumerate(order)}
         alone = reduces_alone(self.codec is not None, mesh.shard_size)
         self._bucket_bytes = 0 if alone else bucket_bytes
@@ -160,9 +164,13 @@ class Reductions:
         self._landed: list[tuple[int, Tensor]] = []
 
     def grad_ready(self, group: FlatGroup) -> None:
-        """Note that ``group``'s flat gradient for this backward is complete."""
+        """Note that ``group``'s flat gradient for this backward is complete; issue what is
+        ready where no handshake need agree on it first (one rank, or a backward agreed to
+        reduce without handshakes)."""
         i = self._position[id(group)]
         self.ready[i] = self.used[i] = True
+        if self._one_rank or self.without_handshakes:
+            self.issue(self.ready_prefix())
 
     def close(self) -> list[bool]:
         """End of backward: every gradient is as complete as it gets; deferred ones may go.
@@ -174,6 +182,8 @@ class Reductions:
         """
         for i in range(self._issued, len(self.order)):
             self.used[i] = self.used[i] or self.order[i].has_grad
+        # Every rank must issue every reduction, in order: one it has no gradient for sends
+        # zeros, as a peer that used the group waits for it.
         self.ready = [True] * len(self.order)
         self._closing = True
         return list(self.used)
@@ -209,6 +219,7 @@ class Reductions:
     def _issue(self, upto: int) -> None:
         while self._issued < upto and self._ends[self._issued] <= upto:
             while len(self._pending) >= MAX_REDUCTIONS_IN_FLIGHT:
+                # Each holds a unit-sized flat gradient: land one before taking another.
                 self._complete_oldest()
             bucket = range(self._issued, self._ends[self._issued])
             self._issued = bucket.stop
@@ -218,13 +229,9 @@ class Reductions:
             outs, grads = [], []
             for i in positions:
                 group = self.order[i]
-                grad, self.seen[i] = group.take_grad()
+                grad, self.seen[i], out = group.take_grad()
                 grads.append(grad)
-                outs.append(
-                    self.home.reduce_into(
-                        group.shard.numel(), group.grad_dtype, group.free_home_grad()
-                    )
-                )
+                outs.append(out)
             if self.codec is None:
                 work = reduce_scatter_many(outs, grads, self.mesh.shard, self.stats)
             else:  # one group a bucket
@@ -279,7 +286,7 @@ class Reductions:
                 ``None`` where every rank gave one to every parameter of the groups it used.
         """
         self.drain()
-        self.home.quiesce()
+        self.home.quiesce()  # the host tier's copies of landed shards, before ``.grad`` sees them
         for i, out in self._landed:
             if used_anywhere[i]:
                 group = self.order[i]

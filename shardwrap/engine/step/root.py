@@ -3,10 +3,11 @@
 Design note. Each unit gets a forward pre-hook (gather, make the full parameters visible)
 and a forward hook (reshard, unless it is the root, ``reshard_after_forward`` is off or
 backward starts with it, and hook the outputs so the unit is gathered again before autograd
-needs it). After a unit's flat gradient is complete (a post-accumulate-grad hook on the flat
-buffer) that group's storage is released and its reduce-scatter becomes ready. A callback
-queued on the autograd engine at the start of backward releases whatever is still gathered,
-reduces what no hook reduced (unused units send zeros) and waits for every reduction.
+needs it). Backward's gradients are the units' own (``Unit.hook_grads``): once a group's
+flat gradient is complete, its unit releases it, reshards itself when backward is done with
+it, and hands the gradient to the reductions. A callback queued on the autograd engine at the
+start of backward releases whatever is still gathered, reduces what no hook reduced (unused
+units send zeros) and waits for every reduction.
 
 The order in which units ran in the previous forward and backward drives prefetch: when a
 unit starts, the next one's all-gather is issued so that it overlaps this unit's compute; as
@@ -44,15 +45,14 @@ from ...options import Compression, MixedPrecision
 from ...tiers.home import Home
 from ...tiers.offload import before_step
 from ..optim.step_hooks import OptimizerHooks
-from ..shards.flat_group import FlatGroup
 from ..shards.param_index import Param, index_params
 from ..shards.pool import BufferPool
+from ..shards.profile import label
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 from .edits import agree_edits
 from .order import successors, unit_index
 from .own_calls import OwnCalls
-from .profile import label
 from .reduce import Reductions, reduction_order
 from .schedule import Schedule
 from .strategy import Strategy
@@ -155,19 +155,13 @@ class Root:
         self._forward_kept: set[int] = set()
         self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
         self._backward_next: dict[int, Unit] = {}
-        self._recording: list[Unit] = []
-        self._backward_seen: set[int] = set()
-        self._released: set[int] = set()
-        self._inputs_pending: dict[int, int] = {}
+        self._recording: list[Unit] = []  # the units this forward or backward reached, in order
         # the frozen groups that may start to train (see ``_train_unfrozen``)
         self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
         for unit in units:
             unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
             unit.module.register_forward_hook(self._hook_post_forward(unit))
-            for g in unit.groups:
-                g.call_when_views_done(self._on_views_done)
-            for g in unit.trainable:
-                unit.register_grad_hook(g, self._on_grad)
+            unit.hook_grads(self, self.reductions)
         self.own_calls = OwnCalls(self, units)
 
     @property
@@ -210,7 +204,7 @@ class Root:
         return hook
 
     def _pre_forward(self, unit: Unit) -> None:
-        self.settle()
+        self.settle()  # a backward that raised: its reductions go out before any gather here
         if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
             self.ensure_gathered(unit, backward=True)
             unit.use_full(torch.is_grad_enabled())
@@ -222,12 +216,16 @@ class Root:
             self.schedule.begin_forward()
             self._recording = []
             self.saved.stop()  # left over from a forward that raised
+            # Released buffers wait in the pool for the next unit of their size, until
+            # backward's last gather (no allocation, on CPU no page faults).
             self.pool.holding = True
         if torch.is_grad_enabled():
             self.saved.start(unit)
         self._recording.append(unit)
         self.ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
+        # After this unit's own gather: it computes first, and the next unit's gather then
+        # overlaps that compute.
         self._prefetch(self._forward_next, unit, backward=False)
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
@@ -263,7 +261,7 @@ class Root:
                 self._stage_after(last, backward=True)
             if len(self._recording) > 1:
                 kept = {self._recording[-1].index, *self.schedule.last_bucket()}
-                self._forward_kept = kept - {self.root.index}
+                self._forward_kept = kept - {self.root.index}  # kept after forward anyway
             else:
                 self._forward_kept = set()
             self._forward_next = successors(self._recording, unit_index)
@@ -326,7 +324,7 @@ class Root:
         tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor) and t.requires_grad]
         if not tensors:
             return
-        self._inputs_pending[unit.index] = self._inputs_pending.get(unit.index, 0) + 1
+        unit.progress.inputs_pending += 1
         # Weakly: torch keeps this hook in a cycle through the autograd graph (the hook holds
         # the inputs' grad_fns, which hold the hook) that only the garbage collector breaks,
         # and late; held strongly, the whole model would wait for it.
@@ -340,8 +338,10 @@ class Root:
         torch.autograd.graph.register_multi_grad_hook(tensors, on_inputs_done, mode="all")
 
     def _inputs_done(self, index: int) -> None:
-        self._inputs_pending[index] -= 1
-        self._maybe_release(self.units[index])
+        unit = self.units[index]
+        unit.progress.inputs_pending -= 1
+        if self.phase is Phase.BACKWARD:
+            unit.release_if_done()
 
     def _train_unfrozen(self) -> None:
         """Frozen groups with a parameter unfrozen since (``requires_grad_(True)``: progressive
@@ -352,7 +352,7 @@ class Root:
         for unit, g in self._frozen:
             if any(p.requires_grad for p in g.shard_params):
                 g.start_training()
-                unit.register_grad_hook(g, self._on_grad)
+                unit.hook_grad(g)
                 self.note_change(self.reductions.order.index(g))
             else:
                 still.append((unit, g))
@@ -368,22 +368,28 @@ class Root:
 
     # backward ------------------------------------------------------------------------
 
-    def _start_backward(self) -> None:
+    def enter_backward(self) -> None:
+        """Begin backward, unless it has begun: the first pre-backward or gradient hook."""
+        if self.phase is Phase.BACKWARD:
+            return
         self.check_state()
         self.phase = Phase.BACKWARD
         self._recording = []
-        self._backward_seen = set()
-        self._released = set()
+        for unit in self.units:
+            for g in unit.trainable:
+                # Told now, a group releases itself once backward last reads its views, and
+                # lands the reduction in flight: both before its flat gradient is allocated.
+                g.begin_backward(self.reductions.drain)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if self.phase is not Phase.BACKWARD:
-            self._start_backward()
-        if unit.index in self._backward_seen:
+        self.enter_backward()
+        if not unit.begin_backward():
             return
-        self._backward_seen.add(unit.index)
         self._recording.append(unit)
         if self.strategy.offers_reductions_in_backward:
+            # No gather's handshake will carry the reductions ready so far: offer them here,
+            # so they overlap this unit's backward.
             self.schedule.offer_reductions()
         self.ensure_gathered(unit, backward=True)
         if unit.index in self._backward_next:
@@ -395,50 +401,6 @@ class Root:
             self.pool.holding = False
             self.pool.trim()
 
-    def _on_views_done(self, group: FlatGroup) -> None:
-        """Backward read the group's parameters for the last time: release them early.
-
-        The flat gradient is still to be assembled from the per-parameter ones; freeing the
-        parameters, and the previous reduction's flat gradient, first keeps two unit-sized
-        buffers fewer alive at that moment.
-        """
-        if self.phase is Phase.BACKWARD:
-            self._release_after_backward(group)
-            # The reduction in flight is almost always done by now; landing it first means
-            # its flat gradient is freed before this group's is allocated.
-            self.reductions.drain()
-
-    def _on_grad(self, unit: Unit, group: FlatGroup) -> None:
-        with label("post_backward"):
-            if self.phase is not Phase.BACKWARD:
-                self._start_backward()
-            self._release_after_backward(group)
-            self._released.add(id(group))
-            self._maybe_release(unit)
-            self.schedule.grad_ready(group)
-
-    def _release_after_backward(self, group: FlatGroup) -> None:
-        """Backward no longer reads ``group``: drop its views (and buffer, if the strategy says)."""
-        if self.strategy.release_after_backward or self._unit_of[id(group)].stage3_lifetime:
-            group.release()
-        else:
-            group.drop_views()
-
-    def _maybe_release(self, unit: Unit) -> None:
-        """Reshard ``unit`` once backward no longer needs any of its groups."""
-        if self.phase is not Phase.BACKWARD or unit.state is ShardState.SHARDED:
-            return
-        if self._inputs_pending.get(unit.index, 0) > 0:
-            return
-        if all(id(g) in self._released for g in unit.trainable):
-            self._release_unit_after_backward(unit)
-
-    def _release_unit_after_backward(self, unit: Unit) -> None:
-        if self.strategy.release_after_backward or unit.stage3_lifetime:
-            unit.reshard()
-        else:
-            unit.drop_views()
-
     def _end_backward(self) -> None:
         """The callback autograd runs once backward is done: release what is still gathered,
         reduce what is left and land every gradient (``Schedule.finish_backward``)."""
@@ -448,7 +410,7 @@ class Root:
     def _finish_backward(self) -> None:
         for unit in self.units:
             if unit.state is not ShardState.SHARDED:
-                self._release_unit_after_backward(unit)
+                unit.after_backward()
             if self.reductions.sync:
                 # The optimizer steps next, and not every write to a shard is counted in its
                 # version counter (``.data`` writes are not); a unit that stays gathered
@@ -465,10 +427,8 @@ class Root:
     def _leave_backward(self) -> None:
         """Forget what one backward counted, however it ended, and return to IDLE."""
         self.pool.trim_scratch()
-        self._inputs_pending.clear()
         for unit in self.units:
-            for g in unit.trainable:
-                g.end_backward()
+            unit.end_backward()
         self.phase = Phase.IDLE
 
     def settle(self) -> None:
@@ -481,6 +441,7 @@ class Root:
         """
         if self.phase is not Phase.BACKWARD or torch._C._current_graph_task_id() != -1:
             return
+        # First: peers of a backward without handshakes wait on this rank's reductions.
         self.schedule.abandon_backward()
         self.reductions.drain()
         self.reductions.reset()
@@ -538,9 +499,9 @@ class Root:
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
         self.check_state()
-        self.schedule.enter("gathered")
+        self.schedule.enter("gathered")  # the gathers below are paired by this one handshake
         for unit in self.units:
-            unit.reshard()
+            unit.reshard()  # a unit kept gathered holds the compute dtype; this needs the shards'
             unit.start_gather(exact=True)
             unit.finish_gather()
             unit.use_full(track_grad=False)

@@ -73,7 +73,6 @@ import torch.distributed as dist
 from ...comm.buckets import Gathers, bucket_size, last_bucket
 from ...comm.collectives import CommStats, all_reduce
 from ...comm.mesh import Mesh
-from ..shards.flat_group import FlatGroup
 from ..shards.unit import ShardState, Unit
 from .reduce import Reductions
 
@@ -121,6 +120,8 @@ class Schedule:
         self.mesh = mesh
         self.stats = stats
         self.reductions = reductions
+        # unit index -> bytes its gather holds (fixed at wrapping), which buckets are cut by
+        self._nbytes = [u.gather_nbytes for u in units].__getitem__
         n = len(units)
         self.reduce_only_priority = 2 * n
         self.end_forward_priority = 2 * n + 1
@@ -145,7 +146,6 @@ class Schedule:
         self._last: list[int] = []
         self._proposing = False
         self._slots = 2 * n
-        self._no_backward_handshakes = False  # this backward (see the note above)
         # Whether, at the end of this backward, some rank gave some parameter of a group it
         # used no gradient: the groups' parameters with a gradient are then agreed too.
         self._partial_anywhere = False
@@ -188,6 +188,8 @@ class Schedule:
             return [unit]
         if backward or not self._planned_next(unit):
             n = len(self.units)
+            # Backward asks by reverse index, after every forward request: the MIN serves the
+            # unit it needs first, the last unit of forward.
             self._negotiate(2 * n - 1 - unit.index if backward else unit.index)
         if backward:
             units = self._backward_bucket(unit)
@@ -204,12 +206,12 @@ class Schedule:
     def gathers_nothing_in_backward(self) -> bool:
         """Whether every rank agreed at the end of forward that this backward gathers nothing
         (it reduces without handshakes)."""
-        return self._no_backward_handshakes
+        return self.reductions.without_handshakes
 
     def offer_reductions(self) -> None:
         """Issue the reductions every rank has ready, gathering nothing (one handshake; none
         where this backward reduces without them)."""
-        if self.world > 1 and not self._no_backward_handshakes:
+        if self.world > 1 and not self.reductions.without_handshakes:
             self._negotiate(self.reduce_only_priority)
 
     def end_forward(self, gathers_nothing_after: bool = False) -> None:
@@ -248,7 +250,7 @@ class Schedule:
 
     def _negotiate(self, want: int, call: int = 0, alone: bool = False) -> None:
         reductions = self.reductions
-        self._serve_plan()
+        self._serve_plan()  # peers still following the plan wait for its rest, not for this
         groups = len(reductions.used)
         while True:
             ready = reductions.ready_prefix()
@@ -289,9 +291,11 @@ class Schedule:
                     "the same change on every rank, with the same values; to load values on "
                     "one rank, write them inside model.gathered(modifier_rank=0)."
                 )
+            # Every rank learnt the same count: issue now, whichever request won, so that each
+            # rank's reductions and gathers interleave alike.
             reductions.issue(ready)
             if agreed == want:
-                self._no_backward_handshakes = all_alone == 1
+                self.reductions.without_handshakes = all_alone == 1
                 self._partial_anywhere = any_partial < 0
                 self._used_anywhere = [u < 0 for u in rest[:groups]]
                 self._accept(proposal, rest[groups:])
@@ -394,9 +398,6 @@ class Schedule:
         count = bucket_size(candidates, self._nbytes, self.bucket_bytes)
         return [self.units[i] for i in candidates[:count]]
 
-    def _nbytes(self, index: int) -> int:
-        return self.units[index].gather_nbytes
-
     def _serve_plan(self) -> None:
         """Issue the rest of the forward plan, bucket by bucket, as the ranks following it do
         (they wait for these gathers)."""
@@ -437,19 +438,13 @@ class Schedule:
                 served.append(unit)
             unit.start_gather(batch=batch)
         batch.issue()
-        for done in apart:
+        for done in apart:  # only now: each waits for its part of the exchange just issued
             done()
         for unit in served:
             unit.finish_gather()
             unit.reshard()
 
     # reductions ----------------------------------------------------------------------
-
-    def grad_ready(self, group: FlatGroup) -> None:
-        """Note that ``group``'s flat gradient is complete; reduce what every rank has ready."""
-        self.reductions.grad_ready(group)
-        if self.world == 1 or self._no_backward_handshakes:
-            self.reductions.issue(self.reductions.ready_prefix())
 
     def finish_backward(self) -> None:
         """End of backward: reduce what is left (zeros where unused) and wait for all of it."""
@@ -482,7 +477,7 @@ class Schedule:
     def abandon_backward(self) -> None:
         """Where this backward reduces without handshakes, issue every reduction not issued yet
         (peers wait on them, not on a handshake); then reduce with handshakes again."""
-        if self._no_backward_handshakes:
+        if self.reductions.without_handshakes:
             self.reductions.close()
             self.reductions.issue(self.reductions.ready_prefix())
-            self._no_backward_handshakes = False
+            self.reductions.without_handshakes = False

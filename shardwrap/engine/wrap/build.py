@@ -110,7 +110,8 @@ def build_root(
                     owner._parameters[attr] = shard_param
                 retire(p, name)
             flat_groups.append(fg)
-        units.append(Unit(unit_module, index, flat_groups, stats, stage3, bucket_bytes))
+        gone = strategy.release_after_backward or stage3  # its buffers, after backward
+        units.append(Unit(unit_module, index, flat_groups, stats, stage3, bucket_bytes, gone))
     buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():
