@@ -402,11 +402,10 @@ class FlatGroup:
         (under ``no_sync``, any of the backwards since the last reduction)."""
         return any(self.grads_seen)
 
-    def take_grad(self) -> tuple[Tensor, list[bool], Tensor]:
+    def take_grad(self) -> tuple[Tensor, list[bool]]:
         """Take the flat gradient (1-D, padded numel, ``grad_dtype``) out of the leaf, for
         reduction (zeros where this rank produced none), with which parameters it holds a
-        gradient of (``grads_seen``, reset here) and where the reduction writes this rank's
-        shard of it (1-D, padded/N, ``grad_dtype``: ``Home.reduce_into``)."""
+        gradient of (``grads_seen``, reset here)."""
         grad, seen = self.full.grad, self.grads_seen
         self.full.grad = None
         self.grads_seen = [False] * len(seen)
@@ -414,8 +413,7 @@ class FlatGroup:
             grad = torch.zeros(
                 self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
             )
-        out = self.home.reduce_into(self.shard.numel(), self.grad_dtype, self.free_home_grad())
-        return grad, seen, out
+        return grad, seen
 
     def drop_grad(self) -> None:
         """Drop the flat gradient of a backward that raised."""

@@ -229,9 +229,13 @@ class Reductions:
             outs, grads = [], []
             for i in positions:
                 group = self.order[i]
-                grad, self.seen[i], out = group.take_grad()
+                grad, self.seen[i] = group.take_grad()
                 grads.append(grad)
-                outs.append(out)
+                outs.append(
+                    self.home.reduce_into(
+                        group.shard.numel(), group.grad_dtype, group.free_home_grad()
+                    )
+                )
             if self.codec is None:
                 work = reduce_scatter_many(outs, grads, self.mesh.shard, self.stats)
             else:  # one group a bucket
