@@ -29,6 +29,7 @@ import copy
 import io
 import math
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -237,7 +238,7 @@ def test_async_save_staging_keeps_pieces_as_pieces() -> None:
         assert "copies it into a plain tensor" in said and "get_model_state_dict" in said
 
 
-def test_a_piece_never_passes_for_the_whole_tensor() -> None:
+def test_a_piece_never_passes_for_the_whole_tensor(tmp_path: Path) -> None:
     def fn(rank: int, pg: ProcessGroup) -> None:
         model = wrapped(pg)
         piece = get_model_state_dict(model)["wte.weight"]
@@ -247,6 +248,11 @@ def test_a_piece_never_passes_for_the_whole_tensor() -> None:
                 use()
         with pytest.raises(TypeError, match=r"pickling \(torch.save\)"):
             torch.save(piece, io.BytesIO())
+        kept = tmp_path / f"kept-{rank}.pt"  # refused before torch.save opens the file
+        kept.write_bytes(b"the previous checkpoint")
+        with pytest.raises(TypeError, match=r"pickling \(torch.save\)"):
+            torch.save({"model": get_model_state_dict(model)}, kept)
+        assert kept.read_bytes() == b"the previous checkpoint"
         with pytest.raises(TypeError, match="get_model_state_dict"):
             _create_write_items("wte.weight", model.state_dict()["wte.weight"])
         other = get_model_state_dict(model)

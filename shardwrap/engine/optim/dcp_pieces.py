@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ...comm.collectives import all_reduce, group_rank, group_size
+from .save_guard import guard_torch_save
 
 __all__ = [
     "DCPCall",
@@ -133,6 +134,7 @@ class DCPPiece(Tensor):
 
     @staticmethod
     def __new__(cls, local: Tensor, full_shape: Sequence[int], start: int, stop: int) -> DCPPiece:
+        guard_torch_save(cls)
         piece = Tensor._make_wrapper_subclass(
             cls, tuple(full_shape), dtype=local.dtype, device=local.device
         )

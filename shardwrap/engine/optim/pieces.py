@@ -88,11 +88,7 @@ class ShardPiece(Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: this rank's piece would be saved as if it were the whole tensor."""
-        _refuse_saving(self)
-
-    def _refusal(self) -> TypeError:
-        """Why this piece cannot be saved, and what to call instead."""
-        return TypeError(
+        raise TypeError(
             f"shardwrap: saving {self._held()}: a sharded model's state_dict() and its "
             "optimizer's hold each rank's pieces, so a state dict saved on one rank would hold "
             f"that rank's pieces under the full names and lose the others'. {SAVE_FIXES}."
@@ -150,15 +146,10 @@ class ShardPiece(Tensor):
 
 def as_piece(t: Tensor, full_shape: tuple[int, ...], start: int, stop: int) -> ShardPiece:
     """``t`` (same storage) as a piece holding elements ``[start, stop)`` of ``full_shape``."""
-    guard_torch_save(lambda t: isinstance(t, ShardPiece), _refuse_saving)
+    guard_torch_save(ShardPiece)
     piece = t.as_subclass(ShardPiece)
     piece.full_shape, piece.start, piece.stop = torch.Size(full_shape), start, stop
     return piece
-
-
-def _refuse_saving(piece: Tensor) -> None:
-    assert isinstance(piece, ShardPiece)
-    raise piece._refusal()
 
 
 def piece_of(param: Tensor) -> tuple[torch.Size, int, int, tuple[int, ...]] | None:
