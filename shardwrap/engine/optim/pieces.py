@@ -243,7 +243,8 @@ def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owns: Owns | None)
     """
     call = dcp_call()
     params = _params(optimizer)
-    sharded = [i for i, p in enumerate(params) if piece_of(p) is not None]
+    dcp = call is not None
+    sharded = [i for i, p in enumerate(params) if piece_of(p) is not None] if dcp else []
     mesh = getattr(params[sharded[0]], PIECE_ATTR)[0]().mesh if sharded else None
     if call is not None and mesh is not None:
         refuse_tensor_parallel(mesh, call)
@@ -251,7 +252,6 @@ def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owns: Owns | None)
         full = full_optimizer_state(call.model, optimizer, call.rank0_only)
         # {} on a rank that DCP keeps nothing of (rank0_only): the groups alone, no exchange
         return dict(full) if full else {**state_dict, "state": {}}
-    dcp = call is not None
     state = {}
     for i, entry in state_dict["state"].items():
         info = piece_of(params[i]) if isinstance(i, int) and 0 <= i < len(params) else None
