@@ -3,13 +3,16 @@ never in another test module; every run in processes of its own (marked ``proces
 ``faults``) sits in ``tests/e2e`` and nothing else does; the benchmarks import nothing from the
 tests (what both measure with lives in ``benchmarks``; ``tests/support`` imports it). And the
 package's: no module is longer than 600 lines, and its imports form no cycle and go only down
-its floors.
+its floors; importing it loads neither DTensor nor DCP, which every rank of a run would pay
+for (over half a second each) without tensor parallelism or a DCP checkpoint.
 Run: ``pytest tests/test_suite.py``.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -228,3 +231,13 @@ def test_the_package_imports_only_down_its_floors_and_in_no_cycle() -> None:
 
     for module in sorted(graph):
         walk(module, [module])
+
+
+def test_importing_the_package_loads_neither_dtensor_nor_dcp() -> None:
+    heavy = ("torch.distributed.tensor", "torch.distributed.checkpoint")
+    script = f"import sys, shardwrap; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -24,9 +24,21 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard
 
 __all__ = ["localize"]
+
+
+# A layout over the tp ranks, as the planner reads a DTensor placement: the dimension split
+# (``Shard(d)``), REPLICATE, or OTHER (``Partial``: left as the layer computes it). The planner
+# keeps its own, so that planning without tensor parallelism never imports DTensor.
+Layout = int | str
+REPLICATE, OTHER = "replicate", "other"
+
+
+def _layout(placement: Any) -> Layout:
+    if placement.is_shard():
+        return placement.dim
+    return REPLICATE if placement.is_replicate() else OTHER
 
 
 @dataclass(frozen=True)
@@ -35,20 +47,20 @@ class _Style:
     ``"sequence"``) and the layouts of its input and output."""
 
     kind: str
-    input: Any
-    output: Any
+    input: Layout | None
+    output: Layout | None
 
 
 # A transformers plan's style names, as torch's styles with the same layouts.
 _HF_STYLES = {
-    "colwise": _Style("colwise", Replicate(), Shard(-1)),
-    "colwise_gather_output": _Style("colwise", Replicate(), Replicate()),
-    "colwise_rep": _Style("colwise", Replicate(), Replicate()),
-    "rowwise": _Style("rowwise", Shard(-1), Replicate()),
-    "rowwise_split_input": _Style("rowwise", Replicate(), Replicate()),
-    "rowwise_rep": _Style("rowwise", Replicate(), Replicate()),
-    "embedding_rowwise": _Style("rowwise", Replicate(), Replicate()),
-    "sequence_parallel": _Style("sequence", Shard(1), Shard(1)),
+    "colwise": _Style("colwise", REPLICATE, -1),
+    "colwise_gather_output": _Style("colwise", REPLICATE, REPLICATE),
+    "colwise_rep": _Style("colwise", REPLICATE, REPLICATE),
+    "rowwise": _Style("rowwise", -1, REPLICATE),
+    "rowwise_split_input": _Style("rowwise", REPLICATE, REPLICATE),
+    "rowwise_rep": _Style("rowwise", REPLICATE, REPLICATE),
+    "embedding_rowwise": _Style("rowwise", REPLICATE, REPLICATE),
+    "sequence_parallel": _Style("sequence", 1, 1),
     "replicate": _Style("sequence", None, None),
 }
 
@@ -65,9 +77,10 @@ def _style(style: Any) -> _Style:
         return _HF_STYLES[style]
     name = type(style).__name__
     if name == "SequenceParallel":
-        return _Style("sequence", Shard(1), Shard(1))
+        return _Style("sequence", 1, 1)
     if name in ("ColwiseParallel", "RowwiseParallel"):
-        return _Style(name[:-8].lower(), style.input_layouts[0], style.output_layouts[0])
+        layouts = _layout(style.input_layouts[0]), _layout(style.output_layouts[0])
+        return _Style(name[:-8].lower(), *layouts)
     raise ValueError(
         f"estimate_memory: tp_plan holds a {name}; the planner plans ColwiseParallel, "
         "RowwiseParallel and SequenceParallel (and a transformers model's own style names)."
@@ -140,19 +153,19 @@ def _hook(module: nn.Module, style: _Style, tp: int) -> None:
 
     def before(_: nn.Module, args: tuple) -> tuple:
         x, rest = args[0], args[1:]
-        if style.kind == "colwise" and isinstance(style.input, Shard):
-            x = _gathered(x, style.input.dim, tp)  # the sequence gathered
-        elif style.kind == "rowwise" and not embedding and isinstance(style.input, Replicate):
+        if style.kind == "colwise" and isinstance(style.input, int):
+            x = _gathered(x, style.input, tp)  # the sequence gathered
+        elif style.kind == "rowwise" and not embedding and style.input == REPLICATE:
             x = x.chunk(tp, dim=-1)[0].contiguous()  # this rank's slice, a copy as DTensor makes
         return (x, *rest)
 
     def after(_: nn.Module, args: tuple, out: Tensor) -> Tensor:
-        if style.kind == "colwise" and isinstance(style.output, Replicate):
+        if style.kind == "colwise" and style.output == REPLICATE:
             return _gathered(out, -1, tp)
-        if style.kind == "rowwise" and isinstance(style.output, Replicate):
+        if style.kind == "rowwise" and style.output == REPLICATE:
             return out.clone()  # an all-reduce's output
-        if style.kind == "rowwise" and isinstance(style.output, Shard):
-            return out.chunk(tp, dim=style.output.dim)[0].clone()  # a reduce-scatter's
+        if style.kind == "rowwise" and isinstance(style.output, int):
+            return out.chunk(tp, dim=style.output)[0].clone()  # a reduce-scatter's
         return out
 
     if style.kind != "sequence":

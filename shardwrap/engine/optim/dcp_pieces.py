@@ -38,19 +38,17 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ...comm.collectives import all_reduce, group_rank, group_size
 from .save_guard import guard_torch_save
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = [
     "DCPCall",
@@ -182,6 +180,13 @@ class DCPPiece(Tensor):
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         """DCP's save: one item per rectangle, each at its offsets in the whole tensor."""
+        from torch.distributed.checkpoint.metadata import (  # DCP, which is saving, loaded it
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         properties = TensorProperties.create_from_tensor(self.local)
         return [
             WriteItem(
@@ -198,6 +203,8 @@ class DCPPiece(Tensor):
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         """DCP's load: the rectangles to read into."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [
             ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
             for offsets, sizes, _ in self._chunks()
@@ -356,8 +363,8 @@ def _dcp_entries() -> dict[CodeType, bool]:
 def dcp_call(depth: int = 8) -> DCPCall | None:
     """Whether DCP asks for the state dict being made (a state-dict hook calls this), read from
     the ``depth`` frames above the hook's caller; ``None`` inside :func:`serving`."""
-    if getattr(_serving, "on", False):
-        return None
+    if getattr(_serving, "on", False) or "torch.distributed.checkpoint" not in sys.modules:
+        return None  # nobody imported DCP: it is not asking
     entries = _dcp_entries()
     frame = sys._getframe(2)
     for _ in range(depth):

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
 
 from .flat_group import FlatGroup
 from .pool import BufferPool
+from .tensor_parallel import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 __all__ = ["SavedViews"]
 
@@ -40,7 +43,7 @@ class _SavedDTensor(NamedTuple):
 
     local: _SavedView
     mesh: DeviceMesh
-    placements: tuple[Placement, ...]
+    placements: tuple[Placement, ...]  # DTensor placements
     shape: torch.Size
     stride: tuple[int, ...]
 
@@ -87,7 +90,7 @@ class SavedViews:
         self._hooks, self.owner = None, None
 
     def _pack(self, t: Tensor) -> Any:
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             local = self._pack(t.detach().to_local())
             if not isinstance(local, _SavedView):
                 return t
@@ -102,6 +105,8 @@ class SavedViews:
 
     def _unpack(self, saved: Any) -> Tensor:
         if isinstance(saved, _SavedDTensor):
+            from torch.distributed.tensor import DTensor  # loaded: a DTensor was saved
+
             local = self._unpack(saved.local)
             return DTensor.from_local(
                 local,

@@ -29,24 +29,35 @@ parameters for the length of its forward.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .split import Split
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Placement
 
 __all__ = [
     "TPSpec",
     "check_tensor_parallel",
+    "is_dtensor",
     "local_of",
     "local_views_for_inference",
     "spec_of",
     "tp_mesh_of",
 ]
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor. Importing DTensor costs a process over half a second, so
+    shardwrap never imports it itself: no tensor is a DTensor before someone else has."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,8 @@ class TPSpec:
     def as_param(self, local: Tensor) -> Tensor:
         """``local`` (a view shaped like this rank's block) as the DTensor the tensor-parallel
         layer reads; no communication, and differentiable back to ``local``."""
+        from torch.distributed.tensor import DTensor  # loaded: the spec came from one
+
         return DTensor.from_local(
             local,
             self.mesh,
@@ -101,8 +114,10 @@ def tp_mesh_of(process_group: Any) -> DeviceMesh | None:
 
 def spec_of(p: nn.Parameter) -> TPSpec | None:
     """The spec of ``p`` where it is a DTensor (checked by :func:`check_tensor_parallel`)."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return None
+    from torch.distributed.tensor import Shard  # loaded: p is a DTensor
+
     placement = p.placements[0]
     parts = p.device_mesh.size()
     dim = placement.dim % p.ndim if isinstance(placement, Shard) else None
@@ -113,7 +128,7 @@ def spec_of(p: nn.Parameter) -> TPSpec | None:
 
 def local_of(p: Tensor) -> Tensor:
     """The tensor a flat group lays out for ``p``: its local block where it is a DTensor."""
-    return p.to_local() if isinstance(p, DTensor) else p
+    return p.to_local() if is_dtensor(p) else p
 
 
 def check_tensor_parallel(module: nn.Module, process_group: Any, options: dict[str, bool]) -> None:
@@ -128,7 +143,7 @@ def check_tensor_parallel(module: nn.Module, process_group: Any, options: dict[s
         ValueError: naming every parameter refused (and why), or the option, and the fix.
     """
     tp = tp_mesh_of(process_group)
-    dtensors = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    dtensors = [(n, p) for n, p in module.named_parameters() if is_dtensor(p)]
     if not dtensors:
         return
     if tp is None:
@@ -160,6 +175,8 @@ def check_tensor_parallel(module: nn.Module, process_group: Any, options: dict[s
 
 def _problem(p: DTensor, tp: DeviceMesh) -> str | None:
     """Why ``p`` cannot be laid out, or ``None``."""
+    from torch.distributed.tensor import Replicate, Shard  # loaded: p is a DTensor
+
     mesh = p.device_mesh
     if mesh.ndim != 1 or mesh.mesh.tolist() != tp.mesh.tolist():
         return f'on mesh {mesh.mesh.tolist()}, not the "tp" dimension {tp.mesh.tolist()}'
@@ -198,7 +215,7 @@ def _lend(module: nn.Module, args: Any, *, lent: list[tuple[str, Tensor | None]]
         return
     for attr, registered in list(module._parameters.items()):
         view = module.__dict__.get(attr)
-        if isinstance(view, DTensor):
+        if is_dtensor(view):
             lent.append((attr, registered))
             module._parameters[attr] = view
             del module.__dict__[attr]  # else it shadows what the plan swaps in

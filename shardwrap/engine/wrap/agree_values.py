@@ -22,10 +22,10 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from ...comm.collectives import Group, all_reduce, group_size
 from ...comm.mesh import Mesh
+from ..shards.tensor_parallel import is_dtensor
 
 __all__ = ["copy_from_rank0", "differing_values", "warn_copied"]
 
@@ -38,7 +38,7 @@ def _tensors(module: nn.Module) -> list[tuple[str, Tensor, bool]]:
     """Every parameter and buffer: name, tensor (a DTensor's local block), whether a block."""
     named = list(module.named_parameters()) + list(module.named_buffers())
     return [
-        (n, t.detach().to_local(), True) if isinstance(t, DTensor) else (n, t.detach(), False)
+        (n, t.detach().to_local(), True) if is_dtensor(t) else (n, t.detach(), False)
         for n, t in named
     ]
 

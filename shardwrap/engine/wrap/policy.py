@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+
+from ..shards.tensor_parallel import is_dtensor
 
 __all__ = [
     "AutoWrap",
@@ -197,5 +198,5 @@ def group_key(p: torch.Tensor, may_train: bool = False) -> tuple[torch.dtype, bo
     what the tp ranks hold alike stays alike through compressed collectives (a quantization
     block's scale is its largest element's, and a block would otherwise mix both).
     """
-    split = isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
+    split = is_dtensor(p) and any(q.is_shard() for q in p.placements)
     return p.dtype, p.requires_grad or may_train, split

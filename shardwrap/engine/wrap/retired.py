@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from ..shards.tensor_parallel import is_dtensor
 
 __all__ = ["retire"]
 
@@ -20,7 +21,7 @@ def retire(p: nn.Parameter, name: str) -> None:
     silently never training the model. Nothing is registered outside the parameter.
     """
     with torch.no_grad():
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
             # NOTE: its memory is its local tensor's, which to_local() only aliases.
             p._local_tensor.data = torch.empty(0, dtype=p.dtype, device=p.device)
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
