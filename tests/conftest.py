@@ -1,8 +1,10 @@
 """Run the suite at any ZeRO stage: ``pytest --stage 2`` makes 2 the default ``stage`` of every
-``ShardedModule`` the tests build. ``make test`` runs the in-process tier at stages 1 and 2 as
-well as at the default stage 3, leaving out the tests marked ``stage3``: those assert stage 3's
-own lifetimes (buffers released after forward, ``reshard_after_forward``). Tests parametrized
-by ``stage`` name their stages themselves and run only in the default run."""
+``ShardedModule`` the tests build; ``--stage 1 --stage 2`` runs each test once per stage, in one
+session (ids end in ``default-stage1``, ``default-stage2``). ``make test`` runs the in-process
+tier at stages 1 and 2 as well as at the default stage 3, leaving out the tests marked
+``stage3``: those assert stage 3's own lifetimes (buffers released after forward,
+``reshard_after_forward``). Tests parametrized by ``stage`` name their stages themselves and run
+only in the default run."""
 
 from __future__ import annotations
 
@@ -13,19 +15,35 @@ from shardwrap import ShardedModule
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--stage", type=int, default=3, choices=(1, 2, 3), help="default ZeRO stage of the tests"
+        "--stage",
+        type=int,
+        action="append",
+        choices=(1, 2, 3),
+        help="default ZeRO stage of the tests (3 if not given); repeat it to run each at each",
     )
+
+
+def _stages(config: pytest.Config) -> list[int]:
+    return sorted(set(config.getoption("--stage") or [3]))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    stages = _stages(metafunc.config)
+    if len(stages) > 1:
+        metafunc.parametrize(
+            "default_stage", stages, indirect=True, ids=[f"default-stage{s}" for s in stages]
+        )
 
 
 @pytest.fixture(autouse=True)
 def default_stage(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    stage = request.config.getoption("--stage")
+    stage = getattr(request, "param", None) or _stages(request.config)[0]
     monkeypatch.setitem(ShardedModule.__new__.__kwdefaults__, "stage", stage)
     return stage
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--stage") == 3:
+    if _stages(config) == [3]:
         return
     named = [i for i in items if "stage" in getattr(getattr(i, "callspec", None), "params", {})]
     if named:

@@ -494,7 +494,10 @@ class RowNormalized(torch.optim.Optimizer):
                 p.sub_(group["lr"] * update.view_as(p))
 
 
-def test_an_undeclared_optimizer_warns_and_a_declared_one_trains_exactly() -> None:
+def test_an_undeclared_optimizer_warns_and_a_declared_one_trains_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(whole_params, "_warned", set())  # it warns once per class and process
     model = build()
     _, ref = train_recipe(model, 2, torch.float32, BATCHES, RowNormalized, loss_fn)
     with pytest.warns(UserWarning, match=r"declare_optimizer\(RowNormalized, reads_shapes=True\)"):
