@@ -2,9 +2,11 @@
 
 Launched by tests/e2e/test_torchrun.py:
 
-    torchrun --standalone --nproc_per_node=2 tests/e2e/scripts/torchrun_parity.py OUT.json [WRAP]
+    torchrun --standalone --nproc_per_node=2 tests/e2e/scripts/torchrun_parity.py OUT.json [WRAPS]
 
-WRAP: extra ``ShardedModule`` keyword arguments as JSON, e.g. '{"compile": true}'. The key
+WRAPS: a JSON list of cases, each run in turn in the same processes (a launch costs more than a
+case) and each one's result written to OUT.json's list in order; a case is extra
+``ShardedModule`` keyword arguments, e.g. '[{}, {"compile": true}]' (default '[{}]'). The key
 ``"hybrid": [R, S]`` shards over a ``DeviceMesh`` of R replicas of S ranks, dimensions
 ``("replicate", "shard")``; the script first checks that a mesh with its dimensions swapped is
 refused, and records the error. The key ``"optimizer"``: ``"muon"`` (Muon for the matrices,
@@ -30,8 +32,17 @@ from tests.support.models import GPT, Block, make_batch
 STEPS = 4
 
 
-def main(out_path: str, wrap: dict) -> None:
+def main(out_path: str, wraps: list[dict]) -> None:
     dist.init_process_group("gloo")
+    results = [case(dict(wrap)) for wrap in wraps]
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def case(wrap: dict) -> dict[str, Any] | None:
+    """Train one case from the same seed as a launch of its own would; rank 0's result."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = GPT()
@@ -69,20 +80,17 @@ def main(out_path: str, wrap: dict) -> None:
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     full = model.full_state_dict(rank0_only=True)
-    if rank == 0:
-        ref_sd = reference.state_dict()
-        diff = max((full[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
-        result = {
-            "world_size": world,
-            "losses": losses,
-            "reference_losses": ref_losses,
-            "max_param_diff": diff,
-            "keys_match": list(full) == list(ref_sd),
-            "refused": refused,
-        }
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    ref_sd = reference.state_dict()
+    return {
+        "world_size": world,
+        "losses": losses,
+        "reference_losses": ref_losses,
+        "max_param_diff": max((full[k] - ref_sd[k]).abs().max().item() for k in ref_sd),
+        "keys_match": list(full) == list(ref_sd),
+        "refused": refused,
+    }
 
 
 class _Both:
@@ -129,4 +137,4 @@ def _accumulate(model: torch.nn.Module, inputs: tuple, targets: tuple) -> torch.
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    main(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else [{}])
