@@ -212,6 +212,7 @@ def test_t5_compare_times_trainer_evaluate_with_the_results_of_ddp(tmp_path: Pat
     for method in methods:
         ev = results[method]["evaluate"]
         assert "train" not in results[method] and "generate" not in results[method]
+        assert "error" not in ev, (method, ev["error"])
         assert ev["seconds"] > 0 and ev["cpu_seconds"] > 0, method
         assert ev["eval_losses"][0] == pytest.approx(ddp["eval_losses"][0], abs=1e-5), method
         assert ev["predictions"] == ddp["predictions"] and len(ev["predictions"]) == 8, method
