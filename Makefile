@@ -37,14 +37,16 @@ GPU_CHECK_ARGS ?=
 # Lint, then the tiers: in-process tests (threads as ranks) and the peers tier (behaviours of
 # FSDP2's and DeepSpeed's suites, each test naming its stages) on three workers at ZeRO stage 3;
 # the in-process tests again at stages 1 and 2, in one session (leaving out stage 3's own
-# lifetime tests); then the torchrun runs and the fault cases, in one session on three workers.
+# lifetime tests); then the torchrun runs and the fault cases, in one session on three workers,
+# collected from tests/e2e, which holds every such test (tests/test_suite.py): 3 s a worker
+# instead of 12.
 # Each session pays for its workers' imports and collection once, and one session's slow tail
 # no longer waits alone: the machine's two cores stay busy to the end. Any failure fails.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not process and not faults" -n 3
 	$(BIN)/pytest -m "not process and not faults and not peers and not stage3" --stage 1 --stage 2 -q -n 3
-	$(BIN)/pytest -m "process or faults" -n 3
+	$(BIN)/pytest tests/e2e -m "process or faults" -n 3
 
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py $(DEMO_ARGS)
