@@ -505,10 +505,7 @@ def test_an_undeclared_optimizer_warns_and_a_declared_one_trains_exactly(
     with pytest.warns(UserWarning, match=r"declare_optimizer\(RowNormalized, reads_shapes=True\)"):
         train_sharded(model, 2, RowNormalized, BATCHES[:1], loss_fn, auto_wrap=Block)
     shardwrap.declare_optimizer(RowNormalized, reads_shapes=True)
-    try:
-        runs = train_sharded(model, 2, RowNormalized, BATCHES, loss_fn, auto_wrap=Block)
-    finally:
-        shardwrap.declare_optimizer(RowNormalized, reads_shapes=False)
+    runs = train_sharded(model, 2, RowNormalized, BATCHES, loss_fn, auto_wrap=Block)
     for rank, run in enumerate(runs):
         _assert_same(ref, run.state, 1e-5, rank)
     with pytest.raises(TypeError, match="optimizer class"):

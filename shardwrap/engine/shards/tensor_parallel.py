@@ -116,11 +116,9 @@ def spec_of(p: nn.Parameter) -> TPSpec | None:
     """The spec of ``p`` where it is a DTensor (checked by :func:`check_tensor_parallel`)."""
     if not is_dtensor(p):
         return None
-    from torch.distributed.tensor import Shard  # loaded: p is a DTensor
-
     placement = p.placements[0]
     parts = p.device_mesh.size()
-    dim = placement.dim % p.ndim if isinstance(placement, Shard) else None
+    dim = placement.dim % p.ndim if placement.is_shard() else None
     split = Split(tuple(p.shape), dim, parts if dim is not None else 1)
     index = p.device_mesh.get_local_rank() if dim is not None else 0
     return TPSpec(p.device_mesh, tuple(p.placements), split, tuple(p.stride()), index)
