@@ -8,6 +8,8 @@ only in the default run."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from shardwrap import ShardedModule
@@ -49,3 +51,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if named:
         config.hook.pytest_deselected(items=named)
         items[:] = [i for i in items if i not in named]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Exclude what collection built (torch, transformers, every test module: most of a
+    worker's heap) from the cyclic collector: each full collection then walks only what tests
+    made since; little of it ever becomes garbage. The in-process session at
+    stage 3 took 273 s without it, 186 s with it (2 cores, three workers)."""
+    gc.freeze()
