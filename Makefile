@@ -62,12 +62,10 @@ gpu-check:
 	$(GPU_VENV)/bin/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # One environment for both: the process tier runs the demo, so tests need its extra too.
-# --no-compile: Python writes the bytecode of each module it imports, on first import; compiling
-# every file of every package up front took 20 s more of a fresh set-up.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --no-compile $(TORCH_PIP_FLAGS) '$(TORCH)'
-	$(BIN)/pip install --no-compile -e '.[test,demo]'
+	$(BIN)/pip install $(TORCH_PIP_FLAGS) '$(TORCH)'
+	$(BIN)/pip install -e '.[test,demo]'
 	touch $@
 
 # The test suite never needs DeepSpeed: it is installed only for the benchmark.
