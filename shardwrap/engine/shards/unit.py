@@ -23,7 +23,7 @@ from ...comm.collectives import CommStats, Pending, all_gather
 from .flat_group import FlatGroup, views_of
 from .profile import label
 
-__all__ = ["BackwardProgress", "GradSink", "ShardState", "Unit"]
+__all__ = ["BackwardDriver", "BackwardProgress", "GradSink", "ShardState", "Unit"]
 
 
 class ShardState(Enum):

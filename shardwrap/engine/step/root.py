@@ -51,7 +51,7 @@ from ..shards.profile import label
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 from .edits import agree_edits
-from .order import successors, unit_index
+from .order import ExecutionOrder, unit_index
 from .own_calls import OwnCalls
 from .reduce import Reductions, reduction_order
 from .schedule import Schedule
@@ -153,9 +153,7 @@ class Root:
         # the units the previous forward kept for backward: its final bucket's, and the unit
         # that ran last (comm/buckets.py)
         self._forward_kept: set[int] = set()
-        self._forward_next: dict[int, Unit] = {}  # unit index -> the unit that ran after it
-        self._backward_next: dict[int, Unit] = {}
-        self._recording: list[Unit] = []  # the units this forward or backward reached, in order
+        self.order: ExecutionOrder[Unit] = ExecutionOrder(unit_index)  # drives prefetch
         # the frozen groups that may start to train (see ``_train_unfrozen``)
         self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
         for unit in units:
@@ -214,19 +212,19 @@ class Root:
             self._train_unfrozen()
             self.phase = Phase.FORWARD
             self.schedule.begin_forward()
-            self._recording = []
+            self.order.begin()
             self.saved.stop()  # left over from a forward that raised
             # Released buffers wait in the pool for the next unit of their size, until
             # backward's last gather (no allocation, on CPU no page faults).
             self.pool.holding = True
         if torch.is_grad_enabled():
             self.saved.start(unit)
-        self._recording.append(unit)
+        self.order.reached(unit)
         self.ensure_gathered(unit, backward=False)
         unit.use_full(torch.is_grad_enabled())
         # After this unit's own gather: it computes first, and the next unit's gather then
         # overlaps that compute.
-        self._prefetch(self._forward_next, unit, backward=False)
+        self._prefetch(unit, backward=False)
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if self.phase is Phase.BACKWARD:
@@ -246,7 +244,7 @@ class Root:
         if release:
             unit.reshard()
         if unit is self.root:
-            last = self._recording[-1] if grad else None
+            last = self.order.last if grad else None
             if last is not None:
                 kept = kept | {last.index}
             for u in self.units[1:]:
@@ -259,12 +257,12 @@ class Root:
             self.schedule.end_forward(grad and self._backward_gathers_nothing())
             if last is not None:  # backward starts with it: stage the unit it gathers next
                 self._stage_after(last, backward=True)
-            if len(self._recording) > 1:
-                kept = {self._recording[-1].index, *self.schedule.last_bucket()}
+            if len(self.order.reached_units) > 1:
+                kept = {self.order.reached_units[-1].index, *self.schedule.last_bucket()}
                 self._forward_kept = kept - {self.root.index}  # kept after forward anyway
             else:
                 self._forward_kept = set()
-            self._forward_next = successors(self._recording, unit_index)
+            self.order.learn(backward=False)
             self.phase = Phase.IDLE
         return output
 
@@ -275,7 +273,7 @@ class Root:
         bucket)."""
         return not self.strategy.defer_reductions and all(
             u.state is ShardState.GATHERED and not u.is_stale and not u.stage3_lifetime
-            for u in self._recording
+            for u in self.order.reached_units
         )
 
     def release_after_forward(self, unit: Unit, grad: bool) -> bool:
@@ -374,7 +372,7 @@ class Root:
             return
         self.check_state()
         self.phase = Phase.BACKWARD
-        self._recording = []
+        self.order.begin()
         for unit in self.units:
             for g in unit.trainable:
                 # Told now, a group releases itself once backward last reads its views, and
@@ -386,17 +384,17 @@ class Root:
         self.enter_backward()
         if not unit.begin_backward():
             return
-        self._recording.append(unit)
+        self.order.reached(unit)
         if self.strategy.offers_reductions_in_backward:
             # No gather's handshake will carry the reductions ready so far: offer them here,
             # so they overlap this unit's backward.
             self.schedule.offer_reductions()
         self.ensure_gathered(unit, backward=True)
-        if unit.index in self._backward_next:
+        if self.order.after(unit, backward=True) is not None:
             # A backward agreed to gather nothing holds every unit it runs: one to prefetch did
             # not run on this rank this time, and gathering it would break the agreement.
             if not self.schedule.gathers_nothing_in_backward:
-                self._prefetch(self._backward_next, unit, backward=True)
+                self._prefetch(unit, backward=True)
         else:  # nothing more to gather in this backward: keep no spare buffers
             self.pool.holding = False
             self.pool.trim()
@@ -418,7 +416,7 @@ class Root:
                 for g in unit.trainable:
                     g.mark_stale()
         self.schedule.finish_backward()
-        self._backward_next = successors(self._recording, unit_index)
+        self.order.learn(backward=True)
         self._leave_backward()
         if self.optimizers is not None:  # an optimizer steps next: hook any new one
             self.check_state()
@@ -469,8 +467,8 @@ class Root:
         self._stage_after(self.schedule.gather(unit, backward)[-1], backward)
         unit.finish_gather()
 
-    def _prefetch(self, successors: dict[int, Unit], current: Unit, backward: bool) -> None:
-        nxt = successors.get(current.index)
+    def _prefetch(self, current: Unit, backward: bool) -> None:
+        nxt = self.order.after(current, backward)
         if nxt is not None and (nxt.state is ShardState.SHARDED or nxt.is_stale):
             self._stage_after(self.schedule.gather(nxt, backward)[-1], backward)
 
@@ -482,8 +480,7 @@ class Root:
         With prefetch that is two units ahead of the one about to compute, so the copy has a
         whole unit's compute to hide behind before its gather waits for it.
         """
-        successors = self._backward_next if backward else self._forward_next
-        following = successors.get(unit.index)
+        following = self.order.after(unit, backward)
         if following is None:
             following = self.units[(unit.index + (-1 if backward else 1)) % len(self.units)]
         if following.state is ShardState.SHARDED or following.is_stale:
