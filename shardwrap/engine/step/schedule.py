@@ -120,6 +120,8 @@ class Schedule:
         self.mesh = mesh
         self.stats = stats
         self.reductions = reductions
+        # Read once: every gather asks, and the mesh asks the process groups each time.
+        self.world = mesh.world_size
         # unit index -> bytes its gather holds (fixed at wrapping), which buckets are cut by
         self._nbytes = [u.gather_nbytes for u in units].__getitem__
         n = len(units)
@@ -154,10 +156,6 @@ class Schedule:
         # checks that it is the same on every rank.
         self.changes = 0
         self._no_proposal = [-1] * (1 + self._slots) + [1] * (1 + self._slots)
-
-    @property
-    def world(self) -> int:
-        return self.mesh.world_size
 
     # gathers -------------------------------------------------------------------------
 
