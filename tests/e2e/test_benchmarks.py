@@ -11,7 +11,8 @@ with the same optimizer, and only the shape-aware one moves bytes in the owner e
 in its phases. ``benchmarks/compressed.py`` runs int8 stage 3 over a 10 Mbit/s link: a quarter
 of the bytes, and steps held back by the link. ``benchmarks/t5_compare.py --only eval`` times
 ``Seq2SeqTrainer.evaluate()`` for DDP, shardwrap stage 3 and FSDP2 on a few rows: the same eval
-loss and generated tokens as DDP's.
+loss and generated tokens as DDP's. ``benchmarks/crossings.py`` records one step of each library
+and finds every kind of hook it names, each on the data's path through the library's files.
 Their logic, in process: ``tests/test_benchmarks.py``.
 Run: ``pytest -m process tests/e2e/test_benchmarks.py``.
 """
@@ -147,6 +148,20 @@ def test_optimizers_runs_shape_aware_optimizers_like_ddp_and_counts_the_owner_ex
     assert "| 2 | shardwrap-s3 | muon | " in table
     assert "- 2 ranks, shardwrap-s3: muon step time " in table and "(goal <= 1.15x: " in table
     assert "- 2 ranks, muon: shardwrap stage 3 vs DDP: step time " in table
+
+
+@pytest.mark.process
+def test_crossings_finds_each_hook_of_both_libraries_on_the_datas_path(tmp_path: Path) -> None:
+    table, report = run_benchmark("crossings.py", "--theme", "smoke", out_dir=tmp_path)
+    kinds = set(report["shardwrap"])
+    assert len(kinds) == 6, kinds  # the engine's hooks, each still named as the script knows it
+    assert set(report["fsdp2"]) == {k for k in kinds if "views done" not in k}
+    gather = report["shardwrap"]["pre-forward (waits, views, prefetches the next)"]
+    assert {"root", "schedule", "unit", "flat_group", "pool", "collectives"} <= set(gather["met"])
+    assert gather["calls"] == 5 and 0 < gather["files"] <= gather["most_files"]
+    fsdp2_backward = report["fsdp2"]["pre-backward (gathers, issues reductions)"]
+    assert "_fsdp_collectives" in fsdp2_backward["met"]
+    assert "| end of backward (every gradient lands in .grad) | shardwrap |" in table
 
 
 @pytest.mark.process
