@@ -212,7 +212,7 @@ def report(summaries: dict[str, dict[str, Any]], argv: list[str]) -> str:
         [
             "# The files a gather and a gradient pass through: shardwrap and FSDP2",
             "",
-            f"- command: `python benchmarks/crossings.py {' '.join(argv)}`",
+            f"- command: `{' '.join(['python benchmarks/crossings.py', *argv])}`",
             f"- commit {commit()}, {datetime.date.today()}, torch {torch.__version__}, "
             f"{hardware()}, gloo, 2 ranks under torchrun, rank 0's fourth step",
             "- model: 4 blocks of two Linear(64, 64), each a unit, and a Linear(64, 8) in the "
