@@ -33,7 +33,7 @@ from ...tiers.offload import count_fused_write
 if TYPE_CHECKING:
     from ...tiers.home import Home
 
-__all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "shard_grad_owner"]
+__all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "as_shard_grads", "shard_grad_owner"]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
@@ -60,6 +60,12 @@ def as_shard_grad(view: Tensor, owner: _Owner) -> Tensor:
     grad = view.as_subclass(ShardGrad)
     grad._shardwrap_owner = owner
     return grad
+
+
+def as_shard_grads(views: list[Tensor], owners: list[_Owner]) -> list[Tensor]:
+    """Each of ``views`` typed as by :func:`as_shard_grad` with its owner: one call for a
+    group's parameters at the end of backward."""
+    return [as_shard_grad(v, o) for v, o in zip(views, owners)]
 
 
 def shard_grad_owner(group: Group, stats: CommStats, home: Home) -> _Owner:

@@ -435,16 +435,18 @@ class FlatGroup:
         return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
 
     def accumulate(
-        self, new: Tensor, as_grad: Callable[[int, Tensor], Tensor], seen: list[bool]
+        self,
+        new: Tensor,
+        as_grads: Callable[[list[tuple[int, Tensor]]], list[Tensor]],
+        seen: list[bool],
     ) -> list[nn.Parameter]:
         """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
 
-        The ``.grad`` tensors are views of one flat buffer, typed by ``as_grad(index, view)``,
-        known here
-        only weakly: once ``zero_grad()`` drops them, their memory is freed. As in plain
-        PyTorch, a shard param that does not require grad now gets none, and neither does one
-        that no rank's backward gave a gradient (``seen``, agreed across ranks): its ``.grad``
-        stays as it was.
+        The ``.grad`` tensors are views of one flat buffer, typed by ``as_grads`` (given each
+        new gradient as ``(index, view)``, all at once), known here only weakly: once
+        ``zero_grad()`` drops them, their memory is freed. As in plain PyTorch, a shard param
+        that does not require grad now gets none, and neither does one that no rank's backward
+        gave a gradient (``seen``, agreed across ranks): its ``.grad`` stays as it was.
 
         Returns:
             The shard params whose ``.grad`` this changed.
@@ -462,23 +464,28 @@ class FlatGroup:
         ):
             flat.add_(new)
         elif every and all(p.grad is None for p in params):
-            views = [
-                as_grad(i, new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
-                for i, (pc, shape) in enumerate(zip(self.pieces, self.piece_shapes))
-            ]
+            views = as_grads(
+                [
+                    (i, new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
+                    for i, (pc, shape) in enumerate(zip(self.pieces, self.piece_shapes))
+                ]
+            )
             for p, v in zip(params, views):
                 p.grad = v
             self._grad_flat = weakref.ref(new)
             self._grad_views = [weakref.ref(v) for v in views]
         else:
+            fresh = []  # (index, a copy of its piece) for the params without a gradient yet
             for i, (p, pc, take) in enumerate(zip(params, self.pieces, takes)):
                 if not take:
                     continue
                 piece = new[pc.shard_offset : pc.shard_offset + pc.numel].view(p.shape)
                 if p.grad is None:
-                    p.grad = as_grad(i, piece.clone())
+                    fresh.append((i, piece.clone()))
                 else:
                     p.grad.add_(piece)
+            for (i, _), grad in zip(fresh, as_grads(fresh)):
+                params[i].grad = grad
             self._grad_flat, self._grad_views = _dead_ref, []
         return [p for p, take in zip(params, takes) if take]
 

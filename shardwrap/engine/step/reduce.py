@@ -45,7 +45,7 @@ from ...comm.mesh import Mesh
 from ...comm.quantize import Codec
 from ...options import Compression
 from ...tiers.home import Home
-from ..optim.shard_grad import as_shard_grad, shard_grad_owner
+from ..optim.shard_grad import as_shard_grads, shard_grad_owner
 from ..shards.flat_group import FlatGroup
 from ..shards.profile import label
 
@@ -134,11 +134,14 @@ class Reductions:
         owners = (self.grad_owner, self.split_grad_owner)
         return owners[:1] if owners[0] is owners[1] else owners
 
-    def _as_grad(self, group: FlatGroup, index: int, view: Tensor) -> Tensor:
-        """``view``, parameter ``index`` of ``group``'s piece of a reduced gradient, typed with
-        the group its norms complete over."""
-        split = group.splits[index].is_split
-        return as_shard_grad(view, self.split_grad_owner if split else self.grad_owner)
+    def _as_grads(self, group: FlatGroup, pieces: list[tuple[int, Tensor]]) -> list[Tensor]:
+        """Each ``(index, view)`` of ``pieces``, parameter ``index``'s part of ``group``'s
+        reduced gradient, typed with the group its norms complete over."""
+        owners = [
+            self.split_grad_owner if group.splits[i].is_split else self.grad_owner
+            for i, _ in pieces
+        ]
+        return as_shard_grads([view for _, view in pieces], owners)
 
     def refresh(self) -> None:
         """Cut the order into buckets again, after a frozen group began to train: a frozen
@@ -295,8 +298,8 @@ class Reductions:
             if used_anywhere[i]:
                 group = self.order[i]
                 seen = seen_anywhere[i] if seen_anywhere is not None else [True] * len(group.names)
-                as_grad = functools.partial(self._as_grad, group)
-                for p in group.accumulate(out, as_grad, seen):
+                as_grads = functools.partial(self._as_grads, group)
+                for p in group.accumulate(out, as_grads, seen):
                     _post_accumulate(p)
         self.reset()
 
