@@ -30,6 +30,9 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from _launch import commit, hardware, results_dir, torchrun_json
+from torch import nn
 
 METHODS = ("shardwrap", "fsdp2")
 
@@ -127,9 +130,6 @@ def hook_name(node: dict[str, Any]) -> str:
 
 def measure(method: str) -> list[dict[str, Any]]:
     """On every rank: train, record one step; rank 0's hooks with their files and changes."""
-    import torch.distributed as dist
-    from torch import nn
-
     torch.manual_seed(0)
 
     class Block(nn.Module):
@@ -167,12 +167,11 @@ def measure(method: str) -> list[dict[str, Any]]:
     hooks = []
     for root in recorder.roots:
         tree = prune(root)
-        if tree is None or hook_name(tree) not in KINDS:
+        if tree is None or (kind := KINDS.get(hook_name(tree))) is None:
             continue
         files: list[str] = []
         walk(tree, files)
         changes = sum(a != b for a, b in zip(files, files[1:]))
-        kind = KINDS[hook_name(tree)]
         hooks.append({"kind": kind, "files": sorted(set(files)), "changes": changes})
     dist.barrier()
     return hooks
@@ -196,8 +195,6 @@ def summarize(hooks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def report(summaries: dict[str, dict[str, Any]], argv: list[str]) -> str:
-    from _launch import commit, hardware
-
     rows = ["| hook | method | calls | files | changes | most files / changes | files met |"]
     rows.append("|---|---|---|---|---|---|---|")
     for kind in dict.fromkeys(KINDS.values()):
@@ -228,16 +225,12 @@ def report(summaries: dict[str, dict[str, Any]], argv: list[str]) -> str:
 
 def main() -> None:
     if "LOCAL_RANK" in os.environ:  # a rank of a launch below
-        import torch.distributed as dist
-
         dist.init_process_group("gloo")
         hooks = measure(sys.argv[1])
         if dist.get_rank() == 0:
             Path(sys.argv[2]).write_text(json.dumps(hooks))
         dist.destroy_process_group()
         return
-    from _launch import hardware, results_dir, torchrun_json
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--theme", default="linear4_stage3")
