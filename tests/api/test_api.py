@@ -496,6 +496,30 @@ def test_gathered_exposes_full_parameters_and_writes_back_on_request(world_size:
     run_ranks(world_size, fn)
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_a_device_named_with_its_index_reuses_buffers_as_its_plain_name_does(device: Any) -> None:
+    """``device="cuda"`` names the tensors' ``cuda:0``, and ``cpu:0`` their ``cpu``: the model
+    keeps the tensors' own name, so a released buffer is found again by the next unit."""
+
+    def makes(rank: int, pg: ProcessGroup, device: Any) -> tuple[int, torch.device]:
+        m = ShardedModule(GPT(), auto_wrap=Block, process_group=pg, device=device)
+        pool = m._shardwrap_root.pool
+        made, make = [], pool._make
+        pool._make = lambda key: made.append(key) or make(key)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = (t.chunk(2)[rank] for t in make_batch(step, 4))
+            m(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return len(made), next(m.parameters()).device
+
+    plain = run_ranks(2, lambda rank, pg: makes(rank, pg, "cpu"))
+    named = run_ranks(2, lambda rank, pg: makes(rank, pg, device))
+    assert named == plain
+    assert all(where == torch.device("cpu") for _, where in named)
+
+
 def test_a_dropped_model_is_freed() -> None:
     """Autograd hooks hold the model only weakly: deleting it frees shards and groups."""
     model = ShardedModule(GPT(), auto_wrap=Block)

@@ -13,6 +13,7 @@ among them):
 - generation: greedy ``generate()`` on a sharded Llama gives the plain model's tokens;
 - meta-device initialisation: a GPT built on ``meta`` is materialised on the GPU (finite, its
   constants exact) and trains like a plain model loaded with its weights;
+- ``device="cuda"``, without an index, is the current GPU (``cuda:0``), where the tensors are;
 - NCCL at world size 1 (the default group that ``torchrun --nproc_per_node=1`` gives): the
   collectives of one rank, gathers, reductions and Muon's owner all-to-all, train like the
   plain model.
@@ -176,6 +177,11 @@ def check_meta_init(device: torch.device) -> None:
 
 def test_a_model_built_on_meta_is_materialised_on_the_gpu_and_trains_like_plain() -> None:
     check_meta_init(gpu())
+
+
+def test_cuda_without_an_index_is_the_current_gpu_and_trains_like_plain() -> None:
+    m = trains_like_plain(_gpt(), sgd, GPT_BATCHES, gpt_loss, torch.device("cuda"), auto_wrap=Block)
+    assert all(p.device == gpu() for p in m.parameters())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

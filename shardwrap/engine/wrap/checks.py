@@ -76,7 +76,7 @@ def check_device(module: nn.Module, device: torch.device | str | None) -> torch.
                     "none of it."
                 )
     if device is not None:
-        return torch.device(device)
+        return _as_made(torch.device(device))
     if devices:
         only = next(iter(devices))
         if only.type not in ("cpu", "meta"):
@@ -84,6 +84,18 @@ def check_device(module: nn.Module, device: torch.device | str | None) -> torch.
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def _as_made(device: torch.device) -> torch.device:
+    """``device`` as the tensors made there name it: ``cpu:0`` is ``cpu``, and ``cuda`` is
+    ``cuda:<current>`` where CUDA is the accelerator here. Buffers are kept and found again
+    by their device, so a name that differs from the tensors' own would never find one."""
+    if device.type == "cpu":
+        return torch.device("cpu")
+    here = torch.accelerator.current_accelerator(check_available=True)
+    if device.index is None and here is not None and here.type == device.type:
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device
 
 
 def checkpoint_policy(
