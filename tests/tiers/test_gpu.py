@@ -16,7 +16,8 @@ model on the same GPU over the whole global batch:
 - staging: every gather reads a device copy of its shard made on the side stream (an event
   recorded there), never the shard; after the first step each is staged ahead, but the
   root's first gather of the step;
-- the host tier at world size 2 over NCCL (two GPUs, one process each): the same parity;
+- the host tier at world size 2 over NCCL (two GPUs, one process each): the same parity, and
+  Muon's whole matrices exchanged over NCCL on the GPU, though their pieces live on the host;
 - device memory: with the host tier, what stays allocated on the GPU between steps holds no
   fp32 shard and no optimizer state (``torch.cuda.memory_allocated``), and the peak during a
   step is the working set of a few units, while without offload it holds all of them;
@@ -122,16 +123,21 @@ def test_host_tier_over_nccl_world_of_one() -> None:
         check_host_tier(0, 1, "adamw", False, 3)
 
 
-def _offloaded_recipe(model: nn.Module, make_opt: Any) -> tuple[list[float], dict[str, Any]]:
+def _offloaded_recipe(
+    model: nn.Module, make_opt: Any, world: int = 1
+) -> tuple[list[float], dict[str, Any]]:
     """The host tier by hand: forward and backward on the GPU, the optimizer stepping fp32
-    masters on the CPU, which are copied back to the GPU after each step."""
+    masters on the CPU, which are copied back to the GPU after each step. With ``world``
+    ranks, the batch's gradient is the mean of the ranks' slices', summed in rank order (as
+    the ranks' reduction sums them: Muon's bf16 iteration would turn another order's last bits
+    into more than the tolerance)."""
     work = copy.deepcopy(model).to(gpu())
     master = copy.deepcopy(model)
     opt = make_opt(master.parameters())
     losses = []
     for step in range(STEPS):
         x, y = (t.to(gpu()) for t in make_batch(step, GLOBAL_BATCH))
-        loss = work(x, y)
+        loss = sum(work(xs, ys) / world for xs, ys in zip(x.chunk(world), y.chunk(world)))
         loss.backward()
         for m, w in zip(master.parameters(), work.parameters()):
             m.grad, w.grad = w.grad.cpu(), None
@@ -144,12 +150,12 @@ def _offloaded_recipe(model: nn.Module, make_opt: Any) -> tuple[list[float], dic
     return losses, master.state_dict()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_host_tier_steps_muon_whole_like_the_recipe_by_hand(stage: int) -> None:
-    """Muon orthogonalises each matrix's update in bf16 on the host: within 1e-4."""
+def check_host_tier_muon(rank: int, world: int, stage: int) -> None:
+    """Muon orthogonalises each matrix's update in bf16 on the host: within 1e-4 of the recipe
+    by hand on the whole batch. Over ranks, each matrix is exchanged whole to its owner."""
     torch.manual_seed(0)
     model = GPT()
-    ref_losses, ref_state = _offloaded_recipe(model, MuonAndAdamW)
+    ref_losses, ref_state = _offloaded_recipe(model, MuonAndAdamW, world)
     m = ShardedModule(
         copy.deepcopy(model),
         auto_wrap=Block,
@@ -157,9 +163,14 @@ def test_host_tier_steps_muon_whole_like_the_recipe_by_hand(stage: int) -> None:
         stage=stage,
         offload=Offload(device="cpu"),
     )
-    losses = train(m, MuonAndAdamW(m.parameters()), 0, 1)
+    losses = train(m, MuonAndAdamW(m.parameters()), rank, world)
     torch.testing.assert_close(losses, ref_losses, atol=1e-4, rtol=0)
     torch.testing.assert_close(m.full_state_dict(), ref_state, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_tier_steps_muon_whole_like_the_recipe_by_hand(stage: int) -> None:
+    check_host_tier_muon(0, 1, stage)
 
 
 def test_host_tier_under_bf16_trains_like_the_same_run_without_offload() -> None:
@@ -224,13 +235,18 @@ def _nccl_worker(rank: int, init_file: str, optimizer: str, stage: int) -> None:
         device_id=torch.device("cuda", rank),
     )
     try:
-        check_host_tier(rank, 2, optimizer, False, stage)
+        if optimizer == "muon":
+            check_host_tier_muon(rank, 2, stage)
+        else:
+            check_host_tier(rank, 2, optimizer, False, stage)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL")
-@pytest.mark.parametrize(("optimizer", "stage"), [("sgd", 3), ("adamw", 3), ("sgd", 2)])
+@pytest.mark.parametrize(
+    ("optimizer", "stage"), [("sgd", 3), ("adamw", 3), ("sgd", 2), ("muon", 3)]
+)
 def test_host_tier_over_nccl_at_world_size_2(tmp_path: Path, optimizer: str, stage: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.multiprocessing.spawn(

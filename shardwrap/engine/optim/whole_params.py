@@ -325,7 +325,8 @@ class _Plan:
     rank: int
     world: int
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device  # where the parameters' pieces are, and their whole values are made
+    wire: torch.device  # where the exchange's buffers are: the group's compute device
     entries: list[_Entry]
     stats: Any = None  # the model's CommStats: the exchange counts as "all_to_all"
     sends: list[list[_Entry]] = field(default_factory=list)  # per peer: its params I hold
@@ -415,7 +416,7 @@ class _WholeStep:
         ins = []
         for es in plan.sends:
             n, at = _held(es, r), 0
-            buf = torch.empty(2 * n, dtype=dtype, device=device)
+            buf = torch.empty(2 * n, dtype=dtype, device=plan.wire)
             for e in es:
                 k = _span(e, r)
                 buf[at : at + k].copy_(e.param.detach().view(-1))
@@ -423,7 +424,7 @@ class _WholeStep:
                 at += k
             ins.append(buf)
         outs = [
-            torch.empty(2 * _held(es, q), dtype=dtype, device=device)
+            torch.empty(2 * _held(es, q), dtype=dtype, device=plan.wire)
             for q, es in enumerate(plan.recvs)
         ]
         all_to_all(outs, ins, plan.group, plan.stats).wait()
@@ -468,11 +469,11 @@ class _WholeStep:
 
     def _scatter(self, plan: _Plan) -> None:
         """Send each rank its pieces of the owned parameters' new values, and take ours."""
-        r, dtype, device = plan.rank, plan.dtype, plan.device
+        r, dtype, wire = plan.rank, plan.dtype, plan.wire
         stacked = {id(e): values for e, values in self._stacked}
         ins = []
         for q, es in enumerate(plan.recvs):
-            buf, at = torch.empty(_held(es, q), dtype=dtype, device=device), 0
+            buf, at = torch.empty(_held(es, q), dtype=dtype, device=wire), 0
             for e in es:
                 a, b = e.pieces[q]
                 values = stacked.get(id(e))
@@ -480,7 +481,7 @@ class _WholeStep:
                 buf[at : at + b - a].copy_(values[a:b])
                 at += b - a
             ins.append(buf)
-        outs = [torch.empty(_held(es, r), dtype=dtype, device=device) for es in plan.sends]
+        outs = [torch.empty(_held(es, r), dtype=dtype, device=wire) for es in plan.sends]
         all_to_all(outs, ins, plan.group, plan.stats).wait()
         for q, es in enumerate(plan.sends):
             at = 0
@@ -565,10 +566,11 @@ def _plan(entries: list[_Entry]) -> list[_Plan]:
     plans: dict[tuple[int, torch.dtype], _Plan] = {}
     for e in entries:
         p = e.param
-        _, _, stats = getattr(p, PIECE_ATTR)
+        ref, _, stats = getattr(p, PIECE_ATTR)
         key = (id(e.group), p.dtype)
         if key not in plans:
-            plans[key] = _Plan(e.group, e.rank, len(e.pieces), p.dtype, p.device, [], stats)
+            wire = ref().mesh.device  # the host tier's pieces are in host memory, its group NCCL
+            plans[key] = _Plan(e.group, e.rank, len(e.pieces), p.dtype, p.device, wire, [], stats)
         plans[key].entries.append(e)
     for plan in plans.values():
         r = plan.rank
