@@ -68,7 +68,7 @@ def test_two_ranks_on_one_gpu(on_one_gpu: tuple[str, Run], check: str) -> None:
     outcome = judge(ranks, check, ended)
     needs = next(c.needs for c in CHECKS if c.name == check)
     if outcome.status == "wrong":
-        pytest.fail(f"{check} over {backend} on CUDA tensors: wrong values: {outcome.message}")
+        pytest.fail(f"{check} over {backend} on CUDA tensors, wrong: {outcome.message}")
     if outcome.status == "refused":
         pytest.skip(f"{backend} refuses {check} with two ranks on one GPU: {outcome.message}")
     if outcome.status == "unfinished":

@@ -2,10 +2,11 @@
 rank, and how ``tests/e2e/test_gpu_two_ranks.py`` judges what the ranks wrote.
 
 Each check is a function of this rank, the group and the device that raises ``AssertionError``
-where values are wrong; any other exception is a refusal. A check of shardwrap names the
-backend operations it issues on a GPU (``needs``): where the backend refused one of those,
-the check is not run and is reported as refused with the backend's words, so that a
-refusal of the backend is never taken for a fault of shardwrap, nor the reverse.
+where values are wrong. A check of shardwrap names the backend operations it issues on a GPU
+(``needs``): where the backend refused one of those, the check is not run and is reported as
+refused with the backend's words, so that a refusal of the backend is never taken for a fault
+of shardwrap, nor the reverse; where every one was granted, any exception it raises is wrong.
+Any other exception of a backend's own check is its refusal.
 
 Every rank writes one JSON line per check as it starts and one as it ends (``status``: ``ok``,
 ``refused``, ``wrong``), so a run cut short (a hang, a crash) still says how far it got.
@@ -198,7 +199,38 @@ def _train(**wrap: Any) -> Callable[[int, dist.ProcessGroup, torch.device], None
     return body
 
 
+def _edits_over_a_group_of_its_own(rank: int, pg: dist.ProcessGroup, device: torch.device) -> None:
+    """A model wrapped over a group the user made (its agreements then run over that group, on
+    ``device``): weights differing across ranks become rank 0's, and rank 0's edits inside
+    ``gathered(modifier_rank=0)`` reach every rank."""
+    group = _own_group()
+    torch.manual_seed(rank)  # each rank its own weights
+    sharded = ShardedModule(GPT(), auto_wrap=Block, device=device, process_group=group)
+    torch.manual_seed(0)
+    want = GPT().state_dict()
+    _same_state(sharded.full_state_dict(), want, "weights after wrapping")
+    with sharded.gathered(modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                sharded.lm_head.weight.fill_(0.5)
+    want["lm_head.weight"] = torch.full_like(want["lm_head.weight"], 0.5)
+    _same_state(sharded.full_state_dict(), want, "weights after rank 0's edit")
+
+
+def _same_state(got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> None:
+    for name, value in want.items():
+        _same(got[name], value, f"{what}: {name}")
+
+
 _CPU_GROUP: list[dist.ProcessGroup] = []
+_OWN_GROUP: list[dist.ProcessGroup] = []
+
+
+def _own_group() -> dist.ProcessGroup:
+    """A group over both ranks on the default group's backend, made once, as a user makes one."""
+    if not _OWN_GROUP:
+        _OWN_GROUP.append(dist.new_group(ranks=list(range(WORLD))))
+    return _OWN_GROUP[0]
 
 
 def _cpu_group() -> dist.ProcessGroup:
@@ -225,6 +257,11 @@ CHECKS = [
     Check("shardwrap int8 all_reduce", (GATHER,), _all_reduce_quantized),
     Check("shardwrap trains a GPT, buckets", (GATHER, REDUCE), _train()),
     Check("shardwrap trains a GPT, no buckets", (GATHER, REDUCE), _train(bucket_mb=0)),
+    Check(
+        "shardwrap agrees weights and edits over a group of its own",
+        (GATHER, "broadcast", "all_reduce SUM"),
+        _edits_over_a_group_of_its_own,
+    ),
 ]
 
 
@@ -256,7 +293,12 @@ def run_checks(rank: int, device: torch.device, out: Path) -> None:
                 check.body(rank, pg, device)
             except AssertionError as e:
                 record(check=check.name, status="wrong", message=str(e)[:2000])
-            except Exception as e:  # the backend's refusal, in its own words
+            except Exception as e:
+                if check.needs:  # shardwrap's, every operation it needs granted: its fault
+                    said = f"{type(e).__name__}: {_said(e)}"
+                    record(check=check.name, status="wrong", message=said)
+                    continue
+                # the backend's refusal, in its own words
                 said = _said(e)
                 refused[check.name] = said
                 record(check=check.name, status="refused", message=f"{type(e).__name__}: {said}")

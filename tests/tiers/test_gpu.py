@@ -18,6 +18,9 @@ model on the same GPU over the whole global batch:
   root's first gather of the step;
 - the host tier at world size 2 over NCCL (two GPUs, one process each): the same parity, and
   Muon's whole matrices exchanged over NCCL on the GPU, though their pieces live on the host;
+- over NCCL on two GPUs: weights that differ across ranks, built in host memory, become rank
+  0's, and rank 0's edits in ``gathered(modifier_rank=0)`` reach every rank, over the default
+  group and a group of the user's;
 - device memory: with the host tier, what stays allocated on the GPU between steps holds no
   fp32 shard and no optimizer state (``torch.cuda.memory_allocated``), and the peak during a
   step is the working set of a few units, while without offload it holds all of them;
@@ -252,6 +255,45 @@ def test_host_tier_over_nccl_at_world_size_2(tmp_path: Path, optimizer: str, sta
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.multiprocessing.spawn(
         _nccl_worker, args=(str(tmp_path / "init"), optimizer, stage), nprocs=2, join=True
+    )
+
+
+def _agreement_worker(rank: int, init_file: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=2,
+        device_id=torch.device("cuda", rank),
+    )
+    try:
+        torch.manual_seed(0)
+        want = GPT().state_dict()
+        for group in (None, dist.new_group(ranks=[0, 1])):  # the default group; one's own
+            torch.manual_seed(rank)  # built in host memory, each rank its own weights
+            m = ShardedModule(GPT(), auto_wrap=Block, device=gpu(), process_group=group)
+            assert m.full_state_dict().keys() == want.keys()
+            for name, value in m.full_state_dict().items():
+                assert torch.equal(value, want[name]), name
+            with m.gathered(modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        m.lm_head.weight.fill_(0.5)
+            assert torch.equal(m.full_state_dict()["lm_head.weight"].unique(), torch.tensor([0.5]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL")
+def test_over_nccl_rank_0s_weights_and_edits_reach_every_gpu(tmp_path: Path) -> None:
+    """Weights that differ across ranks, built in host memory, become rank 0's (sent from the
+    GPU: NCCL takes no host tensor), and rank 0's edits inside ``gathered(modifier_rank=0)``
+    reach every rank, over the default group and over a group of the user's (whose
+    agreements run on the GPU)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.multiprocessing.spawn(
+        _agreement_worker, args=(str(tmp_path / "init"),), nprocs=2, join=True
     )
 
 

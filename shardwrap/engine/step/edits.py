@@ -101,8 +101,9 @@ def agree_edits(
     location = [mesh.shard_rank, mesh.replicate_rank] if here else [_NONE, _NONE]
     prints = [] if modifier_rank is not None else _fingerprints(groups, mesh, stats)
     header = [modifier, -modifier, -int(raised), len(prints), -len(prints), *location]
-    t = torch.tensor(header + prints + [-h for h in prints], dtype=torch.int64)
-    all_reduce(t.to(mesh.control_device), mesh.control, dist.ReduceOp.MIN, stats).wait()
+    agreed = header + prints + [-h for h in prints]
+    t = torch.tensor(agreed, dtype=torch.int64, device=mesh.control_device)
+    all_reduce(t, mesh.control, dist.ReduceOp.MIN, stats).wait()
     low, neg_high, any_raised, n, neg_n, shard_at, replica_at, *rest = t.tolist()
     if low != -neg_high or n != -neg_n:
         raise ValueError(
@@ -139,8 +140,9 @@ def _fingerprints(groups: list[FlatGroup], mesh: Mesh, stats: CommStats) -> list
     split = [s.is_split for g in groups for s in g.splits for _ in range(2)]
     if mesh.tp is None or not any(split):
         return hashes
-    t = torch.tensor([h % _TP_HASH if s else 0 for h, s in zip(hashes, split)], dtype=torch.int64)
-    all_reduce(t.to(mesh.control_device), mesh.tp.get_group(), dist.ReduceOp.SUM, stats).wait()
+    blocks = [h % _TP_HASH if s else 0 for h, s in zip(hashes, split)]
+    t = torch.tensor(blocks, dtype=torch.int64, device=mesh.device)  # NCCL takes no host tensor
+    all_reduce(t, mesh.tp.get_group(), dist.ReduceOp.SUM, stats).wait()
     return [int(v) if s else h for v, h, s in zip(t.tolist(), hashes, split)]
 
 

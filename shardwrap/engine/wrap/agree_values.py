@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...comm.collectives import Group, all_reduce, group_size
+from ...comm.collectives import all_reduce, group_size
 from ...comm.mesh import Mesh
 from ..shards.tensor_parallel import is_dtensor
 
@@ -55,25 +55,25 @@ def _summary(t: Tensor) -> tuple[float, float]:
     )
 
 
-def differing_values(
-    module: nn.Module, group: Group, device: torch.device, tp: Group = None
-) -> list[str]:
+def differing_values(module: nn.Module, mesh: Mesh) -> list[str]:
     """The names of the parameters and buffers whose values differ across ranks (the same
-    list on every rank; a tensor-parallel block: where the sums of its blocks over ``tp``
-    do)."""
-    if group_size(group) == 1:
+    list on every rank; a tensor-parallel block: where the sums of its blocks over tp do).
+    Compared over the mesh's control group; the blocks summed over the tp group, on the
+    compute device (NCCL takes no host tensor)."""
+    if group_size(mesh.control) == 1:
         return []
     named = _tensors(module)
     summed = torch.tensor([v for _, t, _ in named for v in _summary(t)], dtype=torch.float64)
+    tp = mesh.tp.get_group() if mesh.tp is not None else None
     if group_size(tp) > 1:
         blocks = torch.tensor([b for _, _, b in named for _ in range(2)])
-        over_tp = torch.where(blocks, summed, 0.0).to(device)
+        over_tp = torch.where(blocks, summed, 0.0).to(mesh.device)
         all_reduce(over_tp, tp, dist.ReduceOp.SUM).wait()
         summed = torch.where(blocks, over_tp.cpu(), summed)
     sums = summed.clone()
     sums[1::2] = summed[1::2].sqrt()
-    both = torch.cat([sums, -sums]).to(device)
-    all_reduce(both, group, dist.ReduceOp.MIN).wait()
+    both = torch.cat([sums, -sums]).to(mesh.control_device)
+    all_reduce(both, mesh.control, dist.ReduceOp.MIN).wait()
     low, high = both[: len(sums)].cpu(), -both[len(sums) :].cpu()
     differ = []
     for i, (name, t, _) in enumerate(named):
@@ -100,7 +100,8 @@ def warn_copied(module: nn.Module, names: list[str]) -> None:
 
 def copy_from_rank0(module: nn.Module, mesh: Mesh, names: list[str] | None = None) -> None:
     """Overwrite every parameter and buffer (or those of ``names``, the same on every rank)
-    with the mesh's first rank's values.
+    with the mesh's first rank's values, sent from the compute device (a model built in host
+    memory is wrapped before it moves, and NCCL takes no host tensor).
 
     With hybrid sharding the values go first across the replicate groups from replica 0,
     then within every shard group from its first rank, then (but for tensor-parallel blocks)
@@ -114,7 +115,7 @@ def copy_from_rank0(module: nn.Module, mesh: Mesh, names: list[str] | None = Non
     for name, t, block in _tensors(module):
         if chosen is not None and name not in chosen:
             continue
-        staged = t if t.is_contiguous() else t.contiguous()
+        staged = t.to(mesh.device).contiguous()
         # gloo sends no float8: its bytes go as they are
         wire = staged.view(torch.uint8) if _is_float8(staged) else staged
         for group in groups:

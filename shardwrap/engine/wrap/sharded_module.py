@@ -198,8 +198,7 @@ class ShardedModule(DDPHabits, nn.Module):
         if sync_module_states and not is_meta(module):
             copy_from_rank0(module, mesh)
         elif sync_module_states is None and not is_meta(module):
-            tp = mesh.tp.get_group() if mesh.tp is not None else None
-            differ = differing_values(module, mesh.control, mesh.control_device, tp)
+            differ = differing_values(module, mesh)
             if differ:  # as DDP does: rank 0's weights, and a word of it
                 copy_from_rank0(module, mesh, differ)
                 warn_copied(module, differ)
