@@ -62,6 +62,7 @@ def on_one_gpu(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 @NEEDS_CUDA
 @pytest.mark.gpu
+@pytest.mark.timeout(TIMEOUT + 60)  # the first of a backend's tests waits for its launch
 @pytest.mark.parametrize("check", [c.name for c in CHECKS])
 def test_two_ranks_on_one_gpu(on_one_gpu: tuple[str, Run], check: str) -> None:
     backend, (ranks, ended) = on_one_gpu
