@@ -49,6 +49,8 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "transformers": _version("transformers"),
         "pytest": _version("pytest"),
+        # TF32 matmuls (an environment may force them) would loosen fp32 parity on a GPU
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "cpu_cores": os.cpu_count(),
         "host_memory_gib": round(_host_memory_gib(), 1),
     }
