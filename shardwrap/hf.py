@@ -87,10 +87,13 @@ class ShardedTrainerMixin:
         return self.model
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Gather the full state dict to rank 0 and write it with ``save_pretrained``."""
+        """Gather the full state dict to rank 0 and write it with ``save_pretrained``, there
+        alone: transformers' ``_save`` writes wherever it is called (before 5.23 it took its
+        caller for process zero, and another rank's empty dict could overwrite rank 0's)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         full = self._sharded().full_state_dict(rank0_only=True)
-        self._save(output_dir, state_dict=full)  # type: ignore[attr-defined]
+        if self.args.should_save:
+            self._save(output_dir, state_dict=full)  # type: ignore[attr-defined]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_checkpoint(

@@ -52,6 +52,37 @@ def test_stock_trainer_is_refused_when_built_naming_shardwrap_trainer(tmp_path: 
     assert trainer.model is model
 
 
+def test_save_model_asks_only_the_saving_rank_to_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank gathers; only the rank that saves (``args.should_save``) hands the result to
+    the Trainer's ``_save``, which writes wherever it is called: before transformers 5.23 it
+    took its caller for process zero, so another rank's empty dict could overwrite rank 0's
+    files (an adapter saved with no tensors, seen with 5.17)."""
+    import transformers
+
+    import shardwrap.hf
+    from tests.support.models import tiny_gpt2_config
+
+    model = ShardedModule(
+        transformers.GPT2LMHeadModel(tiny_gpt2_config()),
+        auto_wrap=transformers.models.gpt2.modeling_gpt2.GPT2Block,
+    )
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = shardwrap.hf.Trainer(model=model, args=args)
+    written: list[set[str]] = []
+    monkeypatch.setattr(
+        shardwrap.hf.Trainer,
+        "_save",
+        lambda self, output_dir, state_dict: written.append(set(state_dict)),
+    )
+    trainer.save_model(str(tmp_path / "saving"))
+    assert written == [set(model.full_state_dict())]
+    monkeypatch.setattr(type(args), "should_save", property(lambda self: False))
+    trainer.save_model(str(tmp_path / "not-saving"))
+    assert len(written) == 1
+
+
 def test_seq2seq_trainer_lets_generate_choose_synced_gpus_unless_the_caller_passes_it(
     tmp_path: Path,
 ) -> None:
