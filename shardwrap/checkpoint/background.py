@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import os
 import sys
 import threading
@@ -401,13 +402,11 @@ def snapshot_plans(plans: list[OptimizerPlan]) -> list[OptimizerPlan]:
     optimizer updates its ``step`` tensors in place and a scheduler rewrites ``lr``. Their
     tensors are not copied: the caller snapshots those with :func:`snapshot`."""
     return [
-        OptimizerPlan(
-            plan.cls,
-            plan.sharded,
-            {name: _copied(state) for name, state in plan.scalars.items()},
-            copy.deepcopy(plan.groups),
-            plan.whole,
-            plan.owned,
+        dataclasses.replace(
+            plan,
+            scalars={name: _copied(state) for name, state in plan.scalars.items()},
+            groups=copy.deepcopy(plan.groups),
+            packed=copy.deepcopy(plan.packed),  # how a low-bit state's parts go back together
         )
         for plan in plans
     ]

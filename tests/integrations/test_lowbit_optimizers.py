@@ -11,8 +11,8 @@ gradients in the order shardwrap's reductions do, not one pass over the batch (t
 from it by up to 3e-4 at 4 ranks, as DDP's would). The model's matrices have 6144 and 4096
 elements: quantized whole, left in float32 as any rank's piece of them would be. The state each
 parameter gets, counted in bytes over every rank, must equal the unwrapped model's optimizer's
-at every world size. Also: the state saved at 2 ranks loads at 4 and training goes on exactly,
-in the same low-bit form.
+at every world size. Also: the state saved at 2 ranks, blocking or not, loads at 4 and training
+goes on exactly, in the same low-bit form.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_lowbit_optimizers.py``
 """
@@ -151,9 +151,11 @@ def train_sharded(
     steps: range,
     load: Path | None = None,
     save: Path | None = None,
+    blocking: bool = True,
 ) -> list[tuple[dict[str, Tensor], dict[str, int]]]:
     """A ``ShardedModule`` copy on every rank, trained on ``BATCHES[steps]`` (after loading the
-    checkpoint ``load``; saving to ``save`` after); each rank's full parameters and state bytes."""
+    checkpoint ``load``; saving to ``save`` after, ``blocking`` or not); each rank's full
+    parameters and state bytes."""
 
     built = build()  # once: ranks drawing weights from torch's one generator draw differently
 
@@ -168,7 +170,9 @@ def train_sharded(
             optimizer.step()
             optimizer.zero_grad()
         if save is not None:
-            shardwrap.save_checkpoint(save, model, optimizer)
+            saved = shardwrap.save_checkpoint(save, model, optimizer, blocking=blocking)
+            if not blocking:  # a pending save: the state is held as of the call, written now
+                saved.wait()
         return model.full_state_dict(), state_bytes(optimizer, model)
 
     return [fn(0, None)] if world_size == 1 else run_ranks(world_size, fn, timeout=TIMEOUT)
@@ -205,11 +209,14 @@ def test_low_bit_optimizers_train_like_the_plain_model(name: str, world_size: in
     assert all(ref_bytes[n] < 3 * numel for n, numel in matrices.items()), ref_bytes  # low-bit
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_low_bit_state_saved_at_two_ranks_loads_at_four(name: str, tmp_path: Path) -> None:
+def test_low_bit_state_saved_at_two_ranks_loads_at_four(
+    name: str, blocking: bool, tmp_path: Path
+) -> None:
     make = OPTIMIZERS[name]
     half = STEPS // 2
-    train_sharded(make, 2, range(half), save=tmp_path / "ckpt")
+    train_sharded(make, 2, range(half), save=tmp_path / "ckpt", blocking=blocking)
     runs = train_sharded(make, 4, range(half, STEPS), load=tmp_path / "ckpt")
     ref, ref_bytes = train_reference(make, [2] * half + [4] * (STEPS - half))
     for rank, (state, _) in enumerate(runs):
