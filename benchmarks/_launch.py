@@ -143,8 +143,12 @@ def hardware() -> str:
 
 
 def commit() -> str:
-    """The checked-out commit, for the report (``unknown`` outside a git checkout)."""
-    proc = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
+    """The checked-out commit, for the report (``unknown`` outside a git checkout, or where
+    git is not installed, as on a bare GPU machine)."""
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
     return proc.stdout.strip() or "unknown"

@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = Config(width=args.width, heads=args.heads)
     args.out.write_text(json.dumps({**trial(args.method, args.depth, cfg, device), **asdict(cfg)}))
+    if dist.is_initialized():  # FSDP2's trial: an NCCL group left alive may hold up the exit
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -161,7 +161,9 @@ class Codec:
         blocks = src.view(scales.numel(), self.block)
         scaled = work.view_as(blocks)
         torch.amax(torch.abs(blocks, out=scaled), dim=1, out=scales)
-        scales.div_(self.qmax)
+        # by a tensor on the device: CUDA divides by a Python number as a multiplication by its
+        # reciprocal, a bit off for some scales, and the bytes would differ from the CPU's
+        scales.div_(scales.new_full((), self.qmax))
         # a zero block divides by 1 and stays zero; a non-finite scale stays non-finite
         divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
         scaled = torch.div(blocks, divisor[:, None], out=scaled).view(-1)
