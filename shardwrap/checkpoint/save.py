@@ -326,11 +326,13 @@ class _Save:
             needed += safetensors_nbytes(_entries(self.residuals), {"format": "pt"})
         if not self.blocking:  # the state as of now, whatever training does next
             residuals = [t for _, t in self.residuals]
+            # the step counters' copies first: on a GPU the snapshot's event then covers them
+            self.plans = snapshot_plans(self.plans)
             copies, self.copied = snapshot(
                 self.root, [*self.tensors, *self.buffers.values(), *residuals]
             )
             n, b = len(self.tensors), len(self.buffers)
-            self.tensors, self.plans = copies[:n], snapshot_plans(self.plans)
+            self.tensors = copies[:n]
             self.buffers = dict(zip(self.buffers, copies[n : n + b]))
             self.residuals = [(k, t) for (k, _), t in zip(self.residuals, copies[n + b :])]
         if self.me == 0:
