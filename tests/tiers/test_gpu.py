@@ -36,6 +36,8 @@ from __future__ import annotations
 import copy
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +231,9 @@ def test_gathers_read_copies_staged_ahead_on_the_side_stream(
     assert ahead.count(False) == len(m._shardwrap_root.root.groups), ahead
 
 
-def _nccl_worker(rank: int, init_file: str, optimizer: str, stage: int) -> None:
+@contextmanager
+def _nccl_rank(rank: int, init_file: str) -> Iterator[None]:
+    """This process as rank ``rank`` of two over NCCL, on GPU ``rank``, for the body."""
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
@@ -239,12 +243,17 @@ def _nccl_worker(rank: int, init_file: str, optimizer: str, stage: int) -> None:
         device_id=torch.device("cuda", rank),
     )
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_worker(rank: int, init_file: str, optimizer: str, stage: int) -> None:
+    with _nccl_rank(rank, init_file):
         if optimizer == "muon":
             check_host_tier_muon(rank, 2, stage)
         else:
             check_host_tier(rank, 2, optimizer, False, stage)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL")
@@ -259,15 +268,7 @@ def test_host_tier_over_nccl_at_world_size_2(tmp_path: Path, optimizer: str, sta
 
 
 def _agreement_worker(rank: int, init_file: str) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=2,
-        device_id=torch.device("cuda", rank),
-    )
-    try:
+    with _nccl_rank(rank, init_file):
         torch.manual_seed(0)
         want = GPT().state_dict()
         for group in (None, dist.new_group(ranks=[0, 1])):  # the default group; one's own
@@ -281,8 +282,6 @@ def _agreement_worker(rank: int, init_file: str) -> None:
                     with torch.no_grad():
                         m.lm_head.weight.fill_(0.5)
             assert torch.equal(m.full_state_dict()["lm_head.weight"].unique(), torch.tensor([0.5]))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL")
