@@ -15,6 +15,7 @@ Every rank writes one JSON line per check as it starts and one as it ends (``sta
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,22 +223,16 @@ def _same_state(got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> N
         _same(got[name], value, f"{what}: {name}")
 
 
-_CPU_GROUP: list[dist.ProcessGroup] = []
-_OWN_GROUP: list[dist.ProcessGroup] = []
-
-
+@functools.cache
 def _own_group() -> dist.ProcessGroup:
     """A group over both ranks on the default group's backend, made once, as a user makes one."""
-    if not _OWN_GROUP:
-        _OWN_GROUP.append(dist.new_group(ranks=list(range(WORLD))))
-    return _OWN_GROUP[0]
+    return dist.new_group(ranks=list(range(WORLD)))
 
 
+@functools.cache
 def _cpu_group() -> dist.ProcessGroup:
     """A gloo group over both ranks for the checks' own bookkeeping, made once."""
-    if not _CPU_GROUP:
-        _CPU_GROUP.append(dist.new_group(backend="gloo"))
-    return _CPU_GROUP[0]
+    return dist.new_group(backend="gloo")
 
 
 GATHER, REDUCE, ALL_TO_ALL = "all_gather_into_tensor", "reduce_scatter_tensor AVG", "all_to_all"
