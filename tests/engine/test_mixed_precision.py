@@ -12,7 +12,7 @@ rank's gradient shard overflows.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -190,7 +190,14 @@ def test_state_dict_and_gathered_read_the_fp32_masters_exactly() -> None:
     run_ranks(2, fn)
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
+def _fused_adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, fused=True)
+
+
+@pytest.mark.parametrize("make_optimizer", [_adamw, _fused_adamw], ids=["adamw", "fused-adamw"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+) -> None:
     model = _gpt()
     fp16 = MixedPrecision(param_dtype=torch.float16)
 
@@ -198,7 +205,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
         sharded = ShardedModule(
             copy.deepcopy(model), process_group=pg, auto_wrap=Block, mixed_precision=fp16
         )
-        optimizer = _adamw(sharded.parameters())
+        optimizer = make_optimizer(sharded.parameters())
         scaler = ShardedGradScaler("cpu", init_scale=1024.0, process_group=pg)
         scales, losses = [], []
         for step, (inputs, targets) in enumerate(BATCHES):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ...comm.collectives import Group, all_reduce
 
@@ -16,7 +17,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     Each rank holds only its shard of the gradients, so an inf or NaN may show on one rank
     and not on the others. After unscaling, the ranks agree (one all-reduce of a flag) and
     either all step or all skip, and all lower the scale; the scale therefore stays the same
-    on every rank. Use it exactly like ``torch.amp.GradScaler``::
+    on every rank. The same holds for optimizers that unscale inside their own step
+    (``fused=True``). Use it exactly like ``torch.amp.GradScaler``::
 
         scaler = ShardedGradScaler()
         scaler.scale(loss).backward()
@@ -59,11 +61,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale this rank's gradient shards, then agree with every rank on inf/NaN."""
         super().unscale_(optimizer)
-        if not self.is_enabled():
-            return
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if self.is_enabled():
+            self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        """The check a fused optimizer's step makes instead of ``unscale_``, agreed alike."""
+        found = super()._check_inf_per_device(optimizer)
+        self._agree(found)
+        return found
+
+    def _agree(self, found: dict[torch.device, Tensor]) -> None:
+        """Make every rank's inf/NaN flags the largest of all ranks' (one all-reduce)."""
         scale = self._scale
-        assert scale is not None  # set by super().unscale_
+        assert scale is not None  # set before any check
         flag = torch.zeros((), dtype=torch.float32, device=scale.device)
         for value in found.values():
             flag = torch.maximum(flag, value.to(scale.device))
