@@ -24,7 +24,7 @@ fp8     x / s as float8_e4m3fn      m / 448 (e4m3's largest value)  at most 2^-4
 Decoding is ``q * s`` in float32, the same operations on every rank, so ranks that decode the
 same bytes get the same values bit for bit. A non-finite value makes its block's scale
 non-finite and the whole block decodes to non-finite values (NaN or infinities), so an overflow
-still reaches whoever checks for one (``ShardedGradScaler``).
+still reaches whoever checks for one (the loss scaler).
 
 On the CPU both directions work a cache-sized chunk of blocks at a time (``_CPU_CHUNK``),
 reading the input in place: each elementwise pass then runs over data already in cache instead

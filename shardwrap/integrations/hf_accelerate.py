@@ -9,7 +9,8 @@ the model (and when ``shardwrap.hf.Trainer`` is built):
 
 1. ``bf16``/``fp16`` with ``ShardedModule(..., mixed_precision=MixedPrecision(param_dtype=``
    the same dtype``))``: they agree, accepted. fp16's loss scaler becomes a
-   :class:`shardwrap.ShardedGradScaler` (torch's would skip steps on some ranks only).
+   :class:`shardwrap.ShardedGradScaler` of the same settings (torch's agrees across ranks as
+   well, through the shard gradients).
 2. ``bf16``/``fp16`` otherwise, and ``fp8``: refused, naming the ``mixed_precision=`` to wrap
    with.
 3. Compilation with units compiled (``ShardedModule(..., compile=True)``): accepted; without:

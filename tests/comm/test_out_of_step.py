@@ -2,12 +2,15 @@
 
 Every collective shardwrap issues is preceded by a handshake carrying the forward-pass count and
 the call being made (training, a save, a load, an export, a full state dict, ``gathered()``, a
-gradient norm). Proves at 2 ranks, each case finishing well within the run's timeout (no hang):
+gradient norm, a loss scaler's inf/NaN check). Proves at 2 ranks, each case finishing well within
+the run's timeout (no hang):
 
 - a rank saving after two steps while the other runs a third: both raise, naming "calling
   save_checkpoint" and the other's gather, at their forward-pass counts;
 - one more forward and backward on one rank before ``clip_grad_norm_``: both raise;
 - the same pass, different calls (``full_state_dict`` against ``clip_grad_norm_``): both raise;
+- a rank that skipped its batch's step begins the next pass while the other's loss scaler checks
+  its gradients for inf/NaN: both raise;
 - afterwards, a step begun alike on both ranks trains normally and both hold the same model;
 - a rank that stops answering: the other raises ``CollectiveFailed`` once the process group's
   timeout has passed (and well before the run's own limit), naming the collective.
@@ -104,6 +107,22 @@ def test_the_same_pass_at_different_calls() -> None:
     for message, _ in _out_of_step(diverge):
         assert "rank 0: forward pass 3, calling full_state_dict" in message
         assert "rank 1: forward pass 3, calling a gradient norm" in message
+
+
+def test_a_skipped_step_against_the_loss_scalers_check() -> None:
+    def diverge(rank: int, m: nn.Module, opt: torch.optim.Optimizer) -> None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+        idx, targets = make_batch(2, 4)
+        scaler.scale(m(idx.chunk(2)[rank], targets.chunk(2)[rank])).backward()
+        if rank == 0:  # as after an out-of-memory error caught: on to the next batch
+            opt.zero_grad()
+            _step(m, opt, 3, rank)
+        else:
+            scaler.step(opt)
+
+    for message, _ in _out_of_step(diverge):
+        assert "rank 0: forward pass 4, gathering unit" in message
+        assert "rank 1: forward pass 3, calling the loss scaler's inf/NaN check" in message
 
 
 @pytest.mark.stage3  # a timeout, whatever the stage

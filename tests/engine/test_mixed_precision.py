@@ -5,8 +5,9 @@ working copy that runs forward and backward on each rank's slice of the batch, g
 to float32 and averaged. A sharded run must follow it step for step (it does the same
 arithmetic), and both must track plain float32 training closely.
 
-float16 adds loss scaling: ``ShardedGradScaler`` must skip a step on every rank when only one
-rank's gradient shard overflows.
+float16 adds loss scaling: torch's ``GradScaler`` and ``ShardedGradScaler`` must skip a step on
+every rank when only one rank's gradient shard overflows, with a fused optimizer too (which
+checks in its own step, not in ``unscale_``).
 """
 
 from __future__ import annotations
@@ -195,9 +196,13 @@ def _fused_adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize("make_optimizer", [_adamw, _fused_adamw], ids=["adamw", "fused-adamw"])
+@pytest.mark.parametrize("scaler_class", [ShardedGradScaler, torch.amp.GradScaler])
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    scaler_class: type[torch.amp.GradScaler],
 ) -> None:
+    """Whichever scaler and optimizer step: torch's own ``GradScaler`` agrees over the model's
+    ranks as ``ShardedGradScaler`` does (its default group), fused kernels too."""
     model = _gpt()
     fp16 = MixedPrecision(param_dtype=torch.float16)
 
@@ -206,7 +211,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(
             copy.deepcopy(model), process_group=pg, auto_wrap=Block, mixed_precision=fp16
         )
         optimizer = make_optimizer(sharded.parameters())
-        scaler = ShardedGradScaler("cpu", init_scale=1024.0, process_group=pg)
+        scaler = scaler_class("cpu", init_scale=1024.0)
         scales, losses = [], []
         for step, (inputs, targets) in enumerate(BATCHES):
             loss = sharded(inputs.chunk(2)[rank], targets.chunk(2)[rank])

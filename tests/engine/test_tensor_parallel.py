@@ -22,6 +22,8 @@ model trained on the whole batch. Proves:
 - int8 gradient compression over the dp axis: each step's reduced gradient within the
   format's bound of the exact average, and a quarter of the bytes;
 - hybrid sharding with tensor parallelism, replicate 2 x dp 1 x tp 2;
+- ``torch.amp.GradScaler``: an inf in one rank's block of a tp-split gradient, or in one rank's
+  piece of a replicated one, makes all four ranks skip the step and lower the scale alike;
 - what cannot be sharded is refused on every rank, by name, before any collective.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/engine/test_tensor_parallel.py -q``
@@ -191,6 +193,37 @@ def test_muon_steps_each_split_matrix_whole_on_one_of_the_four_ranks(stage: int)
         if value.ndim == 2:
             copies = 1 if any(s in name for s in split) else 2
             assert owners[name] == [tuple(value.shape)] * copies, name
+
+
+@pytest.mark.parametrize("where", ["split", "replicated"])
+def test_an_inf_on_one_rank_makes_torchs_grad_scaler_skip_on_all_four(where: str) -> None:
+    # the block's last two: a row-parallel weight (split over tp) and its bias (replicated),
+    # both in the second dp rank's half of the block's flat group
+    name = "blocks.0.mlp.2.weight" if where == "split" else "blocks.0.mlp.2.bias"
+
+    def fn(rank: int, mesh: DeviceMesh) -> list[tuple[bool, float]]:
+        tp = parallelize_gpt(copy.deepcopy(MODEL), mesh["tp"])
+        m = ShardedModule(tp, process_group=mesh, auto_wrap=Block)
+        opt = adamw(m.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        index, count = data_rank(mesh)
+        seen = []
+        for step, (x, y) in enumerate(GPT_BATCHES[:3]):
+            loss = _gpt_loss(m, x.chunk(count)[index], y.chunk(count)[index], mesh)
+            scaler.scale(loss).backward()
+            grad = dict(m.named_parameters())[name].grad
+            if step == 1 and rank == 3:  # dp 1, tp 1 only
+                grad.view(-1)[-1] = float("inf")
+            before = [p.detach().clone() for p in m.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            stepped = not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+            seen.append((stepped, scaler.get_scale()))
+        return seen
+
+    for rank, seen in enumerate(run_mesh_ranks(*DP_TP, fn)):
+        assert seen == [(True, 1024.0), (False, 512.0), (True, 512.0)], rank
 
 
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

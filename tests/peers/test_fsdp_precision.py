@@ -590,11 +590,15 @@ def test_integer_parameter_is_never_cast_and_grads_stay_fp32(stage: int) -> None
 
 @stages
 @pytest.mark.parametrize("has_inf", [False, True], ids=["finite", "inf-on-one-rank"])
-def test_gradient_scaler_skips_the_step_on_every_rank(stage: int, has_inf: bool) -> None:
-    """Mirrors test_fully_shard_grad_scaler.py::test_gradient_scaler: ``ShardedGradScaler``
-    unscales the pieces; an inf in one rank's piece (the plain model: in the same element) is
-    found on every rank, the step is skipped on every rank and the scale backs off; without one
-    the step runs and the scale stays, as ``torch.amp.GradScaler`` on the plain model."""
+@pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, ShardedGradScaler])
+def test_gradient_scaler_skips_the_step_on_every_rank(
+    stage: int, has_inf: bool, scaler_class: type[torch.amp.GradScaler]
+) -> None:
+    """Mirrors test_fully_shard_grad_scaler.py::test_gradient_scaler: torch's ``GradScaler``
+    (as there) or ``ShardedGradScaler`` unscales the pieces; an inf in one rank's piece (the
+    plain model: in the same element) is found on every rank, the step is skipped on every rank
+    and the scale backs off; without one the step runs and the scale stays, as
+    ``torch.amp.GradScaler`` on the plain model."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(2)])
     batches = make_batches(3, (4, 4), (4, 4))
@@ -603,7 +607,7 @@ def test_gradient_scaler_skips_the_step_on_every_rank(stage: int, has_inf: bool)
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
         if id(side) not in scalers:
             if side.sharded:
-                scalers[id(side)] = ShardedGradScaler("cpu", init_scale=2.0, process_group=side.pg)
+                scalers[id(side)] = scaler_class("cpu", init_scale=2.0)
             else:
                 scalers[id(side)] = torch.amp.GradScaler("cpu", init_scale=2.0)
         scaler = scalers[id(side)]

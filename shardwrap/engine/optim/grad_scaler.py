@@ -15,10 +15,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` for sharded gradients: every rank skips a step alike.
 
     Each rank holds only its shard of the gradients, so an inf or NaN may show on one rank
-    and not on the others. After unscaling, the ranks agree (one all-reduce of a flag) and
-    either all step or all skip, and all lower the scale; the scale therefore stays the same
-    on every rank. The same holds for optimizers that unscale inside their own step
-    (``fused=True``). Use it exactly like ``torch.amp.GradScaler``::
+    and not on the others. The shard gradients agree by themselves: the scaler's check over
+    them is followed by one all-reduce of its flag over the ranks they are sharded over
+    (``engine/optim/shard_grad.py``), so ``torch.amp.GradScaler`` skips the step on every rank
+    alike and lowers the scale alike, for an optimizer that unscales in its own step
+    (``fused=True``) too. This class is that scaler with one addition: a ``process_group`` to
+    agree over as well, for gradients that are not a shardwrap model's. Use it exactly like
+    ``torch.amp.GradScaler``::
 
         scaler = ShardedGradScaler()
         scaler.scale(loss).backward()
@@ -28,8 +31,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
     Args:
         device: where the scale lives (the gradients' device type); defaults to ``"cuda"``
             when CUDA is available, else ``"cpu"``.
-        process_group: the ranks the model is sharded over; defaults to the default group
-            when ``torch.distributed`` is initialised, else none (one rank).
+        process_group: a group every rank of which checks the same optimizer at the same
+            time, to agree over beyond the groups of the shard gradients (which always agree);
+            default none.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
             ``torch.amp.GradScaler``.
     """
@@ -54,31 +58,25 @@ class ShardedGradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
         self.process_group: Group = process_group
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale this rank's gradient shards, then agree with every rank on inf/NaN."""
-        super().unscale_(optimizer)
-        if self.is_enabled():
-            self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
-        """The check a fused optimizer's step makes instead of ``unscale_``, agreed alike."""
-        found = super()._check_inf_per_device(optimizer)
-        self._agree(found)
-        return found
-
-    def _agree(self, found: dict[torch.device, Tensor]) -> None:
-        """Make every rank's inf/NaN flags the largest of all ranks' (one all-reduce)."""
-        scale = self._scale
-        assert scale is not None  # set before any check
-        flag = torch.zeros((), dtype=torch.float32, device=scale.device)
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: Tensor,
+        found_inf: Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, Tensor]:
+        """torch's unscale and check (``unscale_``, and ``step`` for a fused optimizer), then
+        the flags agreed over ``process_group`` where one was given."""
+        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if self.process_group is None:
+            return found
+        flag = torch.zeros((), dtype=torch.float32, device=found_inf.device)
         for value in found.values():
-            flag = torch.maximum(flag, value.to(scale.device))
+            flag = torch.maximum(flag, value.to(flag.device))
         all_reduce(flag, self.process_group, dist.ReduceOp.MAX).wait()
-        if not found:
-            found[scale.device] = flag
+        found.setdefault(found_inf.device, flag)  # a rank without gradients still checked
         for device, value in found.items():
             value.copy_(flag.to(device))
+        return found

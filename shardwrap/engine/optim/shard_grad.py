@@ -12,10 +12,19 @@ of one small collective, and clips every rank alike, exactly as on the unwrapped
 per-parameter norm is that parameter's whole norm.
 
 Completing is a collective: every rank must read the value, as every rank calls every other
-collective. Metadata (shape, dtype, device) and ``repr`` never communicate. Any other
-operation on a ``ShardGrad`` (the optimizer's, the grad scaler's) runs as on a plain tensor,
-at the cost of one Python call per torch call, and returns plain tensors; aliases of a
-``ShardGrad`` (``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``.
+collective. Metadata (shape, dtype, device) and ``repr`` never communicate.
+
+The loss scaler's check is global the same way. ``torch.amp.GradScaler`` unscales the
+gradients and looks for an inf or NaN with ``torch._amp_foreach_non_finite_check_and_unscale_``
+(from ``unscale_``, and from ``step`` for an optimizer that unscales in its own fused kernel);
+on pieces, an overflow would show on one rank only, which would skip the step while the others
+took it. Given shard gradients, that call is followed by one all-reduce (max) of its flag over
+each group they are sharded over, so every rank skips alike and lowers the scale alike, with
+torch's own scaler as with :class:`~shardwrap.ShardedGradScaler`.
+
+Any other operation on a ``ShardGrad`` (the optimizer's) runs as on a plain tensor, at the cost
+of one Python call per torch call, and returns plain tensors; aliases of a ``ShardGrad``
+(``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``.
 """
 
 from __future__ import annotations
@@ -33,25 +42,38 @@ from ...tiers.offload import count_fused_write
 if TYPE_CHECKING:
     from ...tiers.home import Home
 
-__all__ = ["PartialNorm", "ShardGrad", "as_shard_grad", "as_shard_grads", "shard_grad_owner"]
+__all__ = [
+    "INF_CHECK",
+    "NORM",
+    "PartialNorm",
+    "ShardGrad",
+    "as_shard_grad",
+    "as_shard_grads",
+    "shard_grad_owner",
+]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
 
+NORM = "a gradient norm (clip_grad_norm_)"
+INF_CHECK = "the loss scaler's inf/NaN check (GradScaler)"
+
+
 class _Owner:
     """The group a gradient is sharded over, the counters its completions add to, what every
-    rank calls first to agree it is completing a norm (``enter``), and the gradient's home
-    (state an optimizer makes from it may belong there)."""
+    rank calls first to agree it is making a collective call (``enter``, given ``NORM`` or
+    ``INF_CHECK``), and the gradient's home (state an optimizer makes from it may belong
+    there)."""
 
     def __init__(self, group: Group, stats: CommStats, home: Home) -> None:
         self.group = group
         self.stats = stats
         self.device = home.device  # where the group's collectives take tensors
         self.home = home
-        self.enter: Callable[[], None] = _nothing
+        self.enter: Callable[[str], None] = _nothing
 
 
-def _nothing() -> None:
+def _nothing(call: str) -> None:
     return None
 
 
@@ -133,6 +155,8 @@ class ShardGrad(Tensor):
         order = _norm_order(func, args, kwargs)
         if order is not None:
             return _local_norms(func, order, args, kwargs)
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            return _check_and_unscale(*args, **kwargs)
         owner = getattr(args[0], "_shardwrap_owner", None) if args else None
         if owner is not None:
             made = owner.home.made_from_grad(func, args, kwargs)
@@ -158,6 +182,26 @@ class ShardGrad(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         with _DisableSubclass():
             return f"ShardGrad({self.as_subclass(Tensor)!r})"
+
+
+def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """torch's unscale and inf/NaN check of ``grads``, then ``found_inf`` made the largest of
+    every rank's: one all-reduce over each group the shard gradients among ``grads`` are
+    sharded over, in the order they first appear (the same on every rank)."""
+    with _DisableSubclass():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    owners: dict[int, _Owner] = {}
+    for g in grads:
+        owner = getattr(g, "_shardwrap_owner", None)
+        if owner is not None and owner.group is not None:
+            owners.setdefault(id(owner.group), owner)
+    for owner in owners.values():
+        owner.enter(INF_CHECK)
+        with _DisableSubclass():
+            flag = found_inf.to(owner.device, copy=True)
+        all_reduce(flag, owner.group, dist.ReduceOp.MAX, owner.stats).wait()
+        with _DisableSubclass():
+            found_inf.copy_(flag)
 
 
 def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: dict) -> Any:
@@ -317,7 +361,7 @@ def _reduced(local: Tensor, order: float, owner: _Owner | None) -> Tensor:
     """Partial norms ``local`` (1-D) combined over ``owner``'s group."""
     if owner is None or owner.group is None:
         return local
-    owner.enter()
+    owner.enter(NORM)
     if order == float("inf"):
         all_reduce(local, owner.group, dist.ReduceOp.MAX, owner.stats).wait()
     elif order == float("-inf"):

@@ -133,13 +133,13 @@ class Root:
         # where the garbage collector cannot follow a cycle back).
         schedule = weakref.ref(self.schedule)
 
-        def enter_norm() -> None:
+        def enter(call: str) -> None:
             live = schedule()
             if live is not None:
-                live.enter("a gradient norm (clip_grad_norm_)")
+                live.enter(call)
 
         for owner in self.reductions.grad_owners:
-            owner.enter = enter_norm
+            owner.enter = enter
         mesh.set_whereabouts(self.whereabouts)
         weakref.finalize(self, self.home.close)
         self.optimizers: OptimizerHooks | None = None  # the offload tiers' optimizer hooks

@@ -73,6 +73,7 @@ import torch.distributed as dist
 from ...comm.buckets import Gathers, bucket_size, last_bucket
 from ...comm.collectives import CommStats, all_reduce
 from ...comm.mesh import Mesh
+from ..optim.shard_grad import INF_CHECK, NORM
 from ..shards.unit import ShardState, Unit
 from .reduce import Reductions
 
@@ -88,9 +89,10 @@ CALLS = (
     "load_pretrained",
     "full_state_dict",
     "gathered",
-    "a gradient norm (clip_grad_norm_)",
+    NORM,
     "save_pretrained",
     "full_optimizer_state_dict",
+    INF_CHECK,
 )
 
 
