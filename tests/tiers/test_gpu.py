@@ -13,6 +13,9 @@ model on the same GPU over the whole global batch:
   same recipe by hand (forward and backward on the GPU, the optimizer on CPU masters);
 - the host tier under bf16 mixed precision: losses within 1e-5 of the same run without
   offload;
+- the host tier under float16 with torch's ``GradScaler`` (pinned host gradients, the scale on
+  the GPU): an inf in rank 0's piece skips that step and halves the scale, on every rank (one
+  GPU, and two over NCCL);
 - staging: every gather reads a device copy of its shard made on the side stream (an event
   recorded there), never the shard; after the first step each is staged ahead, but the
   root's first gather of the step;
@@ -116,6 +119,42 @@ def check_host_tier(rank: int, world: int, optimizer: str, tied: bool, stage: in
         torch.testing.assert_close(
             state, {k: v.cpu() for k, v in ref.state_dict().items()}, atol=1e-5, rtol=0
         )
+
+
+def check_host_tier_grad_scaler(rank: int, world: int) -> None:
+    """float16 with torch's ``GradScaler`` over the host tier's pinned gradients (the scale on
+    the GPU): an inf in rank 0's piece at the second step makes every rank skip that step and
+    halve the scale; the other steps are taken."""
+    device = gpu()
+    torch.manual_seed(0)
+    m = ShardedModule(
+        GPT(),
+        auto_wrap=Block,
+        device=device,
+        mixed_precision=MixedPrecision(param_dtype=torch.float16),
+        offload=Offload(device="cpu"),
+    )
+    opt = adamw(m.parameters())
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    seen = []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in make_batch(step, GLOBAL_BATCH))
+        scaler.scale(m(x.chunk(world)[rank], y.chunk(world)[rank])).backward()
+        grad = next(p for p in m.parameters() if p.numel()).grad
+        assert grad.device.type == "cpu" and grad.is_pinned()
+        if step == 1 and rank == 0:
+            grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in m.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        stepped = not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+        seen.append((stepped, scaler.get_scale()))
+    assert seen == [(True, 1024.0), (False, 512.0), (True, 512.0)], rank
+
+
+def test_host_tier_grad_scaler_on_one_gpu() -> None:
+    check_host_tier_grad_scaler(0, 1)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -252,13 +291,16 @@ def _nccl_worker(rank: int, init_file: str, optimizer: str, stage: int) -> None:
     with _nccl_rank(rank, init_file):
         if optimizer == "muon":
             check_host_tier_muon(rank, 2, stage)
+        elif optimizer == "grad-scaler":
+            check_host_tier_grad_scaler(rank, 2)
         else:
             check_host_tier(rank, 2, optimizer, False, stage)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL")
 @pytest.mark.parametrize(
-    ("optimizer", "stage"), [("sgd", 3), ("adamw", 3), ("sgd", 2), ("muon", 3)]
+    ("optimizer", "stage"),
+    [("sgd", 3), ("adamw", 3), ("sgd", 2), ("muon", 3), ("grad-scaler", 3)],
 )
 def test_host_tier_over_nccl_at_world_size_2(tmp_path: Path, optimizer: str, stage: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")

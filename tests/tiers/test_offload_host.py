@@ -203,6 +203,40 @@ def test_mixed_precision_equals_the_same_run_without_offload() -> None:
 
 
 @pytest.mark.stage3
+def test_an_inf_in_one_ranks_home_gradients_makes_torchs_grad_scaler_skip_on_both() -> None:
+    torch.manual_seed(0)
+    model = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> list[tuple[bool, float]]:
+        m = ShardedModule(
+            copy.deepcopy(model),
+            auto_wrap=Block,
+            process_group=pg,
+            mixed_precision=MixedPrecision(param_dtype=torch.float16),
+            offload=Offload(device="cpu"),
+        )
+        opt = adamw(m.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        seen = []
+        for step in range(3):
+            x, y = make_batch(step, GLOBAL_BATCH)
+            scaler.scale(m(x.chunk(2)[rank], y.chunk(2)[rank])).backward()
+            grad = next(p for p in m.parameters() if p.numel()).grad
+            if step == 1 and rank == 0:
+                grad.view(-1)[0] = float("inf")
+            before = [p.detach().clone() for p in m.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            stepped = not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+            seen.append((stepped, scaler.get_scale()))
+        return seen
+
+    for seen in run_ranks(2, fn, timeout=60.0):
+        assert seen == [(True, 1024.0), (False, 512.0), (True, 512.0)]
+
+
+@pytest.mark.stage3
 def test_gradient_accumulation_and_the_global_norm() -> None:
     torch.manual_seed(0)
     model = GPT()
