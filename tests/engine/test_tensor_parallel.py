@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from shardwrap import Compression, MixedPrecision, Offload, ShardedModule
 from tests.support.models import Block
-from tests.support.optimizers import MuonAndSGD
+from tests.support.optimizers import MuonAndSGD, scaled_step
 from tests.support.parity import (
     GPT_BATCHES,
     HF_BATCHES,
@@ -214,12 +214,7 @@ def test_an_inf_on_one_rank_makes_torchs_grad_scaler_skip_on_all_four(where: str
             grad = dict(m.named_parameters())[name].grad
             if step == 1 and rank == 3:  # dp 1, tp 1 only
                 grad.view(-1)[-1] = float("inf")
-            before = [p.detach().clone() for p in m.parameters()]
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            stepped = not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
-            seen.append((stepped, scaler.get_scale()))
+            seen.append(scaled_step(scaler, opt, m))
         return seen
 
     for rank, seen in enumerate(run_mesh_ranks(*DP_TP, fn)):

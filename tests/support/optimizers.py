@@ -63,3 +63,16 @@ class MuonAndSGD(MuonAndAdamW):
             torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3),
             torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.05, momentum=0.9),
         )
+
+
+def scaled_step(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> tuple[bool, float]:
+    """``scaler.step(optimizer)``, ``scaler.update()`` and ``zero_grad()``, after a backward of
+    a scaled loss: whether the step changed any of ``model``'s parameters, and the new scale."""
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    stepped = not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    return stepped, scaler.get_scale()

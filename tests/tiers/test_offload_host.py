@@ -48,7 +48,7 @@ from shardwrap import (
 )
 from shardwrap.tiers.home import Home, HostHome
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
-from tests.support.optimizers import SGDKeepingGrads
+from tests.support.optimizers import SGDKeepingGrads, scaled_step
 from tests.support.ranks import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 4
@@ -224,12 +224,7 @@ def test_an_inf_in_one_ranks_home_gradients_makes_torchs_grad_scaler_skip_on_bot
             grad = next(p for p in m.parameters() if p.numel()).grad
             if step == 1 and rank == 0:
                 grad.view(-1)[0] = float("inf")
-            before = [p.detach().clone() for p in m.parameters()]
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            stepped = not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
-            seen.append((stepped, scaler.get_scale()))
+            seen.append(scaled_step(scaler, opt, m))
         return seen
 
     for seen in run_ranks(2, fn, timeout=60.0):
