@@ -25,7 +25,7 @@ from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
 from tests.support import parity
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, WithBatchNorm, make_batch
 from tests.support.optimizers import scaled_step
-from tests.support.parity import train_recipe
+from tests.support.parity import fused_adamw, train_recipe
 from tests.support.ranks import run_ranks
 
 STEPS = 4
@@ -192,11 +192,7 @@ def test_state_dict_and_gathered_read_the_fp32_masters_exactly() -> None:
     run_ranks(2, fn)
 
 
-def _fused_adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3, fused=True)
-
-
-@pytest.mark.parametrize("make_optimizer", [_adamw, _fused_adamw], ids=["adamw", "fused-adamw"])
+@pytest.mark.parametrize("make_optimizer", [_adamw, fused_adamw], ids=["adamw", "fused-adamw"])
 @pytest.mark.parametrize("scaler_class", [ShardedGradScaler, torch.amp.GradScaler])
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],

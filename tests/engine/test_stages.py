@@ -44,6 +44,8 @@ from tests.support.parity import (
     assert_parity,
     build_gpt,
     build_hf,
+    fused_adamw,
+    fused_sgd,
     gpt_loss,
     greedy,
     hf_loss,
@@ -74,20 +76,12 @@ def test_every_stage_trains_like_the_plain_model(stage: int, world_size: int) ->
     assert_parity(model, world_size, adamw, GPT_BATCHES, gpt_loss, auto_wrap=Block, stage=stage)
 
 
-def _fused_sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
-
-
-def _fused_adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3, fused=True)
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_fused_optimizers_train_like_the_plain_model(stage: int) -> None:
     """torch's fused kernels write the parameters without counting the write in their version
     counters, by which the full parameters that stages 1 and 2 keep learn to refresh."""
     model = build_gpt(tied=False)
-    for make in (_fused_sgd, _fused_adamw):
+    for make in (fused_sgd, fused_adamw):
         assert_parity(model, 2, make, GPT_BATCHES, gpt_loss, auto_wrap=Block, stage=stage)
 
 

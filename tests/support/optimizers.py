@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 import shardwrap
+from tests.support.models import make_batch
 
 
 class SGDKeepingGrads(torch.optim.SGD):
@@ -63,6 +64,28 @@ class MuonAndSGD(MuonAndAdamW):
             torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3),
             torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.05, momentum=0.9),
         )
+
+
+def overflow_at_the_second_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> list[tuple[bool, float]]:
+    """Three steps of ``model`` (the tests' GPT) under ``scaler`` on this rank's slice of
+    ``make_batch``'s batches of 4 on ``device``, with an inf written into rank 0's piece of the
+    first non-empty parameter's gradient at the second: each step's :func:`scaled_step`."""
+    seen = []
+    for step in range(3):
+        x, y = (t.to(device) for t in make_batch(step, 4))
+        scaler.scale(model(x.chunk(world)[rank], y.chunk(world)[rank])).backward()
+        if step == 1 and rank == 0:
+            grad = next(p for p in model.parameters() if p.numel()).grad
+            grad.view(-1)[0] = float("inf")
+        seen.append(scaled_step(scaler, optimizer, model))
+    return seen
 
 
 def scaled_step(

@@ -41,6 +41,14 @@ def adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3)
 
 
+def fused_sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
+
+
+def fused_adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, fused=True)
+
+
 # the parity loop ---------------------------------------------------------------------
 
 

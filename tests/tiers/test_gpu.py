@@ -53,7 +53,7 @@ from shardwrap import MixedPrecision, Offload, ShardedModule, load_checkpoint, s
 from shardwrap.tiers.home import HostHome
 from tests.support.cuda import NEEDS_CUDA, gpu, nccl_world
 from tests.support.models import GPT, Block, make_batch
-from tests.support.optimizers import MuonAndAdamW, scaled_step
+from tests.support.optimizers import MuonAndAdamW, overflow_at_the_second_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.stage3, NEEDS_CUDA]  # stages chosen here
 
@@ -134,18 +134,11 @@ def check_host_tier_grad_scaler(rank: int, world: int) -> None:
         mixed_precision=MixedPrecision(param_dtype=torch.float16),
         offload=Offload(device="cpu"),
     )
-    opt = adamw(m.parameters())
     scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
-    seen = []
-    for step in range(STEPS):
-        x, y = (t.to(device) for t in make_batch(step, GLOBAL_BATCH))
-        scaler.scale(m(x.chunk(world)[rank], y.chunk(world)[rank])).backward()
-        grad = next(p for p in m.parameters() if p.numel()).grad
-        assert grad.device.type == "cpu" and grad.is_pinned()
-        if step == 1 and rank == 0:
-            grad.view(-1)[0] = float("inf")
-        seen.append(scaled_step(scaler, opt, m))
+    seen = overflow_at_the_second_step(m, adamw(m.parameters()), scaler, rank, world, device)
     assert seen == [(True, 1024.0), (False, 512.0), (True, 512.0)], rank
+    groups = [g for u in m._shardwrap_root.units for g in u.groups]
+    assert all(g.home_grad.is_pinned() for g in groups if g.home_grad is not None)
 
 
 def test_host_tier_grad_scaler_on_one_gpu() -> None:

@@ -48,7 +48,7 @@ from shardwrap import (
 )
 from shardwrap.tiers.home import Home, HostHome
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
-from tests.support.optimizers import SGDKeepingGrads, scaled_step
+from tests.support.optimizers import SGDKeepingGrads, overflow_at_the_second_step
 from tests.support.ranks import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 4
@@ -215,17 +215,9 @@ def test_an_inf_in_one_ranks_home_gradients_makes_torchs_grad_scaler_skip_on_bot
             mixed_precision=MixedPrecision(param_dtype=torch.float16),
             offload=Offload(device="cpu"),
         )
-        opt = adamw(m.parameters())
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-        seen = []
-        for step in range(3):
-            x, y = make_batch(step, GLOBAL_BATCH)
-            scaler.scale(m(x.chunk(2)[rank], y.chunk(2)[rank])).backward()
-            grad = next(p for p in m.parameters() if p.numel()).grad
-            if step == 1 and rank == 0:
-                grad.view(-1)[0] = float("inf")
-            seen.append(scaled_step(scaler, opt, m))
-        return seen
+        opt = adamw(m.parameters())
+        return overflow_at_the_second_step(m, opt, scaler, rank, 2, torch.device("cpu"))
 
     for seen in run_ranks(2, fn, timeout=60.0):
         assert seen == [(True, 1024.0), (False, 512.0), (True, 512.0)]
