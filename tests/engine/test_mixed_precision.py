@@ -8,6 +8,7 @@ arithmetic), and both must track plain float32 training closely.
 float16 adds loss scaling: torch's ``GradScaler`` and ``ShardedGradScaler`` must skip a step on
 every rank when only one rank's gradient shard overflows, with a fused optimizer too (which
 checks in its own step, not in ``unscale_``).
+``ShardedGradScaler(process_group=...)`` also agrees over that group for plain gradients.
 """
 
 from __future__ import annotations
@@ -250,6 +251,31 @@ def test_fp16_large_scale_overflows_and_backs_off() -> None:
         return [scaler.get_scale()]
 
     assert run_ranks(2, fn) == [[2.0**39], [2.0**39]]
+
+
+@pytest.mark.parametrize("scaler_class", [ShardedGradScaler, torch.amp.GradScaler])
+def test_a_process_group_given_to_the_sharded_scaler_agrees_over_plain_gradients(
+    scaler_class: type[torch.amp.GradScaler],
+) -> None:
+    """``ShardedGradScaler(process_group=...)`` agrees over that group for gradients that are not
+    a shardwrap model's: an inf in one rank's copy of a plain model skips the step on both;
+    torch's scaler, given no group, skips on that rank alone."""
+
+    def fn(rank: int, pg: ProcessGroup) -> bool:
+        model = nn.Linear(4, 4)
+        optimizer = _sgd(model.parameters())
+        if scaler_class is ShardedGradScaler:
+            scaler = ShardedGradScaler("cpu", init_scale=2.0, process_group=pg)
+        else:
+            scaler = scaler_class("cpu", init_scale=2.0)
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        if rank == 0:
+            model.weight.grad[0, 0] = float("inf")
+        stepped, _ = scaled_step(scaler, optimizer, model)
+        return stepped
+
+    want = [False, False] if scaler_class is ShardedGradScaler else [False, True]
+    assert run_ranks(2, fn) == want
 
 
 def test_bad_mixed_precision_arguments() -> None:
