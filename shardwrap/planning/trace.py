@@ -38,6 +38,7 @@ from ..engine.wrap.policy import (
     check_selects_something,
     group_key,
     place_parameters,
+    reduce_dtype_of,
     resolve_policy,
 )
 from ..options import MixedPrecision
@@ -58,6 +59,7 @@ class GroupSpec:
     grad_dtype: torch.dtype  # the flat gradient's and its reduction's
     requires_grad: bool
     shapes: tuple[torch.Size, ...] = ()  # its parameters', in flat order
+    param_grad_dtype: torch.dtype | None = None  # the shard params' .grad's (None: dtype)
 
     @property
     def full(self) -> int:
@@ -78,6 +80,16 @@ class GroupSpec:
     def shard_grad(self) -> int:
         """Bytes the reduce-scatter lands in."""
         return self.layout.shard_size * self.grad_dtype.itemsize if self.requires_grad else 0
+
+    @property
+    def kept_grad_dtype(self) -> torch.dtype:
+        """The dtype of the shard params' ``.grad``."""
+        return self.param_grad_dtype or self.dtype
+
+    @property
+    def kept_grad(self) -> int:
+        """Bytes of the shard params' ``.grad`` (trainable groups only)."""
+        return self.layout.shard_size * self.kept_grad_dtype.itemsize if self.requires_grad else 0
 
 
 @dataclass(frozen=True)
@@ -185,7 +197,9 @@ def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are on the meta device (ties kept)."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        twin = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        twin.grad_dtype = p.grad_dtype
+        memo[id(p)] = twin
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(module, memo)
@@ -215,16 +229,19 @@ def trace(
     groups: list[GroupSpec] = []
     members: list[list[tuple[nn.Parameter, list[Slot]]]] = []  # per group, in flat order
     for index, entries in enumerate(placement.params):
-        by_key: dict[tuple[torch.dtype, bool, bool], list[tuple[nn.Parameter, list[Slot]]]] = {}
+        by_key: dict[tuple[Any, ...], list[tuple[nn.Parameter, list[Slot]]]] = {}
         for _, p, slots in entries:
-            dtype, trainable, _ = group_key(p)
-            by_key.setdefault((dtype, trainable, id(p) in split), []).append((p, slots))
-        for (dtype, requires_grad, _), group in by_key.items():
+            dtype, trainable, _, grad_dtype = group_key(p)
+            key = (dtype, trainable, id(p) in split, grad_dtype)
+            by_key.setdefault(key, []).append((p, slots))
+        for (dtype, requires_grad, _, grad_dtype), group in by_key.items():
             compute = precision.compute_dtype(dtype) if precision else dtype
-            reduce = precision.gradient_dtype(dtype) if precision else compute
+            reduce = reduce_dtype_of(dtype, grad_dtype, precision)
             layout = FlatLayout(tuple(p.numel() for p, _ in group), world_size)
             shapes = tuple(p.shape for p, _ in group)
-            groups.append(GroupSpec(index, layout, dtype, compute, reduce, requires_grad, shapes))
+            groups.append(
+                GroupSpec(index, layout, dtype, compute, reduce, requires_grad, shapes, grad_dtype)
+            )
             members.append(group)
     where = {id(p): (i, j) for i, group in enumerate(members) for j, (p, _) in enumerate(group)}
     order = [where[id(p)] for p in model.parameters()]  # as the wrapped model lists them

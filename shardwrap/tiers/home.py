@@ -100,7 +100,7 @@ class Home:
     def grad_buffer(self, numel: int, grad_dtype: torch.dtype, dtype: torch.dtype) -> Tensor | None:
         """A gradient buffer a group keeps in the home between steps, or ``None`` (none kept).
 
-        ``grad_dtype``: the reduction's; ``dtype``: the shard's.
+        ``grad_dtype``: the reduction's; ``dtype``: the shard params' ``.grad``'s.
         """
         return None
 
@@ -125,7 +125,7 @@ class Home:
         """A reduced shard gradient (on the compute device) as it is kept: here, as it is.
 
         ``buffer``: a gradient buffer kept in the home that may take it (or ``None``);
-        ``dtype``: the shard's.
+        ``dtype``: the shard params' ``.grad``'s.
         """
         return out
 
@@ -183,7 +183,7 @@ class HostHome(Home):
         return param
 
     def grad_buffer(self, numel: int, grad_dtype: torch.dtype, dtype: torch.dtype) -> Tensor | None:
-        """A buffer in (pinned) host memory, in the shard's dtype."""
+        """A buffer in (pinned) host memory, in the ``.grad``'s dtype."""
         return self.tensor(numel, dtype)
 
     def read_ahead(self, shards: Iterable[Tensor]) -> None:
@@ -212,7 +212,7 @@ class HostHome(Home):
         return staged.tensor
 
     def land(self, out: Tensor, buffer: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """``out`` in the shard's ``dtype`` (cast on the device), copied into ``buffer``, the
+        """``out`` in the ``.grad``'s ``dtype`` (cast on the device), copied into ``buffer``, the
         group's pinned gradient buffer, or a new one where ``buffer`` is ``None`` (``.grad``
         or anything else holds it)."""
         home = buffer if buffer is not None else self.tensor(out.numel(), dtype)

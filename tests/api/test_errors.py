@@ -12,6 +12,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_errors.py -q`
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import Mesh, MixedPrecision, Offload, ShardedModule
 from tests.support.models import GPT, Block, make_batch
+from tests.support.parity import fp32_grads
 from tests.support.ranks import run_ranks
 
 TIMEOUT = 6.0  # seconds: a collective that cannot complete fails after half of it
@@ -299,6 +301,28 @@ def test_auto_wrap_that_differs_names_the_units_each_rank_makes() -> None:
             "\n  auto_wrap (the units it makes): 1 unit, first differing none on rank 0; "
             "4 units, first differing #1 blocks.0: float32 trainable " in message
         )
+
+
+def test_a_grad_dtype_set_on_one_rank_only_is_named_by_the_units_each_rank_makes() -> None:
+    """Rank 1's parameters keep float32 gradients (``grad_dtype``), rank 0's their own dtype:
+    their gradient buffers would differ, so wrapping refuses on both, before any collective."""
+    model = _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        local = copy.deepcopy(model).to(torch.bfloat16)
+        if rank == 1:
+            fp32_grads(local)
+        with pytest.raises(ValueError) as info:
+            ShardedModule(local, process_group=pg, auto_wrap=Block)
+        return str(info.value)
+
+    for message in run_ranks(2, fn, timeout=TIMEOUT):
+        line = next(x for x in message.splitlines() if "(the units it makes)" in x)
+        assert re.search(
+            r"#0 \(root\): bfloat16 trainable (\d+) on rank 0; .*"
+            r"#0 \(root\): bfloat16 trainable \(float32 gradients\) \1 on rank 1$",
+            line,
+        ), line
 
 
 def test_a_policy_that_selects_differently_on_each_rank_is_caught_by_its_units() -> None:

@@ -36,6 +36,7 @@ from tests.support.parity import (
     GPT_BATCHES,
     HF_BATCHES,
     STEPS,
+    fp32_grads,
     gpt_loss,
     hf_loss,
     sgd,
@@ -260,6 +261,39 @@ def test_meta_initialised_model_trains_like_plain_model_with_its_weights(
             rtol=0,
             msg=lambda m, r=rank: f"rank {r}, {STEPS} steps: {m}",
         )
+
+
+def test_a_grad_dtype_set_on_meta_parameters_survives_materialisation() -> None:
+    """A bfloat16 GPT built on the meta device with float32 as its parameters' ``grad_dtype``:
+    the materialised model keeps float32 ``.grad`` and trains at 2 ranks bit for bit as the
+    same weights wrapped from real tensors with the same ``grad_dtype``."""
+
+    def train(model: nn.Module, rank: int, pg: ProcessGroup | None) -> tuple:
+        start = model.full_state_dict()
+        losses = train_steps(model, rank, 2, pg, sgd, GPT_BATCHES, gpt_loss)
+        assert all(p.grad_dtype == torch.float32 for p in model.parameters())
+        gpt_loss(model, *(t.chunk(2)[rank] for t in GPT_BATCHES[0])).backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        return start, losses, model.full_state_dict()
+
+    meta = on_meta(lambda: GPT().to(torch.bfloat16))
+    torch.manual_seed(SEED)
+
+    def from_meta(rank: int, pg: ProcessGroup) -> tuple:
+        wrapped = ShardedModule(fp32_grads(copy.deepcopy(meta)), process_group=pg, auto_wrap=Block)
+        return train(wrapped, rank, pg)
+
+    runs = run_ranks(2, from_meta, timeout=TIMEOUT)
+    plain = GPT().to(torch.bfloat16)
+    plain.load_state_dict(runs[0][0])
+
+    def from_real(rank: int, pg: ProcessGroup) -> tuple:
+        wrapped = ShardedModule(fp32_grads(copy.deepcopy(plain)), process_group=pg, auto_wrap=Block)
+        return train(wrapped, rank, pg)
+
+    for (_, losses, state), (_, want_losses, want) in zip(runs, run_ranks(2, from_real)):
+        assert losses == want_losses
+        torch.testing.assert_close(state, want, atol=0, rtol=0)
 
 
 # memory ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ Run: ``PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/peers/tes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -28,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import checkpoint
 
 from shardwrap import MixedPrecision, ShardedGradScaler
+from tests.support.parity import fp32_grads
 from tests.support.peer_models import MLP
 from tests.support.peers import (
     STAGES,
@@ -583,6 +586,97 @@ def test_integer_parameter_is_never_cast_and_grads_stay_fp32(stage: int) -> None
     )
     for run in runs:
         assert torch.equal(run.state["non_float"], model.non_float)
+
+
+# gradients kept in another dtype than the parameters ---------------------------------------------
+
+# How float32 becomes the grad_dtype: (set before wrapping, MixedPrecision, reduced in)
+GRAD_DTYPES = {
+    "float32-reduction": (True, None, torch.float32),
+    "bfloat16-reduction": (
+        True,
+        MixedPrecision(param_dtype=None, reduce_dtype=torch.bfloat16),
+        torch.bfloat16,
+    ),
+    "set-after-wrapping": (False, None, torch.bfloat16),
+}
+
+
+@stages
+@pytest.mark.parametrize("schedule", ["sync", "no_sync", "checkpoint"])
+@pytest.mark.parametrize("setting", list(GRAD_DTYPES))
+def test_bf16_parameters_keep_fp32_gradients(stage: int, schedule: str, setting: str) -> None:
+    """Mirrors test_fully_shard_grad_dtype.py::test_fp32_gradient and
+    ::test_explicit_reduction_dtype_and_unused_parameter: bfloat16 parameters whose
+    ``grad_dtype`` (torch's ``Tensor.grad_dtype``) is float32, set before wrapping. Plain
+    PyTorch computes each gradient in bfloat16 and adds it into a float32 ``.grad``; on the
+    wrapped model ``.grad`` is float32 too, each rank's micro-batches accumulate in float32 and
+    the ranks' gradients are averaged in float32 (no ``reduce_dtype`` given), or in bfloat16
+    where ``MixedPrecision(reduce_dtype=torch.bfloat16)`` says so. Set on the shard params
+    after wrapping, ``.grad`` is float32 and the reduction stays in the dtype wrapping chose
+    (here the parameters' bfloat16, accumulation included). Steps plain, with
+    ``no_sync()`` micro-batches, and recomputed (``torch.utils.checkpoint`` around the model).
+    The reference runs each rank's slice of each micro-batch on the plain model and sums in
+    that order and dtype, so the gradients agree to the last bit: a bfloat16 reduction where
+    float32 was due would differ in the third digit. A parameter forward never uses keeps
+    ``grad = None``, as in plain PyTorch (FSDP2 reduces zeros for it)."""
+    before, precision, reduce_dtype = GRAD_DTYPES[setting]
+    micro = 2 if schedule == "no_sync" else 1
+    torch.manual_seed(0)
+    model = _mlps().to(torch.bfloat16)
+    model.inner[0].register_parameter("unused", nn.Parameter(torch.ones(DIM, dtype=torch.bfloat16)))
+    shapes = shapes_of(model)
+
+    def loss_of(module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        out = checkpoint(module, x, use_reentrant=False) if schedule == "checkpoint" else module(x)
+        return F.mse_loss(out.float(), y) / micro
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        parts = list(zip(side.micro(batch[0], micro), side.micro(batch[1], micro)))
+        total = torch.zeros(())
+        if side.sharded:
+            for i, (x, y) in enumerate(parts):
+                loss = loss_of(side.model, x, y)
+                with side.model.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                    loss.backward()
+                total = total + loss.detach()
+            for p in side.model.parameters():
+                assert p.dtype == torch.bfloat16 and p.grad_dtype == torch.float32
+                assert p.grad is None or p.grad.dtype == torch.float32
+        else:
+            params = list(side.model.parameters())
+            sums: list[Tensor | None] = [None] * len(params)
+            for rank in range(WORLD):  # each rank's slice of each micro-batch, in order
+                partial: list[Tensor | None] = [None] * len(params)
+                for x, y in parts:
+                    loss = loss_of(side.model, x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+                    loss.backward()
+                    total = total + loss.detach() / WORLD
+                    for i, p in enumerate(params):
+                        if p.grad is not None:
+                            g = p.grad.to(reduce_dtype)
+                            partial[i] = g if partial[i] is None else partial[i] + g
+                            p.grad = None
+                for i, g in enumerate(partial):
+                    if g is not None:
+                        sums[i] = g if sums[i] is None else sums[i] + g
+            for p, g in zip(params, sums):
+                p.grad = None if g is None else (g / WORLD).to(torch.float32)
+        note_grads(side, shapes)
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    assert_peer_parity(
+        model,
+        stage=stage,
+        batches=BATCHES,
+        step=step,
+        prepare=lambda side: None if side.sharded and before else fp32_grads(side.model),
+        build=(lambda rank: fp32_grads(copy.deepcopy(model))) if before else None,
+        auto_wrap=MLP,
+        mixed_precision=precision,
+    )
 
 
 # loss scaling -------------------------------------------------------------------------------

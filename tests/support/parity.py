@@ -33,6 +33,14 @@ STEPS = 4
 GLOBAL_BATCH = 8  # divisible by every world size tested
 
 
+def fp32_grads(model: nn.Module) -> nn.Module:
+    """``model`` with float32 as every parameter's ``grad_dtype`` (torch's ``Tensor.grad_dtype``;
+    a deep copy drops it, so set it on each copy)."""
+    for p in model.parameters():
+        p.grad_dtype = torch.float32
+    return model
+
+
 def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 

@@ -44,10 +44,11 @@ Slot = tuple[nn.Module, str]
 class FlatGroup:
     """The parameters of one unit that share a dtype and ``requires_grad``.
 
-    Three dtypes meet here: the shard's (``dtype``, the optimizer's master copy), the
-    gathered parameters' (``compute_dtype``, which forward and backward use) and the flat
-    gradient's (``grad_dtype``, in which ranks average it). Without mixed precision all three
-    are the parameters' dtype.
+    Four dtypes meet here: the shard's (``dtype``, the optimizer's master copy), the
+    gathered parameters' (``compute_dtype``, which forward and backward use), the flat
+    gradient's (``grad_dtype``, in which ranks average it) and the shard params' ``.grad``
+    (``param_grad_dtype``). Without mixed precision, or a ``grad_dtype`` set on the
+    parameters, all four are the parameters' dtype.
 
     Args:
         names: canonical name of each parameter (as ``named_parameters()`` gives it).
@@ -58,6 +59,9 @@ class FlatGroup:
         pool: where the full buffer comes from while gathered.
         compute_dtype: dtype of the gathered parameters (default: ``dtype``).
         grad_dtype: dtype of the flat gradient and its reduction (default: ``compute_dtype``).
+        param_grad_dtype: dtype of the shard params' ``.grad`` (default: ``dtype``), set as
+            their ``grad_dtype`` where it differs; a ``grad_dtype`` set on a shard param
+            later is followed when its gradient lands.
         resident: keep the full buffer for good, with the shard as this rank's slice of it
             (``Strategy.keeps_resident``: stages 1 and 2, where the parameters compute in the
             shards' dtype, exactly, on the compute device): the full parameters then cost no
@@ -81,6 +85,7 @@ class FlatGroup:
         pool: BufferPool,
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
+        param_grad_dtype: torch.dtype | None = None,
         resident: bool = False,
         home: Home | None = None,
         codec: Codec | None = None,
@@ -102,6 +107,7 @@ class FlatGroup:
         self.dtype = params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype
         self.grad_dtype = grad_dtype or self.compute_dtype
+        self.param_grad_dtype = param_grad_dtype or self.dtype
         # Whether the group gets a flat gradient; each shard param's own flag may be off (a
         # parameter frozen now that the model may train later gets no ``.grad`` meanwhile).
         self.requires_grad = params[0].requires_grad if requires_grad is None else requires_grad
@@ -134,11 +140,14 @@ class FlatGroup:
             )
             for pc, shape in zip(self.pieces, self.piece_shapes)
         ]
+        if self.param_grad_dtype != self.dtype:
+            for p in self.shard_params:
+                p.grad_dtype = self.param_grad_dtype
         # 1-D, padded/N: where a step's reduced gradient lands in a home that keeps a buffer
-        # for it (the disk tier's, in grad_dtype; the host tier's, in dtype).
+        # for it (the disk tier's, in grad_dtype; the host tier's, in param_grad_dtype).
         self.home_grad: Tensor | None = None
         if self.requires_grad:
-            self.home_grad = home.grad_buffer(hi - lo, self.grad_dtype, self.dtype)
+            self.home_grad = home.grad_buffer(hi - lo, self.grad_dtype, self.param_grad_dtype)
 
         # 1-D, padded numel, over one element of memory: the autograd leaf that stands for the full
         # parameters. Its gradient is the flat gradient (grad_dtype); the values live in a
@@ -191,7 +200,7 @@ class FlatGroup:
         lo, hi = self.layout.shard_range(self.mesh.shard_rank)
         self.requires_grad = True
         self.full.requires_grad_(True)
-        self.home_grad = self.home.grad_buffer(hi - lo, self.grad_dtype, self.dtype)
+        self.home_grad = self.home.grad_buffer(hi - lo, self.grad_dtype, self.param_grad_dtype)
         self.drop_views()  # made again, tracking gradients, where the group is in use
 
     def take_buffer(self, dtype: torch.dtype) -> Tensor:
@@ -446,13 +455,17 @@ class FlatGroup:
         new gradient as ``(index, view)``, all at once), known here only weakly: once
         ``zero_grad()`` drops them, their memory is freed. As in plain PyTorch, a shard param
         that does not require grad now gets none, and neither does one that no rank's backward
-        gave a gradient (``seen``, agreed across ranks): its ``.grad`` stays as it was.
+        gave a gradient (``seen``, agreed across ranks): its ``.grad`` stays as it was. Each
+        ``.grad`` is in its shard param's ``grad_dtype`` (the shard's dtype where unset).
 
         Returns:
             The shard params whose ``.grad`` this changed.
         """
-        new = new.to(self.dtype)
         params = self.shard_params
+        dtypes = [p.grad_dtype or self.dtype for p in params]
+        one_dtype = dtypes.count(dtypes[0]) == len(dtypes)
+        if one_dtype:
+            new = new.to(dtypes[0])
         flat = self._grad_flat()
         takes = [p.requires_grad and s for p, s in zip(params, seen)]
         every = all(takes)
@@ -460,10 +473,11 @@ class FlatGroup:
             every
             and flat is not None
             and flat is not new
+            and flat.dtype == new.dtype
             and all(p.grad is not None and p.grad is v() for p, v in zip(params, self._grad_views))
         ):
             flat.add_(new)
-        elif every and all(p.grad is None for p in params):
+        elif every and one_dtype and all(p.grad is None for p in params):
             views = as_grads(
                 [
                     (i, new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
@@ -481,7 +495,7 @@ class FlatGroup:
                     continue
                 piece = new[pc.shard_offset : pc.shard_offset + pc.numel].view(p.shape)
                 if p.grad is None:
-                    fresh.append((i, piece.clone()))
+                    fresh.append((i, piece.to(dtypes[i], copy=True)))
                 else:
                     p.grad.add_(piece)
             for (i, _), grad in zip(fresh, as_grads(fresh)):

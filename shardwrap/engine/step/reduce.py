@@ -269,7 +269,8 @@ class Reductions:
             elif self.mesh.replicate is not None:
                 all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
                 out.div_(self.mesh.replicate_size)
-            self._landed.append((i, self.home.land(out, group.free_home_grad(), group.dtype)))
+            landed = self.home.land(out, group.free_home_grad(), group.param_grad_dtype)
+            self._landed.append((i, landed))
 
     def _residual(
         self, residuals: list[Tensor | None], i: int, like: Tensor, world: int

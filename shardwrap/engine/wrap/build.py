@@ -1,10 +1,11 @@
 """Building a sharded model's units and root: flat groups per unit, sharded in place.
 
 Design note. Every parameter a unit holds goes into one flat group per (dtype,
-``requires_grad``) key; the group keeps this rank's shard, and the module's registered
-parameters become the shard parameters (the original parameters are retired). A model built
-on the meta device is materialised one unit at a time as it is sharded. The caller
-(``engine/wrap/sharded_module.py``) then turns the module into its sharded class.
+``requires_grad``, tp split, gradient dtype) key; the group keeps this rank's shard, and the
+module's registered parameters become the shard parameters (the original parameters are
+retired). A model built on the meta device is materialised one unit at a time as it is
+sharded. The caller (``engine/wrap/sharded_module.py``) then turns the module into its sharded
+class.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from torch import nn
 
 from ...comm.collectives import CommStats
@@ -31,7 +31,7 @@ from . import assign
 from .checks import SHARD_ATTR
 from .extensions import may_train
 from .meta_init import Materializer, ParamInitFn, agree_seed, is_meta
-from .policy import Placement, group_key
+from .policy import Placement, group_key, reduce_dtype_of
 from .retired import retire
 
 __all__ = ["build_root"]
@@ -68,14 +68,14 @@ def build_root(
             meta_params, params = params, materialize(index, params)
             for name, p, _ in meta_params:
                 retire(p, name)
-        by_key: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter, list]]] = {}
+        by_key: dict[tuple[Any, ...], list[tuple[str, nn.Parameter, list]]] = {}
         for entry in params:
             by_key.setdefault(group_key(entry[1], entry[0] in trainable_later), []).append(entry)
         frozen = sum(p.numel() for _, p, _ in params if not p.requires_grad)
         trainable = sum(p.numel() for _, p, _ in params) - frozen
         stage3 = strategy.stage3_lifetime(frozen_numel=frozen, trainable_numel=trainable)
         flat_groups = []
-        for (_, grad, _), entries in by_key.items():
+        for (_, grad, _, grad_dtype), entries in by_key.items():
             names = [n for n, _, _ in entries]
             originals = [p for _, p, _ in entries]
             dtype = originals[0].dtype
@@ -95,7 +95,8 @@ def build_root(
                 mesh,
                 pool,
                 compute,
-                precision.gradient_dtype(dtype) if precision else None,
+                reduce_dtype_of(dtype, grad_dtype, precision),
+                grad_dtype,
                 resident=resident,
                 home=home,
                 codec=codec,

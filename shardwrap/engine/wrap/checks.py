@@ -150,11 +150,17 @@ def describe(value: object) -> str:
     return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
 
 
+def _gradients(dtype: torch.dtype, grad_dtype: torch.dtype) -> str:
+    """A group's gradient dtype, where it differs from its parameters'."""
+    return "" if grad_dtype == dtype else f" ({str(grad_dtype).removeprefix('torch.')} gradients)"
+
+
 def unit_plan(
     module: nn.Module, placement: Placement, checkpoint: Callable[[nn.Module], bool]
 ) -> dict[str, str]:
     """What wrapping makes of ``module``, as text to agree on: every unit with its flat groups
-    (dtype, trainable or frozen, elements), and the units whose activations are recomputed.
+    (dtype, trainable or frozen, gradient dtype where apart, elements), and the units whose
+    activations are recomputed.
 
     Each is a list, one item a line after a count, which :func:`check_same_model` shows by its
     first item that differs across ranks.
@@ -162,13 +168,14 @@ def unit_plan(
     names = {id(m): name for name, m in module.named_modules()}
     units = []
     for index, (unit, params) in enumerate(zip(placement.units, placement.params)):
-        sizes: dict[tuple[torch.dtype, bool, bool], int] = {}
+        sizes: dict[tuple[torch.dtype, bool, bool, torch.dtype], int] = {}
         for _, p, _ in params:
             sizes[group_key(p)] = sizes.get(group_key(p), 0) + p.numel()
         groups = ", ".join(
             f"{str(dtype).removeprefix('torch.')} {'trainable' if grad else 'frozen'}"
-            f"{' tp-split' if split else ''} {n}"
-            for (dtype, grad, split), n in sizes.items()
+            f"{' tp-split' if split else ''}"
+            f"{_gradients(dtype, grad_dtype)} {n}"
+            for (dtype, grad, split, grad_dtype), n in sizes.items()
         )
         units.append(f"#{index} {names[id(unit)] or '(root)'}: {groups or 'no parameters'}")
     recomputed = [names[id(m)] for m in placement.units[1:] if checkpoint(m)]

@@ -141,8 +141,7 @@ class Materializer:
         """
         region = self._region(self.units[index])
         params = [
-            (name, nn.Parameter(_blank(p, self.device), p.requires_grad), slots)
-            for name, p, slots in entries
+            (name, _param_like(_blank(p, self.device), p), slots) for name, p, slots in entries
         ]
         buffers = self._buffers(region)
         fresh = [p for _, p, _ in params] + [b for *_, b, new in buffers if new]
@@ -281,7 +280,14 @@ class Materializer:
 
 def _stand_in(t: Tensor) -> Tensor:
     meta = torch.empty_like(t, device="meta")
-    return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return _param_like(meta, t) if isinstance(t, nn.Parameter) else meta
+
+
+def _param_like(data: Tensor, p: Tensor) -> nn.Parameter:
+    """A parameter over ``data`` that trains as ``p`` does: ``requires_grad``, ``grad_dtype``."""
+    param = nn.Parameter(data, p.requires_grad)
+    param.grad_dtype = p.grad_dtype
+    return param
 
 
 def _blank(t: Tensor, device: torch.device) -> Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ...options import MixedPrecision
 from ..shards.tensor_parallel import is_dtensor
 
 __all__ = [
@@ -188,15 +189,37 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a[:n]
 
 
-def group_key(p: torch.Tensor, may_train: bool = False) -> tuple[torch.dtype, bool, bool]:
-    """Parameters share a flat buffer when they share dtype, ``requires_grad`` and whether the
-    tp ranks hold different blocks of them (a ``Shard`` DTensor); a frozen parameter the model
-    may make trainable later (``may_train``: an inactive PEFT adapter) groups with the
-    trainable ones.
+def grad_dtype_of(p: torch.Tensor) -> torch.dtype:
+    """The dtype ``p.grad`` takes: ``p.grad_dtype`` where set (torch lets a parameter keep
+    gradients in another dtype than its own, e.g. float32 gradients of bfloat16 weights),
+    else ``p``'s own dtype (also where ``grad_dtype`` is ``None``, "any dtype")."""
+    return getattr(p, "grad_dtype", None) or p.dtype
+
+
+def reduce_dtype_of(
+    dtype: torch.dtype, grad_dtype: torch.dtype, precision: MixedPrecision | None
+) -> torch.dtype:
+    """The dtype ranks average a group's gradients in: ``MixedPrecision.reduce_dtype`` where
+    given; else the parameters' gradient dtype where set apart from ``dtype`` (their own);
+    else the dtype they compute in."""
+    if precision is not None and precision.reduce_dtype is not None and dtype.is_floating_point:
+        return precision.reduce_dtype
+    if grad_dtype != dtype:
+        return grad_dtype
+    return precision.compute_dtype(dtype) if precision is not None else dtype
+
+
+def group_key(
+    p: torch.Tensor, may_train: bool = False
+) -> tuple[torch.dtype, bool, bool, torch.dtype]:
+    """Parameters share a flat buffer when they share dtype, ``requires_grad``, whether the
+    tp ranks hold different blocks of them (a ``Shard`` DTensor) and their gradients' dtype
+    (:func:`grad_dtype_of`); a frozen parameter the model may make trainable later
+    (``may_train``: an inactive PEFT adapter) groups with the trainable ones.
 
     NOTE: blocks and parameters every tp rank holds alike go in flat buffers apart, so that
     what the tp ranks hold alike stays alike through compressed collectives (a quantization
     block's scale is its largest element's, and a block would otherwise mix both).
     """
     split = is_dtensor(p) and any(q.is_shard() for q in p.placements)
-    return p.dtype, p.requires_grad or may_train, split
+    return p.dtype, p.requires_grad or may_train, split, grad_dtype_of(p)
