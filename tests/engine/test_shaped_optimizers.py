@@ -35,6 +35,7 @@ from tests.support.parity import (
     GLOBAL_BATCH,
     STEPS,
     Trained,
+    fp32_grads,
     train_recipe,
     train_reference,
     train_sharded,
@@ -558,3 +559,49 @@ def test_a_param_group_added_after_steps_keeps_each_parameters_owner_and_state()
 
     for state in run_ranks(2, fn):
         torch.testing.assert_close(state, ref.state_dict(), atol=1e-4, rtol=0)
+
+
+def muon_and_sgd(params: Iterable[nn.Parameter]) -> Both:
+    """Muon for the matrices, SGD for the rest (torch's AdamW refuses a gradient in another
+    dtype than its parameter)."""
+    params = list(params)
+    return Both(
+        torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-2),
+        torch.optim.SGD([p for p in params if p.ndim != 2], lr=1e-2, momentum=0.9),
+    )
+
+
+@pytest.mark.parametrize("make", [muon_and_sgd, adafactor], ids=["muon", "adafactor"])
+def test_bf16_parameters_with_fp32_gradients_are_stepped_whole_like_the_plain_model(
+    make: Callable[[Iterable[nn.Parameter]], Any],
+) -> None:
+    """bfloat16 parameters whose ``grad_dtype`` is float32 (set before wrapping): each owner
+    gathers the whole float32 gradient beside the bfloat16 values, and every parameter after 4
+    steps at 2 ranks equals the plain model's (its ranks' slices' bfloat16 gradients added into
+    float32 ``.grad``, then averaged), to the bit: a gradient rounded to bfloat16 on its way
+    to the owner would not be."""
+    model = build().to(torch.bfloat16)
+    ref = fp32_grads(copy.deepcopy(model))
+    opt = make(ref.parameters())
+    for inputs, targets in BATCHES:
+        for x, y in zip(inputs.chunk(2), targets.chunk(2)):
+            loss_fn(ref, x, y).backward()
+        for p in ref.parameters():
+            p.grad /= 2  # the ranks' gradients are averaged
+        opt.step()
+        opt.zero_grad()
+    moved = max((ref.state_dict()[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    assert moved > 1e-3, "the reference did not train; parity would prove nothing"
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(fp32_grads(copy.deepcopy(model)), process_group=pg, auto_wrap=Block)
+        opt = make(m.parameters())
+        for inputs, targets in BATCHES:
+            loss_fn(m, inputs.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            assert all(p.grad.dtype == torch.float32 for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn):
+        torch.testing.assert_close(state, ref.state_dict(), atol=0, rtol=0)

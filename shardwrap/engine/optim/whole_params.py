@@ -319,12 +319,13 @@ class _Entry:
 
 @dataclass
 class _Plan:
-    """Who owns what over one shard group, for one dtype."""
+    """Who owns what over one shard group, for one dtype and one gradient dtype."""
 
     group: Any  # the process group (None: one rank)
     rank: int
     world: int
     dtype: torch.dtype
+    grad_dtype: torch.dtype  # the gradients' (a parameter's ``grad_dtype`` may differ)
     device: torch.device  # where the parameters' pieces are, and their whole values are made
     wire: torch.device  # where the exchange's buffers are: the group's compute device
     entries: list[_Entry]
@@ -413,10 +414,11 @@ class _WholeStep:
     def _gather(self, plan: _Plan) -> None:
         """Give each owned parameter its whole values and gradient; hide the others' gradients."""
         r, dtype, device = plan.rank, plan.dtype, plan.device
+        wire = torch.promote_types(dtype, plan.grad_dtype)  # carries values and gradients exactly
         ins = []
         for es in plan.sends:
             n, at = _held(es, r), 0
-            buf = torch.empty(2 * n, dtype=dtype, device=plan.wire)
+            buf = torch.empty(2 * n, dtype=wire, device=plan.wire)
             for e in es:
                 k = _span(e, r)
                 buf[at : at + k].copy_(e.param.detach().view(-1))
@@ -424,7 +426,7 @@ class _WholeStep:
                 at += k
             ins.append(buf)
         outs = [
-            torch.empty(2 * _held(es, q), dtype=dtype, device=plan.wire)
+            torch.empty(2 * _held(es, q), dtype=wire, device=plan.wire)
             for q, es in enumerate(plan.recvs)
         ]
         all_to_all(outs, ins, plan.group, plan.stats).wait()
@@ -440,7 +442,7 @@ class _WholeStep:
                 values, grads = piece.view(-1), grad.view(-1)
             else:
                 values = torch.empty(e.numel, dtype=dtype, device=device)
-                grads = torch.empty(e.numel, dtype=dtype, device=device)
+                grads = torch.empty(e.numel, dtype=plan.grad_dtype, device=device)
                 a, b = e.pieces[r]
                 values[a:b].copy_(piece.view(-1))
                 grads[a:b].copy_(grad.view(-1))
@@ -562,15 +564,16 @@ def owners(numels: list[int], spans: list[list[int]]) -> list[int]:
 
 
 def _plan(entries: list[_Entry]) -> list[_Plan]:
-    """What each rank sends and receives for ``entries``, one plan per shard group and dtype."""
-    plans: dict[tuple[int, torch.dtype], _Plan] = {}
+    """What each rank sends and receives for ``entries`` (each with a ``.grad``), one plan per
+    shard group, dtype and gradient dtype."""
+    plans: dict[tuple[int, torch.dtype, torch.dtype], _Plan] = {}
     for e in entries:
         p = e.param
         ref, _, stats = getattr(p, PIECE_ATTR)
-        key = (id(e.group), p.dtype)
+        key = (id(e.group), p.dtype, p.grad.dtype)
         if key not in plans:
             wire = ref().mesh.device  # the host tier's pieces are in host memory, its group NCCL
-            plans[key] = _Plan(e.group, e.rank, len(e.pieces), p.dtype, p.device, wire, [], stats)
+            plans[key] = _Plan(e.group, e.rank, len(e.pieces), *key[1:], p.device, wire, [], stats)
         plans[key].entries.append(e)
     for plan in plans.values():
         r = plan.rank
