@@ -34,6 +34,7 @@ __all__ = [
     "StoredParam",
     "before_step",
     "count_fused_write",
+    "grads_in_own_dtype",
     "prefer_fused",
     "stored_param",
 ]
@@ -110,14 +111,22 @@ def stored_param(data: Tensor, requires_grad: bool, home: Any) -> StoredParam:
 _FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
+def grads_in_own_dtype(params: list[Tensor]) -> bool:
+    """Whether every parameter keeps its gradient in its own dtype (no other ``grad_dtype``),
+    as torch's fused optimizer kernels require."""
+    return all((p.grad_dtype or p.dtype) == p.dtype for p in params)
+
+
 def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """Turn on the fused kernel for ``group`` where the user left the choice to torch.
 
     1. The optimizer is one of torch's with a fused CPU kernel (Adam, AdamW, SGD, Adagrad, or
        a subclass), the group left ``fused`` and ``foreach`` unset (``None``), is not
-       ``differentiable``, and all its parameters are floating point on the CPU: ``fused``
-       becomes ``True``. State made before (a step already taken, a checkpoint loaded) keeps
-       working: each ``step`` count becomes the fp32 tensor the fused kernels count in.
+       ``differentiable``, and all its parameters are floating point on the CPU with their
+       gradients in their own dtype (the fused kernels refuse another ``grad_dtype``):
+       ``fused`` becomes ``True``. State made before (a step already taken, a checkpoint
+       loaded) keeps working: each ``step`` count becomes the fp32 tensor the fused kernels
+       count in.
     2. Anything else, an explicit ``fused=False`` or ``foreach=...`` included: unchanged.
     """
     if (
@@ -126,6 +135,7 @@ def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
         or group.get("foreach", False) is not None
         or group.get("differentiable", False)
         or not all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"])
+        or not grads_in_own_dtype(group["params"])
     ):
         return
     for p in group["params"]:

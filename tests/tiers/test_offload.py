@@ -62,6 +62,7 @@ from tests.support.launch import ROOT
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
 from tests.support.optimizers import SGDKeepingGrads
+from tests.support.parity import fp32_grads
 from tests.support.ranks import run_ranks
 from tests.support.store import in_store
 
@@ -143,6 +144,35 @@ def test_disk_tier_trains_like_the_plain_model(
         torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
         if make_opt in (_sgd, SGDKeepingGrads):
             torch.testing.assert_close(state, dict(ref_state), atol=1e-5, rtol=0)
+
+
+@pytest.mark.stage3
+def test_bf16_parameters_with_fp32_gradients_train_as_without_the_tier(tmp_path: Path) -> None:
+    """A bfloat16 GPT whose parameters' ``grad_dtype`` is float32 (set before wrapping), at 2
+    ranks: the disk tier's run equals the same run without offload bit for bit (SGD with
+    momentum, which torch steps unfused here: its fused kernel refuses the mixed dtypes), and
+    each ``.grad`` is float32, in the tier's files."""
+    torch.manual_seed(0)
+    model = GPT().to(torch.bfloat16)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[tuple[list[float], dict[str, Any]]]:
+        runs = []
+        for offload in (None, Offload(device="disk", path=tmp_path)):
+            m = ShardedModule(
+                fp32_grads(copy.deepcopy(model)), auto_wrap=Block, process_group=pg, offload=offload
+            )
+            losses = _train(m, _sgd(m.parameters()), rank, 2)
+            x, y = make_batch(STEPS, GLOBAL_BATCH)
+            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+            for p in m.parameters():
+                assert p.grad.dtype == torch.float32
+                assert offload is None or in_store(m, p.grad)
+            runs.append((losses, m.full_state_dict()))
+        return runs
+
+    for plain, offloaded in run_ranks(2, fn, timeout=60.0):
+        assert offloaded[0] == plain[0]
+        torch.testing.assert_close(offloaded[1], plain[1], atol=0, rtol=0)
 
 
 def test_meta_model_materialises_into_the_store_and_resumes(tmp_path: Path) -> None:

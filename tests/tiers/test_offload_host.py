@@ -49,6 +49,7 @@ from shardwrap import (
 from shardwrap.tiers.home import Home, HostHome
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
 from tests.support.optimizers import SGDKeepingGrads, overflow_at_the_second_step
+from tests.support.parity import fp32_grads
 from tests.support.ranks import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 4
@@ -200,6 +201,37 @@ def test_mixed_precision_equals_the_same_run_without_offload() -> None:
 
     for plain, offloaded in run_ranks(2, fn, timeout=60.0):
         assert offloaded == plain  # the same casts, on the same device: bit for bit
+
+
+@pytest.mark.stage3
+def test_bf16_parameters_with_fp32_gradients_train_as_without_the_tier() -> None:
+    """A bfloat16 GPT whose parameters' ``grad_dtype`` is float32 (set before wrapping), at 2
+    ranks: the host tier's run equals the same run without offload bit for bit (SGD with
+    momentum, unfused: torch's fused kernel refuses the mixed dtypes), and each ``.grad`` is
+    float32, a view of the home's gradient buffer."""
+    torch.manual_seed(0)
+    model = GPT().to(torch.bfloat16)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[tuple[list[float], dict[str, Any]]]:
+        runs = []
+        for offload in (None, Offload(device="cpu")):
+            m = ShardedModule(
+                fp32_grads(copy.deepcopy(model)), auto_wrap=Block, process_group=pg, offload=offload
+            )
+            losses = train(m, sgd(m.parameters()), rank, 2)
+            x, y = make_batch(STEPS, GLOBAL_BATCH)
+            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+            groups = [g for u in m._shardwrap_root.units for g in u.groups]
+            homes = {g.home_grad.data_ptr() for g in groups if g.home_grad is not None}
+            for p in m.parameters():
+                assert p.grad.dtype == torch.float32
+                assert offload is None or p.grad.untyped_storage().data_ptr() in homes
+            runs.append((losses, m.full_state_dict()))
+        return runs
+
+    for plain, offloaded in run_ranks(2, fn, timeout=60.0):
+        assert offloaded[0] == plain[0]
+        torch.testing.assert_close(offloaded[1], plain[1], atol=0, rtol=0)
 
 
 @pytest.mark.stage3
