@@ -105,7 +105,8 @@ def training_peak(
 ) -> int:
     """The largest peak of ``world_size`` ranks (threads) training ``model``, in bytes.
 
-    Each rank wraps its own copy, ``ShardedModule(copy, offload=..., **options)``, inside
+    Each rank wraps its own copy (each parameter's ``grad_dtype`` kept, which a deep copy
+    drops), ``ShardedModule(copy, offload=..., **options)``, inside
     ``shardwrap.track_allocations()``, then takes one optimizer step per batch of
     ``batches(rank, copy)``, its loss and outputs from ``loss(model, batch)``; the outputs
     stay alive until the next forward returns, as in ``out = model(...)``. ``offload``:
@@ -116,6 +117,8 @@ def training_peak(
 
     def fn(rank: int, pg: ProcessGroup, folder: str) -> int:
         plain = copy.deepcopy(model)
+        for p, q in zip(plain.parameters(), model.parameters()):
+            p.grad_dtype = q.grad_dtype
         steps = batches(rank, plain)
         tier = None
         if offload is not None:

@@ -206,7 +206,7 @@ class _Replay:
         groups = self.tr.groups
         shards = sum(g.shard for i, g in enumerate(groups) if not self.resident[i])
         trainable = [g for g in groups if g.requires_grad]
-        home_grads = sum(g.shard for g in trainable) if tier.staged else 0
+        home_grads = sum(g.kept_grad for g in trainable) if tier.staged else 0
         in_memory = not (tier.disk or tier.apart)
         self.fixed_params = sum(g.full for i, g in enumerate(groups) if self.resident[i])
         self.fixed_params += shards if in_memory else 0
@@ -533,10 +533,10 @@ class _Replay:
         self.drain()
         trainable = [g for g in tr.groups if g.requires_grad]
         if not (self.tier.staged or self.tier.disk):
-            # Landed shards become the .grad, cast to the shards' dtype where they differ.
-            self.grads = sum(g.shard for g in trainable if g.grad_dtype != g.dtype)
+            # Landed shards become the .grad, cast to its dtype where they differ.
+            self.grads = sum(g.kept_grad for g in trainable if g.grad_dtype != g.kept_grad_dtype)
             self.check(kept)
-            self.grads = sum(g.shard for g in trainable)
+            self.grads = sum(g.kept_grad for g in trainable)
             self.landed = 0
         self.pool.trim_scratch()
         self.check(kept)

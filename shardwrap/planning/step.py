@@ -41,7 +41,7 @@ from ..engine.optim.whole_params import owners, steps_whole
 from ..engine.shards.flat_group import piece_shape
 from ..tiers.home import DiskHome, Home
 from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
-from ..tiers.offload import stored_param
+from ..tiers.offload import grads_in_own_dtype, stored_param
 from .trace import LiveBytes, Trace
 
 __all__ = ["OptimizerFactory", "StepBytes", "optimizer_bytes", "ranks_to_plan"]
@@ -118,7 +118,8 @@ def optimizer_bytes(
             groups = []
             for group in opt.param_groups:
                 unset = group.get("fused") is None and group.get("foreach") is None
-                groups.append(bool(group.get("fused")) or (fuse and unset and _has_fused(opt)))
+                fusable = _has_fused(opt) and grads_in_own_dtype(group["params"])
+                groups.append(bool(group.get("fused")) or (fuse and unset and fusable))
                 # meta tensors have no fused kernel: step them per tensor, for the state
                 if "foreach" in group:
                     group["foreach"] = device == "cuda" if unset else bool(group["foreach"])
@@ -195,7 +196,8 @@ def _shard_params(
         else:
             p = stored_param(data, g.requires_grad, files)
         if g.requires_grad:
-            grad = torch.empty(shape, dtype=g.dtype, device="meta")
+            p.grad_dtype = g.kept_grad_dtype
+            grad = torch.empty(shape, dtype=g.kept_grad_dtype, device="meta")
             p.grad = grad if owner is None else as_shard_grad(grad, owner)
         params.append(p)
         pieces[id(p)] = _Piece(g.shapes[j], spans)
@@ -213,10 +215,10 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
     of = [pieces[id(p)] for p in params]
     owner = owners([e.numel for e in of], [e.spans for e in of])
     world = len(of[0].spans) if of else 1
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    by_dtype: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}  # values', gradients'
     for i, p in enumerate(params):
         if p.grad is not None:
-            by_dtype.setdefault(p.dtype, []).append(i)
+            by_dtype.setdefault((p.dtype, p.grad.dtype), []).append(i)
 
     def exchange(idx: list[int], dtype: torch.dtype, per_element: int) -> list[Tensor]:
         """One all-to-all's buffers: to each peer its pieces of the parameters it owns, and
@@ -230,8 +232,9 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
 
     restore = []
     with torch.no_grad():
-        for dtype, idx in by_dtype.items():
-            buffers = exchange(idx, dtype, 2)  # values and gradients
+        for (dtype, grad_dtype), idx in by_dtype.items():
+            wire = torch.promote_types(dtype, grad_dtype)
+            buffers = exchange(idx, wire, 2)  # values and gradients
             for i in idx:
                 p, piece = params[i], of[i]
                 restore.append((p, p.data, p.grad))
@@ -242,12 +245,12 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
                     p.data, p.grad = p.data.view(piece.shape), grad.view(piece.shape)
                 else:  # the whole gradient typed as the piece's (the disk tier's)
                     p.data = torch.empty(piece.shape, dtype=dtype, device="meta")
-                    whole = torch.empty(piece.shape, dtype=dtype, device="meta")
+                    whole = torch.empty(piece.shape, dtype=grad_dtype, device="meta")
                     owned_by = getattr(grad, "_shardwrap_owner", None)
                     p.grad = whole if owned_by is None else as_shard_grad(whole, owned_by)
             del buffers
         opt.step()
-        for dtype, idx in by_dtype.items():
+        for (dtype, _), idx in by_dtype.items():
             exchange(idx, dtype, 1)  # the new values, back to each piece's rank
         for p, data, grad in restore:
             p.grad = None

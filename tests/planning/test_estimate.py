@@ -61,6 +61,7 @@ from tests.support.memory import (
     staged_on_cpu,
     training_peak,
 )
+from tests.support.parity import fp32_grads
 from tests.support.ranks import run_ranks
 
 CONFIG = {"width": 128, "depth": 4, "heads": 4, "context": 64}
@@ -145,6 +146,40 @@ def test_estimate_counts_the_receive_buffers_of_a_reduction_over_four_ranks(stag
     estimate = plan.row(stage).peak
     measured = measured_peak(CONFIG, stage, BATCH, STEPS, world_size=4)
     assert abs(estimate - measured) <= 0.005 * measured, (estimate, measured)
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+
+@pytest.mark.stage3  # names its stages itself: once is enough
+@pytest.mark.parametrize("offload", [None, "cpu", "disk"])
+def test_estimate_of_bf16_parameters_with_fp32_gradients_is_within_half_a_percent(
+    offload: str | None,
+) -> None:
+    # A bfloat16 GPT whose parameters' grad_dtype is float32: its .grad, its reduction and
+    # the momentum SGD makes from it are float32, twice the bytes of the parameters. The host
+    # tier staged on the CPU, as the engine stages it for a GPU; the disk tier at stage 3 only.
+    with torch.device("meta"):
+        meta = fp32_grads(GPT(**CONFIG).to(torch.bfloat16))
+    torch.manual_seed(0)
+    model = fp32_grads(GPT(**CONFIG).to(torch.bfloat16))
+    stages = (3,) if offload == "disk" else (1, 2, 3)
+    with staged_on_cpu(offload == "cpu"):
+        plan = estimate_memory(
+            meta, world_size=2, stage=stages, offload=offload, batch=BATCH,
+            seq=CONFIG["context"], auto_wrap=Block, optimizer=sgd,
+        )  # fmt: skip
+    for stage in stages:
+        estimate = plan.row(stage, offload).peak
+        measured = training_peak(
+            model, gpt_batches(BATCH, CONFIG["context"], STEPS), gpt_loss,
+            offload=offload, auto_wrap=Block, stage=stage, optimizer=sgd,
+        )  # fmt: skip
+        assert abs(estimate - measured) <= 0.005 * measured, (
+            f"stage {stage}: estimated {estimate / 2**20:.2f} MiB, measured "
+            f"{measured / 2**20:.2f} MiB\n{plan}"
+        )
 
 
 def muon_and_adamw(params: list[nn.Parameter]) -> list[torch.optim.Optimizer]:
