@@ -156,7 +156,7 @@ def test_frozen_parameters_get_no_grad_no_buffer_no_reduction(world_size: int) -
             opt.zero_grad()
             m(_slice(idx, rank, world_size), _slice(targets, rank, world_size)).backward()
             for g in frozen_groups:
-                assert g.full.grad is None and g._grad_flat() is None
+                assert g.full.grad is None and g.shard_grads.flat is None
                 assert all(p.grad is None for p in g.shard_params)
             for n in frozen:
                 assert named[n].grad is None, n

@@ -33,6 +33,7 @@ from ...comm.quantize import Codec
 from ...tiers.home import Home
 from .layout import FlatLayout, LocalPiece
 from .pool import BufferPool
+from .shard_grads import ShardGrads
 from .split import Split
 from .tensor_parallel import TPSpec, local_of
 
@@ -143,6 +144,7 @@ class FlatGroup:
         if self.param_grad_dtype != self.dtype:
             for p in self.shard_params:
                 p.grad_dtype = self.param_grad_dtype
+        self.shard_grads = ShardGrads(self.shard_params, self.pieces, self.piece_shapes, self.dtype)
         # 1-D, padded/N: where a step's reduced gradient lands in a home that keeps a buffer
         # for it (the disk tier's, in grad_dtype; the host tier's, in param_grad_dtype).
         self.home_grad: Tensor | None = None
@@ -175,9 +177,6 @@ class FlatGroup:
         # for the unit's next gather (backward's, while the shard is unchanged), with the
         # shard's version and address when packed; dropped at the end of backward.
         self._packed: tuple[tuple[int, int], Tensor] | None = None
-        # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
-        self._grad_flat: Callable[[], Tensor | None] = _dead_ref
-        self._grad_views: list[Callable[[], Tensor | None]] = []
 
     # storage -------------------------------------------------------------------------
 
@@ -431,77 +430,7 @@ class FlatGroup:
 
     def free_home_grad(self) -> Tensor | None:
         """The home's gradient buffer, if it may take this backward's gradient."""
-        return self.home_grad if self.grad_buffer_free(self.home_grad) else None
-
-    def grad_buffer_free(self, buffer: Tensor | None) -> bool:
-        """Whether ``buffer``, a gradient buffer this group keeps between steps, may take this
-        backward's reduced gradient: no shard param has a ``.grad`` and nothing else holds the
-        buffer's memory (a ``.grad`` that a user kept past ``zero_grad()``, say, which it would
-        overwrite)."""
-        if buffer is None or any(p.grad is not None for p in self.shard_params):
-            return False
-        # Held by the buffer itself and by the storage object asked; any view adds one.
-        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
-
-    def accumulate(
-        self,
-        new: Tensor,
-        as_grads: Callable[[list[tuple[int, Tensor]]], list[Tensor]],
-        seen: list[bool],
-    ) -> list[nn.Parameter]:
-        """Add a reduced shard gradient to the shard params' ``.grad`` (set it if ``None``).
-
-        The ``.grad`` tensors are views of one flat buffer, typed by ``as_grads`` (given each
-        new gradient as ``(index, view)``, all at once), known here only weakly: once
-        ``zero_grad()`` drops them, their memory is freed. As in plain PyTorch, a shard param
-        that does not require grad now gets none, and neither does one that no rank's backward
-        gave a gradient (``seen``, agreed across ranks): its ``.grad`` stays as it was. Each
-        ``.grad`` is in its shard param's ``grad_dtype`` (the shard's dtype where unset).
-
-        Returns:
-            The shard params whose ``.grad`` this changed.
-        """
-        params = self.shard_params
-        dtypes = [p.grad_dtype or self.dtype for p in params]
-        one_dtype = dtypes.count(dtypes[0]) == len(dtypes)
-        if one_dtype:
-            new = new.to(dtypes[0])
-        flat = self._grad_flat()
-        takes = [p.requires_grad and s for p, s in zip(params, seen)]
-        every = all(takes)
-        if (
-            every
-            and flat is not None
-            and flat is not new
-            and flat.dtype == new.dtype
-            and all(p.grad is not None and p.grad is v() for p, v in zip(params, self._grad_views))
-        ):
-            flat.add_(new)
-        elif every and one_dtype and all(p.grad is None for p in params):
-            views = as_grads(
-                [
-                    (i, new[pc.shard_offset : pc.shard_offset + pc.numel].view(shape))
-                    for i, (pc, shape) in enumerate(zip(self.pieces, self.piece_shapes))
-                ]
-            )
-            for p, v in zip(params, views):
-                p.grad = v
-            self._grad_flat = weakref.ref(new)
-            self._grad_views = [weakref.ref(v) for v in views]
-        else:
-            fresh = []  # (index, a copy of its piece) for the params without a gradient yet
-            for i, (p, pc, take) in enumerate(zip(params, self.pieces, takes)):
-                if not take:
-                    continue
-                piece = new[pc.shard_offset : pc.shard_offset + pc.numel].view(p.shape)
-                if p.grad is None:
-                    fresh.append((i, piece.to(dtypes[i], copy=True)))
-                else:
-                    p.grad.add_(piece)
-            for (i, _), grad in zip(fresh, as_grads(fresh)):
-                params[i].grad = grad
-            self._grad_flat, self._grad_views = _dead_ref, []
-        return [p for p, take in zip(params, takes) if take]
+        return self.home_grad if self.shard_grads.buffer_free(self.home_grad) else None
 
 
 def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
@@ -515,10 +444,6 @@ def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
     if not shape:
         return () if numel == 1 else (0,)
     return (1,) * (len(shape) - 1) + (numel,)
-
-
-def _dead_ref() -> None:
-    return None
 
 
 def _unbacked(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:

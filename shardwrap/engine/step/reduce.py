@@ -300,7 +300,7 @@ class Reductions:
                 group = self.order[i]
                 seen = seen_anywhere[i] if seen_anywhere is not None else [True] * len(group.names)
                 as_grads = functools.partial(self._as_grads, group)
-                for p in group.accumulate(out, as_grads, seen):
+                for p in group.shard_grads.accumulate(out, as_grads, seen):
                     _post_accumulate(p)
         self.reset()
 
