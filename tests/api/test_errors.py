@@ -325,6 +325,35 @@ def test_a_grad_dtype_set_on_one_rank_only_is_named_by_the_units_each_rank_makes
         ), line
 
 
+@pytest.mark.parametrize("change", ["scaled", "replaced"])
+def test_a_grad_changed_between_no_sync_backwards_is_refused_naming_it(change: str) -> None:
+    """After a backward under ``no_sync()`` this rank's accumulated gradients are unreduced,
+    outside ``.grad``: a ``.grad`` scaled in place or replaced then cannot be followed, so the
+    next backward raises on every rank, naming the parameter, instead of training on what the
+    change missed (``zero_grad()`` is followed: tests/peers/test_fsdp_training.py)."""
+    model = _gpt()
+    x, y = make_batch(0, 4)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[str, str]:
+        m = ShardedModule(copy.deepcopy(model), process_group=pg, auto_wrap=Block)
+        with m.no_sync():
+            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        name, p = next(iter(m.named_parameters()))
+        if change == "scaled":
+            p.grad.mul_(0.5)
+        else:
+            p.grad = torch.ones_like(p)
+        with pytest.raises(RuntimeError) as info:
+            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        return name, str(info.value)
+
+    for name, message in run_ranks(2, fn, timeout=TIMEOUT):
+        assert f"the .grad of {name} was replaced or changed in place between a backward " in (
+            message
+        )
+        assert "only zero_grad() reaches them" in message
+
+
 def test_a_policy_that_selects_differently_on_each_rank_is_caught_by_its_units() -> None:
     """Same function name on every rank, different choices: the unit plan tells them apart."""
 

@@ -423,7 +423,8 @@ def test_gradient_accumulation(world_size: int, mode: str) -> None:
                     with m.no_sync():
                         (m(idx, targets) / micro).backward()
                     assert stats.bytes.get("reduce_scatter", 0) == reduced
-                    assert all(p.grad is None for p in m.parameters())
+                    # zeros, not None: a zero_grad() now would drop what was accumulated
+                    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
                 else:  # every flat gradient reduced
                     (m(idx, targets) / micro).backward()
                     assert stats.bytes["reduce_scatter"] == reduced + trainable

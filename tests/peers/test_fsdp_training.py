@@ -606,6 +606,53 @@ def test_no_sync_accumulation_reduces_only_on_the_last_micro_batch(stage: int) -
     assert_peer_parity(model, stage=stage, batches=batches, step=step, auto_wrap=MLP)
 
 
+CLEARS = {
+    "optimizer": lambda model, opt: opt.zero_grad(),
+    "optimizer-zeros": lambda model, opt: opt.zero_grad(set_to_none=False),
+    "model-zeros": lambda model, opt: model.zero_grad(set_to_none=False),
+    "one-unit": lambda model, opt: model[2].zero_grad(),
+    "one-unit-zeros": lambda model, opt: model[2].zero_grad(set_to_none=False),
+}
+
+
+@stages
+@pytest.mark.parametrize("clear", list(CLEARS))
+def test_zero_grad_between_no_sync_micro_batches_drops_what_they_accumulated(
+    stage: int, clear: str
+) -> None:
+    """Mirrors test_fully_shard_pending_grad.py::test_grouped_clear_after_forward, and what DDP
+    does: a micro-batch under ``no_sync()``, then ``zero_grad()`` (the optimizer's or the
+    model's, set to ``None`` or zeroed, or one unit's alone), then another under ``no_sync()``
+    and a synced one. What the first accumulated is dropped where it was cleared and kept
+    elsewhere, as on the plain model whose ``.grad`` holds it: the step and the gradients
+    match. Between the micro-batches every parameter given a gradient has a ``.grad`` (zeros:
+    its part of the unreduced gradient is not this rank's to show)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(9, 9), MLP(), MLP(), MLP())
+    shapes = shapes_of(model)
+    batches = make_batches(3, (12, 9), (12, 9))
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        total = torch.zeros(())
+        micro = list(zip(side.micro(batch[0], MICRO), side.micro(batch[1], MICRO)))
+        for i, (x, y) in enumerate(micro):
+            loss = _mse(side.model, x, y) / MICRO
+            sync = side.model.no_sync() if side.sharded and i < MICRO - 1 else None
+            with sync or contextlib.nullcontext():
+                loss.backward()
+            total = total + loss.detach()
+            if i == 0:
+                if side.sharded:
+                    assert all(p.grad is not None for p in side.model.parameters())
+                CLEARS[clear](side.model, opt)
+        note_grads(side, shapes)
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    assert_peer_parity(model, stage=stage, batches=batches, step=step, auto_wrap=MLP)
+
+
 @stages
 def test_micro_batches_with_units_kept_gathered(stage: int) -> None:
     """Mirrors test_fully_shard_training.py::test_1f1b_microbatching: a pipeline-style step of

@@ -175,6 +175,49 @@ def test_bf16_parameters_with_fp32_gradients_train_as_without_the_tier(tmp_path:
         torch.testing.assert_close(offloaded[1], plain[1], atol=0, rtol=0)
 
 
+@pytest.mark.stage3
+def test_zero_grad_between_no_sync_micro_batches_as_without_the_tier(tmp_path: Path) -> None:
+    """A micro-batch under ``no_sync()``, ``zero_grad()``, then one more under ``no_sync()`` and
+    a synced one, at 2 ranks: the disk tier's run equals the run without offload bit for bit,
+    and both the run without the first micro-batch (dropped, zeros standing for it in
+    ``.grad`` meanwhile)."""
+    torch.manual_seed(0)
+    model = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> list[dict[str, Any]]:
+        runs = []
+        for offload, first in (
+            (None, True),
+            (Offload(device="disk", path=tmp_path), True),
+            (None, False),
+        ):
+            m = ShardedModule(
+                copy.deepcopy(model), auto_wrap=Block, process_group=pg, offload=offload
+            )
+            # unfused in both runs: the tier would choose torch's fused kernel, which rounds
+            # otherwise
+            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=False)
+            for step in range(2):
+                for micro in range(0 if first else 1, 3):
+                    x, y = make_batch(3 * step + micro, GLOBAL_BATCH)
+                    loss = m(x.chunk(2)[rank], y.chunk(2)[rank])
+                    if micro < 2:
+                        with m.no_sync():
+                            loss.backward()
+                    else:
+                        loss.backward()
+                    if micro == 0:
+                        opt.zero_grad()
+                opt.step()
+                opt.zero_grad()
+            runs.append(m.full_state_dict())
+        return runs
+
+    for plain, offloaded, without_first in run_ranks(2, fn, timeout=60.0):
+        torch.testing.assert_close(offloaded, plain, atol=0, rtol=0)
+        torch.testing.assert_close(plain, without_first, atol=0, rtol=0)
+
+
 def test_meta_model_materialises_into_the_store_and_resumes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     plain = GPT()

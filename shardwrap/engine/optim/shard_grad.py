@@ -24,7 +24,8 @@ torch's own scaler as with :class:`~shardwrap.ShardedGradScaler`.
 
 Any other operation on a ``ShardGrad`` (the optimizer's) runs as on a plain tensor, at the cost
 of one Python call per torch call, and returns plain tensors; aliases of a ``ShardGrad``
-(``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``.
+(``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``. Zeroing one in
+place (``zero_grad(set_to_none=False)``) is noted on it, for the engine's unreduced gradients.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ class ShardGrad(Tensor):
             out = func(*args, **kwargs)
         if func in _GRAD_ALIASES and isinstance(out, Tensor):
             return as_shard_grad(out, args[0]._shardwrap_owner)
+        if func in _ZEROING:
+            _note_zeroed(args[0])
         count_fused_write(func, args)
         return out
 
@@ -182,6 +185,19 @@ class ShardGrad(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         with _DisableSubclass():
             return f"ShardGrad({self.as_subclass(Tensor)!r})"
+
+
+# How zero_grad(set_to_none=False) zeroes gradients: one by one, or together (foreach).
+_ZEROING = (Tensor.zero_, torch._foreach_zero_)
+
+
+def _note_zeroed(grads: Tensor | list[Tensor]) -> None:
+    """Count on each shard gradient among ``grads``, just zeroed, one more zeroing: the
+    engine tells ``zero_grad(set_to_none=False)`` from other in-place changes by the count
+    (``ShardGrads.cleared``)."""
+    for g in grads if isinstance(grads, (list, tuple)) else [grads]:
+        if isinstance(g, ShardGrad):
+            g._shardwrap_zeroings = getattr(g, "_shardwrap_zeroings", 0) + 1
 
 
 def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:

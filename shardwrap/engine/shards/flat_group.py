@@ -144,7 +144,9 @@ class FlatGroup:
         if self.param_grad_dtype != self.dtype:
             for p in self.shard_params:
                 p.grad_dtype = self.param_grad_dtype
-        self.shard_grads = ShardGrads(self.shard_params, self.pieces, self.piece_shapes, self.dtype)
+        self.shard_grads = ShardGrads(
+            names, self.shard_params, self.pieces, self.piece_shapes, self.dtype, hi - lo
+        )
         # 1-D, padded/N: where a step's reduced gradient lands in a home that keeps a buffer
         # for it (the disk tier's, in grad_dtype; the host tier's, in param_grad_dtype).
         self.home_grad: Tensor | None = None
@@ -417,6 +419,7 @@ class FlatGroup:
         grad, seen = self.full.grad, self.grads_seen
         self.full.grad = None
         self.grads_seen = [False] * len(seen)
+        self.shard_grads.forget()
         if grad is None:
             grad = torch.zeros(
                 self.layout.padded_numel, dtype=self.grad_dtype, device=self.home.device
@@ -427,6 +430,24 @@ class FlatGroup:
         """Drop the flat gradient of a backward that raised."""
         self.full.grad = None
         self.grads_seen = [False] * len(self.grads_seen)
+        self.shard_grads.forget()
+
+    def show_pending(self, as_grads: Callable[[list[tuple[int, Tensor]]], list[Tensor]]) -> None:
+        """After a backward that reduced nothing (``no_sync``): each parameter whose gradient
+        this rank holds unreduced gets a ``.grad`` standing for it (``ShardGrads.stand_in``),
+        so that a ``zero_grad()`` before the synced backward is seen (:meth:`drop_cleared`)."""
+        held = [p.requires_grad and s for p, s in zip(self.shard_params, self.grads_seen)]
+        self.shard_grads.stand_in(held, as_grads, self.free_home_grad())
+
+    def drop_cleared(self) -> None:
+        """Before a backward: drop this rank's unreduced gradient of each parameter whose
+        ``.grad`` ``zero_grad()`` cleared since :meth:`show_pending`, as a plain model drops
+        what it accumulated in ``.grad``."""
+        for i in self.shard_grads.cleared():
+            if self.full.grad is not None:
+                offset, n = self.layout.offsets[i], self.layout.numels[i]
+                self.full.grad[offset : offset + n].zero_()
+            self.grads_seen[i] = False
 
     def free_home_grad(self) -> Tensor | None:
         """The home's gradient buffer, if it may take this backward's gradient."""

@@ -31,7 +31,7 @@ gradients accumulated under ``no_sync`` carry them once, at the reduction that s
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -133,6 +133,10 @@ class Reductions:
         """What the shard gradients' norms complete over (``shard_grad.py``), each once."""
         owners = (self.grad_owner, self.split_grad_owner)
         return owners[:1] if owners[0] is owners[1] else owners
+
+    def as_grads_of(self, group: FlatGroup) -> Callable[[list[tuple[int, Tensor]]], list[Tensor]]:
+        """What types views as ``group``'s shard gradients (``ShardGrads.accumulate``)."""
+        return functools.partial(self._as_grads, group)
 
     def _as_grads(self, group: FlatGroup, pieces: list[tuple[int, Tensor]]) -> list[Tensor]:
         """Each ``(index, view)`` of ``pieces``, parameter ``index``'s part of ``group``'s
@@ -299,8 +303,7 @@ class Reductions:
             if used_anywhere[i]:
                 group = self.order[i]
                 seen = seen_anywhere[i] if seen_anywhere is not None else [True] * len(group.names)
-                as_grads = functools.partial(self._as_grads, group)
-                for p in group.shard_grads.accumulate(out, as_grads, seen):
+                for p in group.shard_grads.accumulate(out, self.as_grads_of(group), seen):
                     _post_accumulate(p)
         self.reset()
 

@@ -371,6 +371,9 @@ class Root:
         if self.phase is Phase.BACKWARD:
             return
         self.check_state()
+        for unit in self.units:
+            for g in unit.trainable:
+                g.drop_cleared()  # what zero_grad() cleared since a backward under no_sync
         self.phase = Phase.BACKWARD
         self.order.begin()
         for unit in self.units:
@@ -416,6 +419,10 @@ class Root:
                 for g in unit.trainable:
                     g.mark_stale()
         self.schedule.finish_backward()
+        if not self.reductions.sync:
+            for unit in self.units:
+                for g in unit.trainable:
+                    g.show_pending(self.reductions.as_grads_of(g))
         self.order.learn(backward=True)
         self._leave_backward()
         if self.optimizers is not None:  # an optimizer steps next: hook any new one
