@@ -15,6 +15,7 @@ Run: ``PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/peers/tes
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,6 +58,22 @@ def _gpt_loss(model: nn.Module, idx: Tensor, targets: Tensor) -> Tensor:
 
 def _mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.mse_loss(model(x), y)
+
+
+def _accumulate(side: Side, batch: Batch, then: Callable[[int], None] | None = None) -> Tensor:
+    """Forward and backward over ``MICRO`` micro-batches of ``batch``, under ``no_sync()`` on
+    the sharded side but the last, ``then(i)`` after micro-batch ``i``'s backward: the loss."""
+    total = torch.zeros(())
+    micro = list(zip(side.micro(batch[0], MICRO), side.micro(batch[1], MICRO)))
+    for i, (x, y) in enumerate(micro):
+        loss = _mse(side.model, x, y) / MICRO
+        sync = side.model.no_sync() if side.sharded and i < MICRO - 1 else None
+        with sync or contextlib.nullcontext():
+            loss.backward()
+        total = total + loss.detach()
+        if then is not None:
+            then(i)
+    return total
 
 
 def _zero_grad_alternating(side: Side, opt: torch.optim.Optimizer) -> None:
@@ -633,18 +650,13 @@ def test_zero_grad_between_no_sync_micro_batches_drops_what_they_accumulated(
     batches = make_batches(3, (12, 9), (12, 9))
 
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
-        total = torch.zeros(())
-        micro = list(zip(side.micro(batch[0], MICRO), side.micro(batch[1], MICRO)))
-        for i, (x, y) in enumerate(micro):
-            loss = _mse(side.model, x, y) / MICRO
-            sync = side.model.no_sync() if side.sharded and i < MICRO - 1 else None
-            with sync or contextlib.nullcontext():
-                loss.backward()
-            total = total + loss.detach()
+        def clear_after_the_first(i: int) -> None:
             if i == 0:
                 if side.sharded:
                     assert all(p.grad is not None for p in side.model.parameters())
                 CLEARS[clear](side.model, opt)
+
+        total = _accumulate(side, batch, clear_after_the_first)
         note_grads(side, shapes)
         opt.step()
         opt.zero_grad()
@@ -695,14 +707,7 @@ def test_hybrid_sharding_2x2_trains_like_plain(stage: int) -> None:
     batches = make_batches(3, (12, 9), (12, 9))
 
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
-        total = torch.zeros(())
-        micro = list(zip(side.micro(batch[0], MICRO), side.micro(batch[1], MICRO)))
-        for i, (x, y) in enumerate(micro):
-            loss = _mse(side.model, x, y) / MICRO
-            sync = side.model.no_sync() if side.sharded and i < MICRO - 1 else None
-            with sync or contextlib.nullcontext():
-                loss.backward()
-            total = total + loss.detach()
+        total = _accumulate(side, batch)
         _zero_grad_alternating(side, opt)
         return total
 

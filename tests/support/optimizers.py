@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Any
 
 import torch
 
 import shardwrap
-from tests.support.models import make_batch
+from tests.support.models import Block, make_batch
 
 
 class SGDKeepingGrads(torch.optim.SGD):
@@ -99,3 +101,56 @@ def scaled_step(
     optimizer.zero_grad()
     stepped = not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     return stepped, scaler.get_scale()
+
+
+def fp32_grad_steps(model: torch.nn.Module, rank: int) -> list[float]:
+    """Three steps of SGD with momentum of ``model`` (the tests' GPT in bfloat16, sharded over
+    2 ranks, its parameters' ``grad_dtype`` float32) on this rank's slice of ``make_batch``'s
+    batches of 4, then one more backward, whose ``.grad`` must be float32: the steps' losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(3):
+        x, y = make_batch(step, 4)
+        loss = model(x.chunk(2)[rank], y.chunk(2)[rank])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    x, y = make_batch(3, 4)
+    model(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    return losses
+
+
+def runs_with_a_zero_grad(
+    model: torch.nn.Module, rank: int, pg: Any, tier: shardwrap.Offload
+) -> list[dict[str, torch.Tensor]]:
+    """``model`` (the tests' GPT) wrapped by ``Block`` over 2 ranks three times: trained by
+    :func:`micro_batches_with_a_zero_grad` without offload and in ``tier``, then without
+    offload and without the micro-batch the ``zero_grad()`` drops; each one's full state."""
+    runs = []
+    for offload, first in ((None, True), (tier, True), (None, False)):
+        m = shardwrap.ShardedModule(
+            copy.deepcopy(model), auto_wrap=Block, process_group=pg, offload=offload
+        )
+        micro_batches_with_a_zero_grad(m, rank, first)
+        runs.append(m.full_state_dict())
+    return runs
+
+
+def micro_batches_with_a_zero_grad(model: torch.nn.Module, rank: int, first: bool) -> None:
+    """Two steps of unfused SGD with momentum (an offload tier would choose torch's fused
+    kernel, which rounds otherwise) of ``model`` (the tests' GPT, sharded over 2 ranks), each
+    over three micro-batches of ``make_batch``'s batches of 4, the first two under
+    ``no_sync()``, with ``zero_grad()`` after the first; ``first=False``: without it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=False)
+    for step in range(2):
+        for micro in range(0 if first else 1, 3):
+            x, y = make_batch(3 * step + micro, 4)
+            loss = model(x.chunk(2)[rank], y.chunk(2)[rank])
+            with model.no_sync() if micro < 2 else contextlib.nullcontext():
+                loss.backward()
+            if micro == 0:
+                optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()

@@ -61,7 +61,11 @@ from shardwrap.tiers.offload import StoreError
 from tests.support.launch import ROOT
 from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
-from tests.support.optimizers import SGDKeepingGrads
+from tests.support.optimizers import (
+    SGDKeepingGrads,
+    fp32_grad_steps,
+    runs_with_a_zero_grad,
+)
 from tests.support.parity import fp32_grads
 from tests.support.ranks import run_ranks
 from tests.support.store import in_store
@@ -161,12 +165,8 @@ def test_bf16_parameters_with_fp32_gradients_train_as_without_the_tier(tmp_path:
             m = ShardedModule(
                 fp32_grads(copy.deepcopy(model)), auto_wrap=Block, process_group=pg, offload=offload
             )
-            losses = _train(m, _sgd(m.parameters()), rank, 2)
-            x, y = make_batch(STEPS, GLOBAL_BATCH)
-            m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
-            for p in m.parameters():
-                assert p.grad.dtype == torch.float32
-                assert offload is None or in_store(m, p.grad)
+            losses = fp32_grad_steps(m, rank)
+            assert offload is None or all(in_store(m, p.grad) for p in m.parameters())
             runs.append((losses, m.full_state_dict()))
         return runs
 
@@ -183,37 +183,9 @@ def test_zero_grad_between_no_sync_micro_batches_as_without_the_tier(tmp_path: P
     ``.grad`` meanwhile)."""
     torch.manual_seed(0)
     model = GPT()
-
-    def fn(rank: int, pg: ProcessGroup) -> list[dict[str, Any]]:
-        runs = []
-        for offload, first in (
-            (None, True),
-            (Offload(device="disk", path=tmp_path), True),
-            (None, False),
-        ):
-            m = ShardedModule(
-                copy.deepcopy(model), auto_wrap=Block, process_group=pg, offload=offload
-            )
-            # unfused in both runs: the tier would choose torch's fused kernel, which rounds
-            # otherwise
-            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=False)
-            for step in range(2):
-                for micro in range(0 if first else 1, 3):
-                    x, y = make_batch(3 * step + micro, GLOBAL_BATCH)
-                    loss = m(x.chunk(2)[rank], y.chunk(2)[rank])
-                    if micro < 2:
-                        with m.no_sync():
-                            loss.backward()
-                    else:
-                        loss.backward()
-                    if micro == 0:
-                        opt.zero_grad()
-                opt.step()
-                opt.zero_grad()
-            runs.append(m.full_state_dict())
-        return runs
-
-    for plain, offloaded, without_first in run_ranks(2, fn, timeout=60.0):
+    tier = Offload(device="disk", path=tmp_path)
+    runs = run_ranks(2, lambda rank, pg: runs_with_a_zero_grad(model, rank, pg, tier))
+    for plain, offloaded, without_first in runs:
         torch.testing.assert_close(offloaded, plain, atol=0, rtol=0)
         torch.testing.assert_close(plain, without_first, atol=0, rtol=0)
 
