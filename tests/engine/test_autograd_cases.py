@@ -535,3 +535,46 @@ def test_batchnorm_buffers_stay_full_and_local(world_size: int) -> None:
         swap_in(rank)
         with torch.no_grad():
             torch.testing.assert_close(out, ref(_slice(probe, rank, world_size)), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) -> None:
+    """``torch.autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])`` give each rank the
+    plain model's gradient of its slice's input and leave the parameters' ``.grad`` ``None``;
+    the next plain backward and step train as the plain model. A gradient with respect to the
+    parameters is refused by torch itself (the shard parameters are not in the graph)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+
+    def loss_of(m: nn.Module, xs: Tensor, ys: Tensor) -> Tensor:
+        return F.mse_loss(m(xs), ys)
+
+    ref = copy.deepcopy(model)
+    want = [
+        torch.autograd.grad(loss_of(ref, xs.requires_grad_(True), ys), xs)[0]
+        for xs, ys in zip(x.clone().chunk(world_size), y.chunk(world_size))
+    ]
+    opt = _sgd(ref)
+    loss_of(ref, x, y).backward()
+    opt.step()
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg)
+        xs, ys = _slice(x, rank, world_size), _slice(y, rank, world_size)
+        inp = xs.clone().requires_grad_(True)
+        (got,) = torch.autograd.grad(loss_of(m, inp, ys), inp)
+        torch.testing.assert_close(got, want[rank], atol=ATOL, rtol=0)
+        inp = xs.clone().requires_grad_(True)
+        loss_of(m, inp, ys).backward(inputs=[inp])
+        torch.testing.assert_close(inp.grad, want[rank], atol=ATOL, rtol=0)
+        assert all(p.grad is None for p in m.parameters())
+        with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+            torch.autograd.grad(loss_of(m, xs, ys), list(m.parameters()))
+        opt = _sgd(m)
+        loss_of(m, xs, ys).backward()
+        opt.step()
+        return m.full_state_dict()
+
+    for got in run_ranks(world_size, fn):
+        _assert_close(got, ref.state_dict())
