@@ -193,7 +193,7 @@ def grad_dtype_of(p: torch.Tensor) -> torch.dtype:
     """The dtype ``p.grad`` takes: ``p.grad_dtype`` where set (torch lets a parameter keep
     gradients in another dtype than its own, e.g. float32 gradients of bfloat16 weights),
     else ``p``'s own dtype (also where ``grad_dtype`` is ``None``, "any dtype")."""
-    return getattr(p, "grad_dtype", None) or p.dtype
+    return p.grad_dtype or p.dtype
 
 
 def reduce_dtype_of(
@@ -201,12 +201,10 @@ def reduce_dtype_of(
 ) -> torch.dtype:
     """The dtype ranks average a group's gradients in: ``MixedPrecision.reduce_dtype`` where
     given; else the parameters' gradient dtype where set apart from ``dtype`` (their own);
-    else the dtype they compute in."""
-    if precision is not None and precision.reduce_dtype is not None and dtype.is_floating_point:
-        return precision.reduce_dtype
-    if grad_dtype != dtype:
+    else the dtype they compute in (``MixedPrecision.gradient_dtype``)."""
+    if grad_dtype != dtype and (precision is None or precision.reduce_dtype is None):
         return grad_dtype
-    return precision.compute_dtype(dtype) if precision is not None else dtype
+    return precision.gradient_dtype(dtype) if precision is not None else dtype
 
 
 def group_key(
