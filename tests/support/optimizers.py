@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import shardwrap
 from tests.support.models import Block, make_batch
+from tests.support.parity import fp32_grads
 
 
 class SGDKeepingGrads(torch.optim.SGD):
@@ -103,23 +105,38 @@ def scaled_step(
     return stepped, scaler.get_scale()
 
 
-def fp32_grad_steps(model: torch.nn.Module, rank: int) -> list[float]:
-    """Three steps of SGD with momentum of ``model`` (the tests' GPT in bfloat16, sharded over
-    2 ranks, its parameters' ``grad_dtype`` float32) on this rank's slice of ``make_batch``'s
-    batches of 4, then one more backward, whose ``.grad`` must be float32: the steps' losses."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(3):
-        x, y = make_batch(step, 4)
-        loss = model(x.chunk(2)[rank], y.chunk(2)[rank])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    x, y = make_batch(3, 4)
-    model(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
-    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-    return losses
+def fp32_grad_runs(
+    model: torch.nn.Module,
+    rank: int,
+    pg: Any,
+    tier: shardwrap.Offload,
+    in_tier: Callable[[torch.nn.Module, torch.Tensor], bool],
+) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+    """``model`` (the tests' GPT in bfloat16) wrapped by ``Block`` over 2 ranks with float32
+    as its parameters' ``grad_dtype``, without offload and in ``tier``: three steps of SGD with
+    momentum on this rank's slice of ``make_batch``'s batches of 4, then one more backward,
+    whose every ``.grad`` must be float32 and, in ``tier``, ``in_tier(model, grad)``. Each
+    run's losses and full state."""
+    runs = []
+    for offload in (None, tier):
+        m = shardwrap.ShardedModule(
+            fp32_grads(copy.deepcopy(model)), auto_wrap=Block, process_group=pg, offload=offload
+        )
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for step in range(3):
+            x, y = make_batch(step, 4)
+            loss = m(x.chunk(2)[rank], y.chunk(2)[rank])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        x, y = make_batch(3, 4)
+        m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        assert all(p.grad.dtype == torch.float32 for p in m.parameters())
+        assert offload is None or all(in_tier(m, p.grad) for p in m.parameters())
+        runs.append((losses, m.full_state_dict()))
+    return runs
 
 
 def runs_with_a_zero_grad(

@@ -63,10 +63,9 @@ from tests.support.memory import StorageTracker
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
 from tests.support.optimizers import (
     SGDKeepingGrads,
-    fp32_grad_steps,
+    fp32_grad_runs,
     runs_with_a_zero_grad,
 )
-from tests.support.parity import fp32_grads
 from tests.support.ranks import run_ranks
 from tests.support.store import in_store
 
@@ -160,15 +159,7 @@ def test_bf16_parameters_with_fp32_gradients_train_as_without_the_tier(tmp_path:
     model = GPT().to(torch.bfloat16)
 
     def fn(rank: int, pg: ProcessGroup) -> list[tuple[list[float], dict[str, Any]]]:
-        runs = []
-        for offload in (None, Offload(device="disk", path=tmp_path)):
-            m = ShardedModule(
-                fp32_grads(copy.deepcopy(model)), auto_wrap=Block, process_group=pg, offload=offload
-            )
-            losses = fp32_grad_steps(m, rank)
-            assert offload is None or all(in_store(m, p.grad) for p in m.parameters())
-            runs.append((losses, m.full_state_dict()))
-        return runs
+        return fp32_grad_runs(model, rank, pg, Offload(device="disk", path=tmp_path), in_store)
 
     for plain, offloaded in run_ranks(2, fn, timeout=60.0):
         assert offloaded[0] == plain[0]

@@ -50,11 +50,10 @@ from shardwrap.tiers.home import Home, HostHome
 from tests.support.models import GPT, Block, FrozenPart, LoRALinear, make_batch
 from tests.support.optimizers import (
     SGDKeepingGrads,
-    fp32_grad_steps,
+    fp32_grad_runs,
     overflow_at_the_second_step,
     runs_with_a_zero_grad,
 )
-from tests.support.parity import fp32_grads
 from tests.support.ranks import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 4
@@ -217,19 +216,13 @@ def test_bf16_parameters_with_fp32_gradients_train_as_without_the_tier() -> None
     torch.manual_seed(0)
     model = GPT().to(torch.bfloat16)
 
+    def in_home(m: nn.Module, grad: torch.Tensor) -> bool:
+        groups = [g for u in m._shardwrap_root.units for g in u.groups]
+        homes = {g.home_grad.data_ptr() for g in groups if g.home_grad is not None}
+        return grad.untyped_storage().data_ptr() in homes
+
     def fn(rank: int, pg: ProcessGroup) -> list[tuple[list[float], dict[str, Any]]]:
-        runs = []
-        for offload in (None, Offload(device="cpu")):
-            m = ShardedModule(
-                fp32_grads(copy.deepcopy(model)), auto_wrap=Block, process_group=pg, offload=offload
-            )
-            losses = fp32_grad_steps(m, rank)
-            groups = [g for u in m._shardwrap_root.units for g in u.groups]
-            homes = {g.home_grad.data_ptr() for g in groups if g.home_grad is not None}
-            for p in m.parameters():
-                assert offload is None or p.grad.untyped_storage().data_ptr() in homes
-            runs.append((losses, m.full_state_dict()))
-        return runs
+        return fp32_grad_runs(model, rank, pg, Offload(device="cpu"), in_home)
 
     for plain, offloaded in run_ranks(2, fn, timeout=60.0):
         assert offloaded[0] == plain[0]
