@@ -25,6 +25,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .python_ops import resolve_python_ops
+
 __all__ = ["AllocationTracker", "track_allocations"]
 
 
@@ -41,6 +43,10 @@ class AllocationTracker(TorchDispatchMode):
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}  # by storage address
         self.peak = 0
         """The most bytes alive at once, in bytes."""
+
+    def __enter__(self) -> AllocationTracker:
+        resolve_python_ops()  # ranks as threads, each entering one: see planning/python_ops.py
+        return super().__enter__()
 
     def live(self) -> int:
         """The bytes of tracked storages alive now."""

@@ -42,6 +42,7 @@ from ..engine.wrap.policy import (
     resolve_policy,
 )
 from ..options import MixedPrecision
+from .python_ops import resolve_python_ops
 
 __all__ = ["GroupSpec", "LiveBytes", "Trace", "meta_twin", "trace"]
 
@@ -119,6 +120,10 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
         self.most = 0
+
+    def __enter__(self) -> LiveBytes:
+        resolve_python_ops()
+        return super().__enter__()
 
     def live(self) -> int:
         dead = [k for k, (ref, _) in self.storages.items() if ref.expired()]
