@@ -189,6 +189,41 @@ def test_full_state_dict_loads_into_the_plain_model_and_a_fresh_wrap(stage: int)
     )
 
 
+@stages
+def test_weights_loaded_after_a_no_grad_forward_are_the_ones_used(stage: int) -> None:
+    """Mirrors test_fully_shard_unsharded_views.py::test_views_survive_reshard_and_weight_loading
+    and ::test_replaced_storage_recreates_view: after a no-grad forward (at stage 3 with
+    upstream's ``reshard_after_forward=False``; stages 1 and 2 keep the full parameters), a
+    state dict loaded into the model (the full one or this rank's pieces, with and without
+    ``assign=True``) is what the next forward computes with and what training goes on from, as
+    on the plain model loaded by copy. (On the plain model ``assign=True`` would leave the
+    optimizer stepping the replaced parameters; shardwrap loads by copy.)"""
+    model = _model()
+    batches = make_batches(4, (8, 5), (8, 5))
+    probe = torch.randn(8, 5, generator=torch.Generator().manual_seed(9))
+
+    def output(side: Side) -> Tensor:
+        with torch.no_grad():
+            return full_tensor(side, side.model(side.local(probe)), probe.shape)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        side.note("output before loading", output(side))
+        scale = 0.9 - 0.1 * side.step_index
+        if not side.sharded:
+            state = side.model.state_dict()
+        elif side.step_index < 2:
+            state = side.model.full_state_dict()
+        else:
+            state = side.model.state_dict()  # this rank's pieces
+        assign = side.sharded and side.step_index % 2 == 1
+        side.model.load_state_dict({k: v * scale for k, v in state.items()}, assign=assign)
+        side.note("output after loading", output(side))
+        return plain_step(_mse)(side, opt, batch)
+
+    wrap = {"reshard_after_forward": False} if stage == 3 else {}
+    assert_peer_parity(model, stage=stage, batches=batches, step=step, auto_wrap=MLP, **wrap)
+
+
 # pieces, shared modules, unusual parameters ------------------------------------------------------
 
 

@@ -401,7 +401,8 @@ class ShardedModule(DDPHabits, nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load the unwrapped model's full state dict, or this rank's own shards.
+        """Load the unwrapped model's full state dict, or this rank's own shards, by copy, also
+        with ``assign=True`` (the shards are views of the flat buffers the gathers read).
 
         1. Every sharded parameter in full shape (``torch.load`` of a plain model's
            ``state_dict()``, or ``full_state_dict()``): loaded as :meth:`load_full_state_dict`
@@ -458,7 +459,7 @@ class ShardedModule(DDPHabits, nn.Module):
                 )
             self.load_full_state_dict(state_dict)
             return nn.modules.module._IncompatibleKeys([], [])
-        return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+        return nn.Module.load_state_dict(self, state_dict, strict=strict)
 
     def _check_own_shards(self, state_dict: Mapping[str, Any]) -> None:
         metadata = getattr(state_dict, "_metadata", None) or {}
