@@ -7,6 +7,7 @@ weights, optimizer step counts, empty parameter groups, train/eval switches, a m
 loop, parameters toggled between steps), ``tests/unit/runtime/zero/test_zero_tensor_fragment.py``
 (a parameter's full value, gradient and optimizer state read and written through its pieces),
 ``test_zero_grad_clip.py`` (elementwise clipping of the local gradients),
+``test_zero_adagrad.py`` (Adagrad's parameter groups),
 ``tests/unit/ops/muon/test_muon.py`` and ``tests/unit/runtime/half_precision/onebit/
 test_onebit.py`` (empty parameters). Each test names the upstream test it mirrors and trains a
 plain deep copy of its model on the whole global batch beside a ``ShardedModule`` copy on each
@@ -435,6 +436,60 @@ def test_optimizer_with_an_empty_parameter_group(stage: int, empty: str) -> None
         model,
         stage=stage,
         batches=CLASSES,
+        step=step,
+        prepare=prepare,
+        make_optimizer=unused,
+        auto_wrap=nn.Linear,
+    )
+
+
+@stages
+def test_adagrad_with_parameter_groups_of_their_own_settings(stage: int) -> None:
+    """Mirrors test_zero_adagrad.py::TestZeroAdagradParamGroups::
+    test_groups_and_updates_match_torch: a torch Adagrad over two groups chosen by name, each
+    with its own ``lr``, ``eps`` and ``initial_accumulator_value`` (the state it starts from)
+    and a key of the caller's own (``name``): the groups keep every setting, and the steps
+    move the shard parameters as they move the plain ones (each parameter's full value after
+    every step)."""
+    torch.manual_seed(23)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    shapes = shapes_of(model)
+    batches = make_batches(3, (4, 4), None)
+    settings = [
+        {"name": "weight", "lr": 0.03, "eps": 1e-8, "initial_accumulator_value": 0.1},
+        {"name": "bias", "lr": 0.12, "eps": 1e-5, "initial_accumulator_value": 0.2},
+    ]
+    optimizers: dict[int, torch.optim.Optimizer] = {}
+
+    def prepare(side: Side) -> None:
+        named = dict(side.model.named_parameters())
+        groups = [
+            {**group, "params": [p for n, p in named.items() if n.endswith(group["name"])]}
+            for group in settings
+        ]
+        optimizers[id(side)] = torch.optim.Adagrad(groups)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        mine = optimizers[id(side)]
+        loss = side.model(side.local(batch[0])).square().mean()
+        loss.backward()
+        mine.step()
+        mine.zero_grad()
+        kept = [{k: v for k, v in g.items() if k != "params"} for g in mine.param_groups]
+        assert [{k: g[k] for k in settings[0]} for g in kept] == settings
+        side.note("groups", kept)
+        named = dict(side.model.named_parameters())
+        for name, shape in shapes.items():
+            side.note(name, full_tensor(side, named[name], shape))
+        return loss
+
+    def unused(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.0)
+
+    assert_peer_parity(
+        model,
+        stage=stage,
+        batches=batches,
         step=step,
         prepare=prepare,
         make_optimizer=unused,
