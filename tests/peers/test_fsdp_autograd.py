@@ -35,6 +35,7 @@ from tests.support.peers import (
     assert_peer_parity,
     full_tensor,
     make_batches,
+    no_step,
     note_grads,
     plain_step,
     shapes_of,
@@ -230,9 +231,6 @@ def test_optimizer_steps_inside_post_accumulate_grad_hooks(stage: int) -> None:
         kept = [n for n, p in side.model.named_parameters() if p.grad is not None]
         assert not kept, f"the hooks did not step (and zero) these parameters: {kept}"
         return loss
-
-    def no_step(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=0.0)
 
     assert_peer_parity(
         model,

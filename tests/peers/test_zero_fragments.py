@@ -35,6 +35,7 @@ from tests.support.peers import (
     assert_peer_parity,
     full_tensor,
     make_batches,
+    no_step,
     note_grads,
     piece_range,
     plain_step,
@@ -328,16 +329,13 @@ def test_empty_parameter_beside_others(stage: int) -> None:
         assert side.model.empty_param.numel() == 0
         return loss
 
-    def unused(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=0.0)
-
     assert_peer_parity(
         WithEmpty(),
         stage=stage,
         batches=CLASSES,
         step=step,
         prepare=prepare,
-        make_optimizer=unused,
+        make_optimizer=no_step,
         compare_parameters=True,
     )
 

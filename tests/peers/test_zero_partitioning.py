@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import pytest
@@ -39,6 +38,7 @@ from tests.support.peers import (
     assert_peer_parity,
     full_tensor,
     make_batches,
+    no_step,
     note_grads,
     piece_range,
     plain_step,
@@ -210,9 +210,6 @@ def test_large_parameter_split_over_ranks_and_gradients_accumulating(stage: int)
             assert (start, stop) == ((0, 4051) if side.rank == 0 else (4051, size))
         side.note("gradient", full_tensor(side, side.model.param.grad, torch.Size([size])))
         return loss
-
-    def no_step(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=0.0)
 
     assert_peer_parity(
         model,
@@ -429,16 +426,13 @@ def test_optimizer_with_an_empty_parameter_group(stage: int, empty: str) -> None
         mine.zero_grad()
         return loss
 
-    def unused(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=0.0)
-
     assert_peer_parity(
         model,
         stage=stage,
         batches=CLASSES,
         step=step,
         prepare=prepare,
-        make_optimizer=unused,
+        make_optimizer=no_step,
         auto_wrap=nn.Linear,
     )
 
@@ -483,16 +477,13 @@ def test_adagrad_with_parameter_groups_of_their_own_settings(stage: int) -> None
             side.note(name, full_tensor(side, named[name], shape))
         return loss
 
-    def unused(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=0.0)
-
     assert_peer_parity(
         model,
         stage=stage,
         batches=batches,
         step=step,
         prepare=prepare,
-        make_optimizer=unused,
+        make_optimizer=no_step,
         auto_wrap=nn.Linear,
     )
 

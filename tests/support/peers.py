@@ -70,6 +70,11 @@ def adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3)
 
 
+def no_step(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer that moves nothing: for steps that use optimizers (or hooks) of their own."""
+    return torch.optim.SGD(params, lr=0.0)
+
+
 def make_batches(
     steps: int, inputs: tuple[int, ...], targets: tuple[int, ...] | None, seed: int = 0
 ) -> list[Batch]:
