@@ -13,6 +13,10 @@ What the ranks do share, being threads of one process:
 - Other process-wide torch settings (``torch.set_num_threads``, default dtype). Grad mode and
   autograd are per thread: CPU backward runs on the thread that calls it, so each rank's hooks
   and their collectives run on that rank's thread.
+- torch's cache of each op's Python object, which it fills the first time a dispatch mode
+  meets the op: two ranks' modes (a tracker, ``torch.compile``'s fake tensors) meeting one at
+  once could leave it holding a freed object. The first ``run_ranks`` of a process makes
+  every registered op's object before its ranks start (``shardwrap/planning/python_ops.py``).
 
 The group is not registered in ``torch.distributed``'s default world, which tests never
 initialise: call ``pg.rank()`` and ``pg.size()`` (``dist.get_rank(pg)`` raises), and pass
@@ -38,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed import ProcessGroup
+
+from shardwrap.planning.python_ops import resolve_python_ops
 
 __all__ = ["make_gloo_group", "run_ranks", "subgroup"]
 
@@ -77,6 +83,7 @@ def make_gloo_group(
 # The store and the open groups of each run, by the run's id (the first part of its groups'
 # names): subgroup() rendezvous through the store and keeps its group with the run's.
 _RUNS: dict[str, tuple[dist.Store, list[ProcessGroup]]] = {}
+_OPS_RESOLVED = False  # see "What the ranks do share"
 
 
 def subgroup(pg: ProcessGroup, ranks: list[int], name: str) -> ProcessGroup:
@@ -178,6 +185,10 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    global _OPS_RESOLVED
+    if not _OPS_RESOLVED:
+        resolve_python_ops()
+        _OPS_RESOLVED = True
     collective_timeout = timedelta(seconds=timeout / 2)
     store = dist.HashStore()
     store.set_timeout(collective_timeout)
