@@ -6,7 +6,8 @@ Upstream (``deepspeedai/DeepSpeed``): ``tests/unit/runtime/zero/test_zero_tensor
 pieces: ``safe_get_full_*``, ``safe_set_full_*``, ``safe_update_full_grad_vectorized``),
 ``test_zero_grad_clip.py`` (clipping the local gradients elementwise),
 ``tests/unit/ops/muon/test_muon.py`` (Muon's update against the full-gradient reference) and
-``tests/unit/runtime/half_precision/onebit/test_onebit.py`` (empty parameters). Each test names
+``tests/unit/runtime/half_precision/onebit/test_onebit.py`` and
+``tests/unit/runtime/zero/test_zero_numel_param_shape.py`` (empty parameters). Each test names
 the upstream test it mirrors and trains a plain deep copy of its model on the whole global batch
 beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and 3, over several
 steps (``tests/support/peers.py``): SGD with momentum, parameters equal within 1e-5; AdamW,
@@ -19,7 +20,10 @@ tests/peers/test_zero_fragments.py`` (the whole tier: ``pytest -m peers -n 3``).
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
 from tests.support.peers import (
     STAGES,
     Batch,
@@ -337,6 +342,71 @@ def test_empty_parameter_beside_others(stage: int) -> None:
         prepare=prepare,
         make_optimizer=no_step,
         compare_parameters=True,
+    )
+
+
+class EmptyTail(nn.Module):
+    """A linear layer, then one of no outputs: a (0, 8) weight used in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(8, 8, bias=False)
+        self.empty = nn.Linear(8, 0, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.dense(x)
+        return h.square().mean() + self.empty(h).sum()
+
+
+@stages
+def test_a_zero_element_weight_keeps_its_shape_through_steps_and_checkpoints(
+    stage: int, tmp_path: Path
+) -> None:
+    """Mirrors test_zero_numel_param_shape.py (the shape survives wrapping and a step, a second
+    step runs; ``TestZeroNumelParameterCheckpoint``): a (0, 8) weight used in forward, its own
+    unit: Adam steps the model as the plain one, every full state dict names the weight
+    (0, 8), and a checkpoint of the trained model loads into a fresh wrap that computes what
+    the trained one does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op")
+        torch.manual_seed(0)
+        model = EmptyTail()
+    batches = make_batches(3, (4, 8), None)
+    probe = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        loss = side.model(side.local(batch[0]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        state = side.model.full_state_dict() if side.sharded else side.model.state_dict()
+        side.note("shapes", {k: tuple(v.shape) for k, v in state.items()})
+        return loss
+
+    def finish(side: Side) -> None:
+        if not side.sharded:
+            return
+        save_checkpoint(tmp_path / f"stage{stage}", side.model)
+        fresh = ShardedModule(
+            copy.deepcopy(model), process_group=side.pg, auto_wrap=nn.Linear, stage=stage
+        )
+        load_checkpoint(tmp_path / f"stage{stage}", fresh)
+        assert {k: tuple(v.shape) for k, v in fresh.full_state_dict().items()} == {
+            "dense.weight": (8, 8),
+            "empty.weight": (0, 8),
+        }
+        with torch.no_grad():
+            x = side.local(probe)
+            torch.testing.assert_close(fresh(x), side.model(x), atol=0, rtol=0)
+
+    assert_peer_parity(
+        model,
+        stage=stage,
+        batches=batches,
+        step=step,
+        finish=finish,
+        make_optimizer=adamw,
+        auto_wrap=nn.Linear,
     )
 
 
