@@ -60,19 +60,25 @@ def _mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.mse_loss(model(x), y)
 
 
-def _accumulate(side: Side, batch: Batch, then: Callable[[int], None] | None = None) -> Tensor:
-    """Forward and backward over ``MICRO`` micro-batches of ``batch``, under ``no_sync()`` on
-    the sharded side but the last, ``then(i)`` after micro-batch ``i``'s backward: the loss."""
+def _accumulate(
+    side: Side,
+    batch: Batch,
+    then: Callable[[int, Tensor], None] | None = None,
+    loss_fn: Callable[[nn.Module, Tensor, Tensor], Tensor] = _mse,
+) -> Tensor:
+    """Forward and backward over ``MICRO`` micro-batches of ``batch`` (``loss_fn`` each, over
+    ``MICRO``), under ``no_sync()`` on the sharded side but the last, ``then(i, loss)`` after
+    micro-batch ``i``'s backward: the loss."""
     total = torch.zeros(())
     micro = list(zip(side.micro(batch[0], MICRO), side.micro(batch[1], MICRO)))
     for i, (x, y) in enumerate(micro):
-        loss = _mse(side.model, x, y) / MICRO
+        loss = loss_fn(side.model, x, y) / MICRO
         sync = side.model.no_sync() if side.sharded and i < MICRO - 1 else None
         with sync or contextlib.nullcontext():
             loss.backward()
         total = total + loss.detach()
         if then is not None:
-            then(i)
+            then(i, loss)
     return total
 
 
@@ -650,7 +656,7 @@ def test_zero_grad_between_no_sync_micro_batches_drops_what_they_accumulated(
     batches = make_batches(3, (12, 9), (12, 9))
 
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
-        def clear_after_the_first(i: int) -> None:
+        def clear_after_the_first(i: int, loss: Tensor) -> None:
             if i == 0:
                 if side.sharded:
                     assert all(p.grad is not None for p in side.model.parameters())
@@ -673,15 +679,10 @@ def test_micro_batches_with_units_kept_gathered(stage: int) -> None:
     keep: dict[str, Any] = {"reshard_after_forward": False} if stage == 3 else {}
 
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
-        total = torch.zeros(())
-        micro = list(zip(side.micro(batch[0], MICRO), side.micro(batch[1], MICRO)))
-        for i, (idx, targets) in enumerate(micro):
-            loss = _gpt_loss(side.model, idx, targets) / MICRO
-            sync = side.model.no_sync() if side.sharded and i < MICRO - 1 else None
-            with sync or contextlib.nullcontext():
-                loss.backward()
+        def note_loss(i: int, loss: Tensor) -> None:
             side.note("micro-batch loss", side.mean(loss))
-            total = total + loss.detach()
+
+        total = _accumulate(side, batch, note_loss, _gpt_loss)
         opt.step()
         opt.zero_grad()
         return total
