@@ -253,6 +253,8 @@ def _default_group(process_group: dist.ProcessGroup | None) -> Group:
             )
         return process_group
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() == 1:
+            _check_one_process(alone=True)
         return dist.group.WORLD
     _check_one_process()
     return None
@@ -265,8 +267,9 @@ def _default_group(process_group: dist.ProcessGroup | None) -> Group:
 _LAUNCHED_SIZES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
-def _check_one_process() -> None:
-    """No process group means world size 1, but only where the environment says one process.
+def _check_one_process(alone: bool = False) -> None:
+    """No process group, or a default group of this process ``alone``, means world size 1, but
+    only where the environment says one process.
 
     Raises:
         RuntimeError: a launcher started several processes; each would train its own copy.
@@ -274,10 +277,22 @@ def _check_one_process() -> None:
     for name in _LAUNCHED_SIZES:
         value = os.environ.get(name, "").strip()
         if value.isdigit() and int(value) > 1:
+            if alone:
+                why = (
+                    "torch.distributed's default group holds this process alone (it was "
+                    "initialised with world_size=1)"
+                )
+                fix = (
+                    "Initialise it with every process, leaving world_size and rank to the "
+                    "launcher's environment: "
+                )
+            else:
+                why = "torch.distributed has no process group"
+                fix = "Create the group before wrapping: "
             raise RuntimeError(
-                f"ShardedModule: {name}={value}: this is one of {value} processes, but "
-                "torch.distributed has no process group, so each would shard over itself alone "
-                "and train its own copy of the model. Create the group before wrapping: "
+                f"ShardedModule: {name}={value}: this is one of {value} processes, but {why}, "
+                "so each would shard over itself alone and train its own copy of the model. "
+                f"{fix}"
                 'dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10)) '
                 '("gloo" on CPUs); the timeout bounds how long the others wait for a hung rank '
                 "(torch's default: 30 minutes with gloo). With the Hugging Face Trainer, build "

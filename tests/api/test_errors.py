@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -421,6 +422,54 @@ def test_one_launched_process_without_a_process_group_is_world_size_1(
 def test_one_copy_per_process_on_purpose_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = ShardedModule(_gpt(), auto_wrap=Block, process_group=Mesh())
+    assert model._shardwrap_root.mesh.world_size == 1
+
+
+@pytest.fixture
+def default_group_of_one() -> Iterator[None]:
+    """torch.distributed initialised with this process alone (``world_size=1``)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "LOCAL_WORLD_SIZE"])
+def test_several_launched_processes_with_a_default_group_of_one_are_refused(
+    variable: str, monkeypatch: pytest.MonkeyPatch, default_group_of_one: None
+) -> None:
+    """init_process_group(world_size=1) under a launcher of several: each rank would train
+    alone, as with no group at all."""
+    monkeypatch.setenv(variable, "8")
+    with pytest.raises(RuntimeError) as raised:
+        ShardedModule(_gpt(), auto_wrap=Block)
+    message = str(raised.value)
+    assert f"{variable}=8: this is one of 8 processes" in message
+    assert "default group holds this process alone" in message
+    assert "train its own copy" in message
+    assert "leaving world_size and rank to the launcher's environment" in message
+    assert "process_group=shardwrap.Mesh()" in message
+
+
+@pytest.mark.parametrize("size", ["1", "", "auto", None])
+def test_one_launched_process_with_a_default_group_of_one_is_world_size_1(
+    size: str | None, monkeypatch: pytest.MonkeyPatch, default_group_of_one: None
+) -> None:
+    for variable in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        if size is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, size)
+    model = ShardedModule(_gpt(), auto_wrap=Block)
+    assert model._shardwrap_root.mesh.world_size == 1
+
+
+def test_a_group_of_one_given_on_purpose_under_a_launcher(
+    monkeypatch: pytest.MonkeyPatch, default_group_of_one: None
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    model = ShardedModule(_gpt(), auto_wrap=Block, process_group=dist.new_group([0]))
     assert model._shardwrap_root.mesh.world_size == 1
 
 
