@@ -42,6 +42,7 @@ from ..engine.shards.flat_group import piece_shape
 from ..tiers.home import DiskHome, Home
 from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS
 from ..tiers.offload import grads_in_own_dtype, stored_param
+from ..tiers.shard_param import raw_data, set_raw_data
 from .trace import LiveBytes, Trace
 
 __all__ = ["OptimizerFactory", "StepBytes", "optimizer_bytes", "ranks_to_plan"]
@@ -237,14 +238,15 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
             buffers = exchange(idx, wire, 2)  # values and gradients
             for i in idx:
                 p, piece = params[i], of[i]
-                restore.append((p, p.data, p.grad))
+                restore.append((p, raw_data(p), p.grad))
                 grad, p.grad = p.grad, None
                 if owner[i] != rank:
                     continue
                 if piece.spans[rank] == piece.numel:  # held whole: stepped in place
-                    p.data, p.grad = p.data.view(piece.shape), grad.view(piece.shape)
+                    set_raw_data(p, raw_data(p).view(piece.shape))
+                    p.grad = grad.view(piece.shape)
                 else:  # the whole gradient typed as the piece's (the disk tier's)
-                    p.data = torch.empty(piece.shape, dtype=dtype, device="meta")
+                    set_raw_data(p, torch.empty(piece.shape, dtype=dtype, device="meta"))
                     whole = torch.empty(piece.shape, dtype=grad_dtype, device="meta")
                     owned_by = getattr(grad, "_shardwrap_owner", None)
                     p.grad = whole if owned_by is None else as_shard_grad(whole, owned_by)
@@ -254,7 +256,8 @@ def _step_whole(opt: Optimizer, pieces: dict[int, _Piece], rank: int) -> None:
             exchange(idx, dtype, 1)  # the new values, back to each piece's rank
         for p, data, grad in restore:
             p.grad = None
-            p.data, p.grad = data, grad
+            set_raw_data(p, data)
+            p.grad = grad
 
 
 def _has_fused(optimizer: Optimizer) -> bool:

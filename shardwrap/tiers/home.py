@@ -70,6 +70,7 @@ from torch import Tensor, nn
 
 from ..options import Offload
 from .offload import HOME_ATTR, StoreError, stored_param
+from .shard_param import ShardParam
 
 __all__ = ["DiskHome", "HostHome", "Home", "make_home"]
 
@@ -95,7 +96,7 @@ class Home:
 
     def shard_param(self, data: Tensor, requires_grad: bool) -> nn.Parameter:
         """The shard parameter over ``data``, a view of a shard in this home."""
-        return nn.Parameter(data, requires_grad)
+        return ShardParam(data, requires_grad)
 
     def grad_buffer(self, numel: int, grad_dtype: torch.dtype, dtype: torch.dtype) -> Tensor | None:
         """A gradient buffer a group keeps in the home between steps, or ``None`` (none kept).
@@ -177,8 +178,8 @@ class HostHome(Home):
         return torch.empty(numel, dtype=dtype, pin_memory=self._pinned).zero_()
 
     def shard_param(self, data: Tensor, requires_grad: bool) -> nn.Parameter:
-        """A plain parameter that names this home, where an optimizer's step pre-hook finds it."""
-        param = nn.Parameter(data, requires_grad)
+        """A shard parameter that names this home, where an optimizer's step pre-hook finds it."""
+        param = ShardParam(data, requires_grad)
         setattr(param, HOME_ATTR, self)
         return param
 

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .shard_param import ShardParam
+
 __all__ = [
     "HOME_ATTR",
     "StoreError",
@@ -76,7 +78,7 @@ def count_fused_write(func: Callable[..., Any], args: tuple) -> None:
 HOME_ATTR = "_shardwrap_home"
 
 
-class StoredParam(torch.nn.Parameter):
+class StoredParam(ShardParam):
     """A shard parameter of the disk tier: state the optimizer makes "like" it is stored too."""
 
     @classmethod

@@ -1,5 +1,6 @@
 """Changes a user makes to a model after wrapping it: parameters assigned anew, modules swapped,
-weights edited inside ``gathered()`` on every rank or on one (``modifier_rank``).
+weights written through ``.data``, or edited inside ``gathered()`` on every rank or on one
+(``modifier_rank``).
 
 A change the flat shards can follow takes effect exactly as on the plain model (checked against
 a deep-copied plain model given the same change, over SGD steps at 2 ranks); one they cannot
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ import transformers
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from shardwrap import ShardedModule
+from shardwrap import Offload, ShardedModule
 from tests.support.models import tiny_gpt2_config
 from tests.support.ranks import run_ranks
 
@@ -160,6 +162,96 @@ def test_an_assignment_on_one_rank_only_raises_on_every_rank() -> None:
             m.b1.a.weight = nn.Parameter(torch.zeros(8, 8))
         with pytest.raises(RuntimeError, match="changed differently across ranks"):
             m(_batches()[0])
+
+    run_ranks(WORLD, fn, timeout=30)
+
+
+def _train_with_writes_through_data(m: nn.Module, rank: int, world: int) -> list[Tensor]:
+    """SGD steps, each followed by an EMA evaluation swap written through ``.data`` (diffusers'
+    ``EMAModel``: ``copy_to`` by ``p.data.copy_``, ``restore`` by assigning ``p.data``) and a
+    decay by ``p.data.mul_`` after that no-grad forward; returns every evaluation's output.
+    Elementwise, so each rank's pieces go through what the plain model's parameters do."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    params = list(m.parameters())
+    ema = [p.detach().clone() for p in params]
+    probe = torch.linspace(-1, 1, 16).view(2, 8)
+    outs = []
+    for x in _batches():
+        m(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                e.mul_(0.5).add_(p.detach(), alpha=0.5)
+            stored = [p.detach().clone() for p in params]
+            for p, e in zip(params, ema):
+                p.data.copy_(e)
+            outs.append(m(probe))
+            for p, kept in zip(params, stored):
+                p.data = kept
+            outs.append(m(probe))
+            for p in params:
+                p.data.mul_(0.99)
+    return outs
+
+
+@pytest.mark.parametrize(
+    "stage, tier", [(1, None), (2, None), (3, None), (3, "cpu"), (3, "disk"), (2, "cpu")]
+)
+def test_writes_through_data_are_the_ones_forward_uses(
+    stage: int, tier: str | None, tmp_path: Path
+) -> None:
+    """``p.data`` writes bypass a tensor's version counter, by which a unit kept gathered (or
+    a shard copy staged by the host tier) learns that its shard changed: before, the
+    evaluation after a restore still used the EMA weights and training went on from them.
+    Every output and the trained weights are the plain model's."""
+    plain = copy.deepcopy(_net())
+    expected = _train_with_writes_through_data(plain, 0, 1)
+    offload = {
+        None: None,
+        "cpu": Offload(device="cpu"),
+        "disk": Offload(device="disk", path=tmp_path),
+    }[tier]
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[Tensor], dict[str, Tensor]]:
+        m = ShardedModule(
+            copy.deepcopy(_net()), process_group=pg, auto_wrap=Block, stage=stage, offload=offload
+        )
+        return _train_with_writes_through_data(m, rank, WORLD), m.full_state_dict()
+
+    for outs, state in run_ranks(WORLD, fn, timeout=30):
+        for out, ref in zip(outs, expected, strict=True):
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("unlike", ["the whole parameter's shape", "another dtype"])
+def test_data_assigned_a_tensor_unlike_the_piece_is_refused_naming_the_parameter(
+    unlike: str,
+) -> None:
+    """Refused, naming the parameter, both tensors and the calls that set a whole value;
+    nothing changes and the model trains on."""
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(pg)
+        before = m.full_state_dict()
+        piece = m.b1.a.weight
+        if unlike == "another dtype":
+            value = torch.zeros_like(piece, dtype=torch.float64)
+        else:
+            value = torch.zeros(8, 8)
+        with pytest.raises(ValueError) as raised:
+            piece.data = value
+        message = str(raised.value)
+        assert message.startswith(
+            f"b1.a.weight.data = ... assigns a tensor of shape {tuple(value.shape)} "
+            f"({value.dtype}, cpu) to this rank's piece of b1.a.weight, of shape "
+            f"{tuple(piece.shape)} (torch.float32, cpu)"
+        )
+        assert "model.load_state_dict({'b1.a.weight': value}, strict=False)" in message
+        assert "model.gathered(writeback=True)" in message
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        _train(m, rank, WORLD)
 
     run_ranks(WORLD, fn, timeout=30)
 

@@ -62,6 +62,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ...comm.collectives import all_to_all
 from ...tiers.offload import HOME_ATTR, before_step
+from ...tiers.shard_param import raw_data, set_raw_data
 from .loaded_state import check_held_state, watch
 from .pieces import PIECE_ATTR, adopt_optimizer
 from .shard_grad import as_shard_grad, shard_grad_owner
@@ -407,7 +408,7 @@ class _WholeStep:
         for p, data, grad in self._restore:
             p.grad = None
             if data is not None:
-                p.data = data
+                set_raw_data(p, data)
             p.grad = grad
         self._restore, self._copied, self._stacked = [], [], []
 
@@ -433,7 +434,7 @@ class _WholeStep:
         owned: dict[int, tuple[Tensor, Tensor]] = {}  # (values, grads) in stacked order
         copies: set[int] = set()  # owned, not held whole: filled from the peers' pieces
         for e in plan.entries:
-            p, piece, grad = e.param, e.param.data, e.param.grad
+            p, piece, grad = e.param, raw_data(e.param), e.param.grad
             if e.owner != r:
                 self._restore.append((p, None, grad))
                 p.grad = None
@@ -464,7 +465,7 @@ class _WholeStep:
             values, grads = owned[id(e)]
             p = e.param
             p.grad = None
-            p.data = e.split.unstacked(values)
+            set_raw_data(p, e.split.unstacked(values))
             p.grad = as_shard_grad(e.split.unstacked(grads), e.grad_owner)
             if not e.split.identity:
                 self._stacked.append((e, values))
