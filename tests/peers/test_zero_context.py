@@ -6,7 +6,9 @@ the user (non-scalar outputs, two wrapped models, several backwards, frozen base
 Upstream (``deepspeedai/DeepSpeed``, ``tests/unit``): ``runtime/zero/test_zero_context.py``
 (``GatheredParameters``), ``runtime/zero/test_zero_context_return.py``,
 ``v1/zero/test_zero_autocast.py``, ``runtime/zero/test_zero_autocast_mixed_dtype.py``,
-``v1/zero/test_zero_user_backward.py`` and ``v1/zero/test_zero2_offload_multi_backward.py``.
+``v1/zero/test_zero_user_backward.py``, ``v1/zero/test_zero2_offload_multi_backward.py``,
+``runtime/zero/test_unwrap_model.py``, ``runtime/zero/test_zero_linear_direct_init.py`` and
+``runtime/zero/test_zero_shared_loss_gradient.py``.
 Each test names the upstream test it mirrors and trains a plain deep copy of its model on the
 whole global batch beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and
 3, over several steps (``tests/support/peers.py``): SGD with momentum, parameters equal within
@@ -18,6 +20,7 @@ tests/peers/test_zero_context.py`` (the whole tier: ``pytest tests/peers -m peer
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -439,6 +442,33 @@ def test_float32_adapters_beside_a_bf16_frozen_base_under_autocast(stage: int) -
         assert torch.equal(run.state["base_weight"], model.base_weight)
 
 
+@stages
+def test_training_goes_on_after_full_parameters_are_handed_out(stage: int) -> None:
+    """Mirrors test_unwrap_model.py (DeepSpeed's ``unwrap_model_for_generation``): between
+    steps the full parameters are handed out, for a no-grad evaluation with units kept
+    gathered (``keep_gathered(True)``) and as module attributes (``gathered()``); both read the
+    plain model's values, and training after them goes on as on the plain model."""
+    torch.manual_seed(0)
+    probe = torch.linspace(-1, 1, 2 * HIDDEN).view(2, HIDDEN)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        loss = plain_step(_pair_loss)(side, opt, batch)
+        with torch.no_grad():
+            if side.sharded:
+                with side.model.keep_gathered(True):
+                    side.note("evaluation", side.model(probe))
+                    side.note("evaluation again", side.model(probe))
+                with side.model.gathered():
+                    side.note("whole parameters", _whole(side))
+            else:
+                side.note("evaluation", side.model(probe))
+                side.note("evaluation again", side.model(probe))
+                side.note("whole parameters", _whole(side))
+        return loss
+
+    assert_peer_parity(Pair(), stage=stage, batches=REGRESSION, step=step, auto_wrap=nn.Linear)
+
+
 # backward driven by the user --------------------------------------------------------------------
 
 
@@ -460,6 +490,74 @@ def test_backward_of_a_non_scalar_output(stage: int) -> None:
         return out.detach().mean()
 
     assert_peer_parity(model, stage=stage, batches=REGRESSION, step=step, auto_wrap=nn.Linear)
+
+
+@stages
+@pytest.mark.parametrize("kind", ["save_on_cpu", "clone"])
+def test_saved_tensor_hooks_around_forward_and_backward(stage: int, kind: str) -> None:
+    """Mirrors test_zero_linear_direct_init.py: under the user's saved-tensor hooks
+    (``torch.autograd.graph.save_on_cpu``, or a pack hook that clones) around forward and
+    backward, what backward reads is the whole weight: gradients and steps match the plain
+    model's, and ``F.linear`` is torch's own."""
+    torch.manual_seed(0)
+    model = Pair()
+    shapes = shapes_of(model)
+    linear = F.linear
+
+    def hooks() -> Any:
+        if kind == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu()
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        with hooks():
+            loss = _pair_loss(side.model, side.local(batch[0]), side.local(batch[1]))
+            loss.backward()
+        assert F.linear is linear
+        note_grads(side, shapes)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    assert_peer_parity(model, stage=stage, batches=REGRESSION, step=step, auto_wrap=nn.Linear)
+
+
+@stages
+@pytest.mark.parametrize("skip_sync", ["no_sync", "require_backward_grad_sync"])
+def test_model_and_its_module_called_into_one_loss_over_micro_batches(
+    stage: int, skip_sync: str
+) -> None:
+    """Mirrors test_zero_shared_loss_gradient.py: each micro-batch calls the model and
+    ``model.module`` (the model itself, as DDP's habit has it) on two inputs, summed into one
+    loss; eight micro-batches accumulate without reducing (``no_sync()``, or
+    ``require_backward_grad_sync = False``), the last reduces. The accumulated gradients are
+    the plain model's."""
+    torch.manual_seed(0)
+    model = Pair()
+    shapes = shapes_of(model)
+    count = 8
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        m, total = side.model, torch.zeros(())
+        for i, x in enumerate(side.micro(batch[0], count)):
+            last = i == count - 1
+            inner = m.module if side.sharded else m
+            skip = contextlib.nullcontext()
+            if side.sharded and skip_sync == "no_sync" and not last:
+                skip = m.no_sync()
+            elif side.sharded and skip_sync == "require_backward_grad_sync":
+                m.require_backward_grad_sync = last
+            with skip:
+                loss = (m(x) + inner(x * 0.5)).square().mean() / count
+                loss.backward()
+            total += loss.detach()
+        note_grads(side, shapes)
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    batches = make_batches(3, (32, HIDDEN), (32, HIDDEN), seed=3)
+    assert_peer_parity(model, stage=stage, batches=batches, step=step, auto_wrap=nn.Linear)
 
 
 class Models(nn.Module):

@@ -7,12 +7,13 @@ pieces: ``safe_get_full_*``, ``safe_set_full_*``, ``safe_update_full_grad_vector
 ``test_zero_grad_clip.py`` (clipping the local gradients elementwise),
 ``tests/unit/ops/muon/test_muon.py`` (Muon's update against the full-gradient reference) and
 ``tests/unit/runtime/half_precision/onebit/test_onebit.py`` and
-``tests/unit/runtime/zero/test_zero_numel_param_shape.py`` (empty parameters). Each test names
-the upstream test it mirrors and trains a plain deep copy of its model on the whole global batch
-beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and 3, over several
-steps (``tests/support/peers.py``): SGD with momentum, parameters equal within 1e-5; AdamW,
-losses equal within 1e-5; plus what the test reads and writes through the pieces, equal to the
-plain model's within 1e-5. 2 ranks unless a test says 4.
+``tests/unit/runtime/zero/test_zero_numel_param_shape.py`` (empty parameters), and
+``tests/unit/runtime/zero/test_zero_allreduce_fetch_params.py`` (padding never read). Each
+test names the upstream test it mirrors and trains a plain deep copy of its model on the whole
+global batch beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and 3,
+over several steps (``tests/support/peers.py``): SGD with momentum, parameters equal within
+1e-5; AdamW, losses equal within 1e-5; plus what the test reads and writes through the pieces,
+equal to the plain model's within 1e-5. 2 ranks unless a test says 4.
 
 Run: ``PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2
 tests/peers/test_zero_fragments.py`` (the whole tier: ``pytest -m peers -n 3``).
@@ -294,6 +295,95 @@ def test_muon_at_four_ranks_matches_the_plain_model(stage: int) -> None:
         world_size=world,
         make_optimizer=Both,
         auto_wrap=MuonBlock,
+    )
+
+
+class OddSizes(nn.Module):
+    """Parameters of 5 and 7 elements scaling a linear layer's outputs: at 2 ranks every flat
+    group ends in padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 12)
+        self.five = nn.Parameter(torch.arange(1.0, 6.0) / 5)
+        self.seven = nn.Parameter(torch.arange(1.0, 8.0) / 7)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * torch.cat([self.five, self.seven])
+
+
+class TwoOddSizes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = OddSizes()
+        self.b = OddSizes()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(x) + self.b(x)
+
+
+def _garbage(make: Any) -> Any:
+    """``make`` (``torch.empty`` and kin), its tensors filled with NaN (integers: 77)."""
+
+    def made(*args: Any, **kwargs: Any) -> Tensor:
+        t = make(*args, **kwargs)
+        if t.device.type != "meta" and t.numel() and t.dtype != torch.bool:
+            t.fill_(float("nan") if t.is_floating_point() else 77)
+        return t
+
+    return made
+
+
+@stages
+@pytest.mark.parametrize("bucket_mb", [0, 25], ids=["bucket_mb=0", "bucket_mb=25"])
+def test_padding_that_starts_as_garbage_never_reaches_values_or_gradients(
+    stage: int, bucket_mb: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mirrors test_zero_allreduce_fetch_params.py: parameters of odd sizes, padded at 2 ranks,
+    gather back exactly whatever uninitialised memory holds: every ``torch.empty``,
+    ``empty_like``, ``empty_strided`` and ``Tensor.new_empty`` made while wrapping and training
+    is NaN. The whole values after wrapping (inside ``gathered()``), the gradients, the clipped
+    norm and every step are the plain model's."""
+    torch.manual_seed(0)
+    model = TwoOddSizes()
+    shapes = shapes_of(model)
+    for name in ("empty", "empty_like", "empty_strided"):
+        monkeypatch.setattr(torch, name, _garbage(getattr(torch, name)))
+    monkeypatch.setattr(Tensor, "new_empty", _garbage(Tensor.new_empty))
+
+    def whole(m: nn.Module) -> dict[str, Tensor]:
+        """Every parameter read as its module's attribute."""
+        split = [k.rpartition(".") for k in shapes]
+        return {f"{a}.{k}": getattr(m.get_submodule(a), k).detach().clone() for a, _, k in split}
+
+    def prepare(side: Side) -> None:
+        if side.sharded:
+            with side.model.gathered():
+                side.note("whole values", whole(side.model))
+        else:
+            side.note("whole values", whole(side.model))
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        loss = F.mse_loss(side.model(side.local(batch[0])), side.local(batch[1]))
+        loss.backward()
+        note_grads(side, shapes)
+        if side.sharded:
+            norm = side.model.clip_grad_norm_(0.5)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(side.model.parameters(), 0.5)
+        side.note("norm", norm)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    assert_peer_parity(
+        model,
+        stage=stage,
+        batches=make_batches(3, (8, 3), (8, 12), seed=4),
+        step=step,
+        prepare=prepare,
+        auto_wrap=OddSizes,
+        bucket_mb=bucket_mb,
     )
 
 
