@@ -11,6 +11,8 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
   and shape-aware optimizers and at world size 1; in memory they load back (the optimizer's
   state plain again), and training then goes on exactly as if they had never been taken;
 - ``model.module`` is the model (a submodule named ``module`` stays reachable);
+- ``DistributedDataParallel(model)`` around it and ``copy.deepcopy(model)`` are refused, naming
+  the fix, DDP before its first collective;
 - ``model.require_backward_grad_sync = False`` keeps gradients local, reduced once at the last
   micro-batch, in parity with the unwrapped model at every stage; it reads ``False`` inside
   ``no_sync()``; ranks that set it differently raise on every rank (before: they waited on each
@@ -35,6 +37,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwrap import ShardedModule
 from shardwrap.engine.optim.pieces import ShardPiece
@@ -165,6 +168,53 @@ def test_module_is_the_model_unless_the_model_names_a_submodule_so() -> None:
         assert isinstance(w.module, GPT) and w.module is not w
 
     run_ranks(2, fn, timeout=30.0)
+
+
+def test_ddp_around_the_sharded_model_is_refused_before_it_communicates() -> None:
+    """A migrated script that keeps its ``DDP(model)`` line: DDP's start-up broadcast would
+    overwrite rank 1's pieces with rank 0's and its all-reduce average pieces of different
+    ranges (parameters 0.6 off after three steps, before). Refused as DDP is built, before
+    its first collective: every rank's pieces are unchanged, and the model trains on."""
+    torch.manual_seed(0)
+    model = GPT()
+    idx, targets = make_batch(0, 4)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        before = m.full_state_dict()
+        pieces = [p.detach().clone() for p in m.parameters()]
+        with pytest.raises(TypeError) as raised:
+            DistributedDataParallel(m, process_group=pg)
+        message = str(raised.value)
+        assert message.startswith("DistributedDataParallel(model) around a ShardedModule")
+        assert "drop the DDP(...) line" in message and '("replicate", "shard")' in message
+        assert all(torch.equal(p, q) for p, q in zip(m.parameters(), pieces, strict=True))
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        m(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_deepcopy_of_the_sharded_model_is_refused_naming_the_ways_to_copy(
+    world_size: int,
+) -> None:
+    """``ema = copy.deepcopy(model)`` after wrapping: refused with what to do instead (it was
+    pickling's "cannot pickle 'ProcessGroup' object", naming neither shardwrap nor a fix)."""
+    torch.manual_seed(0)
+    model = GPT()
+
+    def fn(rank: int, pg: ProcessGroup | None) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        with pytest.raises(TypeError) as raised:
+            copy.deepcopy(m)
+        message = str(raised.value)
+        assert message.startswith("copy.deepcopy(model) of a ShardedModule")
+        assert "Copy the model before wrapping it" in message
+        assert "load model.full_state_dict() into it" in message
+        assert "[p.detach().clone() for p in model.parameters()]" in message
+
+    _run(world_size, fn)
 
 
 # gradient accumulation -------------------------------------------------------------------

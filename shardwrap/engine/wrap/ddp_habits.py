@@ -3,7 +3,11 @@
 A script written for ``DistributedDataParallel`` changes its wrap line and keeps the rest:
 ``raw_model = model.module``, gradient accumulation by ``model.require_backward_grad_sync``,
 and a count of parameters. :class:`DDPHabits` gives :class:`ShardedModule` those names with
-DDP's meaning; ``docs/ddp.md`` lists the lines that must change, and why.
+DDP's meaning; ``docs/ddp.md`` lists the lines that must change, and why. Two lines a migrated
+script may keep would go wrong without a word, and are refused where they run, naming the fix:
+``DistributedDataParallel(model)`` around the sharded model (its start-up broadcast would
+overwrite every rank's pieces with rank 0's, and its all-reduce average pieces of different
+ranges) and ``copy.deepcopy(model)`` (an EMA copy, say: the copy would share the process group).
 """
 
 from __future__ import annotations
@@ -22,6 +26,31 @@ class DDPHabits:
     """DDP's attributes on a sharded model (mixed into :class:`ShardedModule`)."""
 
     _shardwrap_root: Root
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        """Read by ``DistributedDataParallel``'s constructor before its first collective."""
+        raise TypeError(
+            "DistributedDataParallel(model) around a ShardedModule: DDP would broadcast rank "
+            "0's pieces of the parameters over every rank's own pieces, then average pieces "
+            "that hold different ranges of each parameter. A ShardedModule averages its "
+            "gradients over its ranks itself: drop the DDP(...) line (model.module, "
+            "model.no_sync() and model.require_backward_grad_sync work as on DDP). To "
+            "replicate over some ranks and shard over others, pass process_group= a "
+            'DeviceMesh with dimensions ("replicate", "shard") (hybrid sharding).'
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """``copy.deepcopy(model)`` is refused: see the module's note."""
+        raise TypeError(
+            "copy.deepcopy(model) of a ShardedModule: its parameters are this rank's pieces, "
+            "tied to its process group, so a copy could neither gather them nor train. Copy "
+            "the model before wrapping it (and wrap the copy too, or keep it plain), or build "
+            "a plain copy and load model.full_state_dict() into it (called on every rank). "
+            "For an EMA of the weights, keep it per piece: "
+            "[p.detach().clone() for p in model.parameters()], updated elementwise after "
+            "each step, and swapped in with p.copy_() under torch.no_grad()."
+        )
 
     @property
     def module(self) -> Any:
