@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.testing._internal.two_tensor import TwoTensor
 
 from shardwrap import Mesh, MixedPrecision, Offload, ShardedModule
 from tests.support.models import GPT, Block, make_batch
@@ -112,6 +113,44 @@ def test_wrapping_a_submodule_of_a_wrapped_model(world_size: int, auto_wrap: Any
         lambda group: ShardedModule(copy.deepcopy(model), auto_wrap=auto_wrap, process_group=group),
     )
     assert "already wrapped" in message and "Wrap once" in message
+
+
+# tensor-subclass parameters ------------------------------------------------------------
+
+
+def _subclassed(kind: str) -> nn.Module:
+    if kind == "NF4Tensor":  # a frozen base weight quantized as QLoRA does (torchao's)
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Linear(128, 128))
+        model[0].weight = nn.Parameter(to_nf4(model[0].weight.detach()), requires_grad=False)
+        return model
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    w = model[1].weight.detach()
+    model[1].weight = nn.Parameter(TwoTensor(w, 2 * w))  # computes two models at once
+    return model
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", ["TwoTensor", "NF4Tensor"])
+def test_a_tensor_subclass_parameter_is_refused_naming_it(kind: str, world_size: int) -> None:
+    """Before, a TwoTensor weight was flattened into a plain one (the wrapped model computed
+    one of its two results without a word) and an NF4 weight crashed inside torchao's
+    dispatch while the ranks compared weights."""
+    model = _subclassed(kind)
+    name = "1.weight" if kind == "TwoTensor" else "0.weight"
+
+    def fn(rank: int, pg: ProcessGroup | None) -> None:
+        with pytest.raises(TypeError) as raised:
+            ShardedModule(copy.deepcopy(model), process_group=pg)
+        message = str(raised.value)
+        assert message.startswith(f"ShardedModule: parameter '{name}' is a {kind}, a tensor")
+        assert "Give the model plain parameters before wrapping" in message
+
+    if world_size == 1:
+        fn(0, None)
+    else:
+        run_ranks(world_size, fn, timeout=30)
 
 
 # auto_wrap ---------------------------------------------------------------------------

@@ -19,17 +19,19 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ...comm.collectives import Group, all_reduce, group_size
 from ...options import Compression, MixedPrecision, Offload
+from ..shards.tensor_parallel import is_dtensor
 from .policy import AutoWrap, Placement, group_key, resolve_policy
 
 __all__ = [
     "bucket_bytes",
     "check_device",
-    "check_not_wrapped",
     "check_options",
     "check_same_model",
+    "check_wrappable",
     "checkpoint_policy",
     "describe",
     "resolve_compile",
@@ -41,13 +43,35 @@ UNIT_ATTR = "_shardwrap_unit"
 SHARD_ATTR = "_shardwrap_shard"
 
 
-def check_not_wrapped(module: nn.Module) -> None:
+def check_wrappable(module: nn.Module) -> None:
+    """Refuse, before any collective, a model wrapped already (or a part of it), or holding a
+    parameter the flat shards cannot hold."""
     for name, m in module.named_modules():
         if hasattr(m, ROOT_ATTR) or hasattr(m, UNIT_ATTR):
             already_wrapped("the model" if not name else f"its submodule '{name}'")
     for name, p in module.named_parameters():
         if getattr(p, SHARD_ATTR, False):
             already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
+    _check_plain_parameters(module)
+
+
+def _check_plain_parameters(module: nn.Module) -> None:
+    """Refuse, before any collective, a parameter of a tensor subclass other than tensor
+    parallelism's DTensor (torchao's NF4 and float8 tensors, ...): a flat shard holds plain
+    values of one dtype, so the subclass's own layout cannot be split into it, and the
+    parameter would compute as a plain tensor of its values."""
+    for name, p in module.named_parameters():
+        if is_traceable_wrapper_subclass(p) and not is_dtensor(p):
+            raise TypeError(
+                f"ShardedModule: parameter '{name}' is a {type(p).__name__}, a tensor "
+                "subclass: shards are plain tensors of one dtype, into which a subclass's own "
+                "layout (NF4's quantized blocks and scales, a float8 tensor's scale) cannot be "
+                "split, and it would compute as a plain tensor. Give the model plain "
+                "parameters before wrapping (for QLoRA-style training, a frozen bfloat16 base "
+                "beside the trainable adapters: frozen parameters are sharded too). DTensor "
+                'parameters (tensor parallelism, with a "tp" dimension in process_group) are '
+                "the one subclass taken."
+            )
 
 
 def already_wrapped(where: str) -> None:

@@ -37,9 +37,9 @@ from .checks import (
     UNIT_ATTR,
     bucket_bytes,
     check_device,
-    check_not_wrapped,
     check_options,
     check_same_model,
+    check_wrappable,
     checkpoint_policy,
     describe,
     resolve_compile,
@@ -162,7 +162,7 @@ class ShardedModule(DDPHabits, nn.Module):
     ) -> ShardedModule:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
-        check_not_wrapped(module)
+        check_wrappable(module)
         policy = resolve_policy(module, auto_wrap)
         check_selects_something(module, policy, auto_wrap)
         device = check_device(module, device)
