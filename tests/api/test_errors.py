@@ -432,11 +432,15 @@ def test_an_argument_that_differs_on_one_of_four_ranks_names_the_ranks_alike() -
 # launched processes without a process group --------------------------------------------
 
 
+@pytest.mark.parametrize("group", ["no group", "a default group of one"])
 @pytest.mark.parametrize("variable", ["WORLD_SIZE", "LOCAL_WORLD_SIZE"])
-def test_several_launched_processes_without_a_process_group_are_refused(
-    variable: str, monkeypatch: pytest.MonkeyPatch
+def test_several_launched_processes_without_a_group_of_them_are_refused(
+    variable: str, group: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    """Under torchrun with no init_process_group each rank would train alone: refuse it."""
+    """Under torchrun with no init_process_group, or with init_process_group(world_size=1),
+    each rank would train alone: refuse it."""
+    if group != "no group":
+        request.getfixturevalue("default_group_of_one")
     monkeypatch.setenv(variable, "2")
     with pytest.raises(RuntimeError) as raised:
         ShardedModule(_gpt(), auto_wrap=Block)
@@ -446,6 +450,11 @@ def test_several_launched_processes_without_a_process_group_are_refused(
     assert "dist.init_process_group(" in message and "timeout=datetime.timedelta(" in message
     assert "TrainingArguments(..., ddp_timeout=600) before wrapping" in message
     assert "process_group=shardwrap.Mesh()" in message
+    if group == "no group":
+        assert "torch.distributed has no process group" in message
+    else:
+        assert "default group holds this process alone" in message
+        assert "leaving world_size and rank to the launcher's environment" in message
 
 
 @pytest.mark.parametrize("size", ["1", "", "auto"])
@@ -472,23 +481,6 @@ def default_group_of_one() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("variable", ["WORLD_SIZE", "LOCAL_WORLD_SIZE"])
-def test_several_launched_processes_with_a_default_group_of_one_are_refused(
-    variable: str, monkeypatch: pytest.MonkeyPatch, default_group_of_one: None
-) -> None:
-    """init_process_group(world_size=1) under a launcher of several: each rank would train
-    alone, as with no group at all."""
-    monkeypatch.setenv(variable, "8")
-    with pytest.raises(RuntimeError) as raised:
-        ShardedModule(_gpt(), auto_wrap=Block)
-    message = str(raised.value)
-    assert f"{variable}=8: this is one of 8 processes" in message
-    assert "default group holds this process alone" in message
-    assert "train its own copy" in message
-    assert "leaving world_size and rank to the launcher's environment" in message
-    assert "process_group=shardwrap.Mesh()" in message
 
 
 @pytest.mark.parametrize("size", ["1", "", "auto", None])
