@@ -2,7 +2,8 @@
 to shardwrap.
 
 Upstream: ``test/distributed/_composable/fsdp/test_fully_shard_autograd.py`` (unused outputs
-and modules, containers between units, post-accumulate-grad hooks),
+and modules, containers between units, post-accumulate-grad hooks), the backward orders of
+``test_fully_shard_comm.py``,
 ``test_fully_shard_frozen.py`` (frozen parameters within and across units, frozen modules
 called several times) and the module hooks of ``test_fully_shard_training.py``. Each test names
 the upstream test it mirrors and trains a plain deep copy of its model on the whole global
@@ -49,6 +50,36 @@ BATCHES = make_batches(4, (8, 11), (8, 11))
 
 def _mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.mse_loss(model(x), y)
+
+
+# backward in an order forward does not predict ---------------------------------------------
+
+
+@stages
+@pytest.mark.parametrize("first", ["second output", "first output"])
+def test_two_outputs_backward_one_after_the_other_in_either_order(stage: int, first: str) -> None:
+    """Mirrors test_fully_shard_comm.py::test_backward_misprefetch and
+    ::_test_backward_prefetch_unused_in_backward: one forward of two branches (each linear
+    layer a unit), then each output's loss backward on its own, the first with
+    ``retain_graph=True``, in either order: backward meets the units in an order forward's does
+    not predict. The gradients are the plain model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(11, 11), DoubleLinear(11))
+    shapes = shapes_of(model)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        out1, out2 = side.model(side.local(batch[0]))
+        y = side.local(batch[1])
+        loss1, loss2 = F.mse_loss(out1, y), F.mse_loss(out2, y * 0.5)
+        earlier, later = (loss2, loss1) if first == "second output" else (loss1, loss2)
+        earlier.backward(retain_graph=True)
+        later.backward()
+        note_grads(side, shapes)
+        opt.step()
+        opt.zero_grad()
+        return loss1 + loss2
+
+    assert_peer_parity(model, stage=stage, batches=BATCHES, step=step, auto_wrap=nn.Linear)
 
 
 # unused outputs and modules ---------------------------------------------------------------------

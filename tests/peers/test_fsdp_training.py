@@ -1,7 +1,8 @@
 """Training behaviours that PyTorch FSDP2's own suite asserts, ported to shardwrap.
 
 Upstream: ``test/distributed/_composable/fsdp/test_fully_shard_training.py``,
-``test_fully_shard_grad_acc.py`` and ``test_fully_shard_shared_params.py``. Each test names the
+``test_fully_shard_grad_acc.py``, ``test_fully_shard_shared_params.py`` and the post-optimizer
+wait of ``test_fully_shard_comm.py``. Each test names the
 upstream test it mirrors and trains a plain deep copy of its model on the whole global batch
 beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and 3, over several
 steps (``tests/support/peers.py``): SGD with momentum, parameters equal within 1e-5; AdamW,
@@ -266,6 +267,32 @@ def test_chunked_loss_runs_the_head_per_chunk(stage: int, tied: bool) -> None:
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
         loss = _chunked_backward(side, side.local(batch[0]), side.local(batch[1]), 1.0)
         _zero_grad_alternating(side, opt)
+        return loss
+
+    assert_peer_parity(model, stage=stage, batches=TOKENS, step=step, auto_wrap=_head_policy)
+
+
+@stages
+def test_units_kept_gathered_across_the_optimizer_step_see_the_step(stage: int) -> None:
+    """Mirrors test_fully_shard_training.py::test_partial_group_reshard_toggle and
+    test_fully_shard_comm.py::test_post_optim_event: units held gathered through a whole step
+    (``keep_gathered(True)``: a no-grad forward, the chunked-loss training step, the optimizer
+    step, another no-grad forward); the forward after the step computes with the stepped
+    weights, not the buffers gathered before it."""
+    torch.manual_seed(0)
+    model = ChunkedHead(DIM, HEAD_VOCAB)
+    probe = torch.randint(HEAD_VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        held = side.model.keep_gathered(True) if side.sharded else contextlib.nullcontext()
+        with held:
+            with torch.no_grad():
+                side.note("before the step", side.model(probe))
+            loss = _chunked_backward(side, side.local(batch[0]), side.local(batch[1]), 1.0)
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                side.note("after the step", side.model(probe))
         return loss
 
     assert_peer_parity(model, stage=stage, batches=TOKENS, step=step, auto_wrap=_head_policy)
