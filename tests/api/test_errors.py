@@ -115,7 +115,7 @@ def test_wrapping_a_submodule_of_a_wrapped_model(world_size: int, auto_wrap: Any
     assert "already wrapped" in message and "Wrap once" in message
 
 
-# tensor-subclass parameters ------------------------------------------------------------
+# parameters with a layout of their own --------------------------------------------------
 
 
 def _subclassed(kind: str) -> nn.Module:
@@ -125,6 +125,10 @@ def _subclassed(kind: str) -> nn.Module:
         model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Linear(128, 128))
         model[0].weight = nn.Parameter(to_nf4(model[0].weight.detach()), requires_grad=False)
         return model
+    if kind == "Params4bit":  # bitsandbytes' 4-bit layer, as QLoRA loads a base model
+        import bitsandbytes
+
+        return nn.Sequential(bitsandbytes.nn.Linear4bit(64, 64, bias=False), nn.Linear(64, 64))
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     w = model[1].weight.detach()
     model[1].weight = nn.Parameter(TwoTensor(w, 2 * w))  # computes two models at once
@@ -132,11 +136,13 @@ def _subclassed(kind: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("kind", ["TwoTensor", "NF4Tensor"])
-def test_a_tensor_subclass_parameter_is_refused_naming_it(kind: str, world_size: int) -> None:
+@pytest.mark.parametrize("kind", ["TwoTensor", "NF4Tensor", "Params4bit"])
+def test_a_parameter_with_a_layout_of_its_own_is_refused_naming_it(
+    kind: str, world_size: int
+) -> None:
     """Before, a TwoTensor weight was flattened into a plain one (the wrapped model computed
-    one of its two results without a word) and an NF4 weight crashed inside torchao's
-    dispatch while the ranks compared weights."""
+    one of its two results without a word), an NF4 weight crashed inside torchao's dispatch
+    while the ranks compared weights, and a bitsandbytes 4-bit weight failed in autograd."""
     model = _subclassed(kind)
     name = "1.weight" if kind == "TwoTensor" else "0.weight"
 
@@ -144,7 +150,8 @@ def test_a_tensor_subclass_parameter_is_refused_naming_it(kind: str, world_size:
         with pytest.raises(TypeError) as raised:
             ShardedModule(copy.deepcopy(model), process_group=pg)
         message = str(raised.value)
-        assert message.startswith(f"ShardedModule: parameter '{name}' is a {kind}, a tensor")
+        assert message.startswith(f"ShardedModule: parameter '{name}' is a ")
+        assert f".{kind}, a tensor with a layout of its own" in message
         assert "Give the model plain parameters before wrapping" in message
 
     if world_size == 1:

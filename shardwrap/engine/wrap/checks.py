@@ -56,21 +56,26 @@ def check_wrappable(module: nn.Module) -> None:
 
 
 def _check_plain_parameters(module: nn.Module) -> None:
-    """Refuse, before any collective, a parameter of a tensor subclass other than tensor
-    parallelism's DTensor (torchao's NF4 and float8 tensors, ...): a flat shard holds plain
-    values of one dtype, so the subclass's own layout cannot be split into it, and the
-    parameter would compute as a plain tensor of its values."""
+    """Refuse, before any collective, a parameter with a layout of its own: a tensor subclass
+    other than tensor parallelism's DTensor (torchao's NF4 and float8 tensors, ...), or
+    bitsandbytes' quantized parameters (packed codes beside their quantization state). A flat
+    shard holds plain values of one dtype, which that layout cannot be split into."""
     for name, p in module.named_parameters():
-        if is_traceable_wrapper_subclass(p) and not is_dtensor(p):
+        if is_traceable_wrapper_subclass(p):
+            own_layout = not is_dtensor(p)
+        else:
+            own_layout = type(p).__module__.startswith("bitsandbytes.")
+        if own_layout:
             raise TypeError(
-                f"ShardedModule: parameter '{name}' is a {type(p).__name__}, a tensor "
-                "subclass: shards are plain tensors of one dtype, into which a subclass's own "
-                "layout (NF4's quantized blocks and scales, a float8 tensor's scale) cannot be "
-                "split, and it would compute as a plain tensor. Give the model plain "
-                "parameters before wrapping (for QLoRA-style training, a frozen bfloat16 base "
-                "beside the trainable adapters: frozen parameters are sharded too). DTensor "
-                'parameters (tensor parallelism, with a "tp" dimension in process_group) are '
-                "the one subclass taken."
+                f"ShardedModule: parameter '{name}' is a {type(p).__module__}."
+                f"{type(p).__name__}, a tensor with a layout of its own (NF4's or "
+                "bitsandbytes' quantized blocks and scales, a float8 tensor's scale): shards "
+                "are plain tensors of one dtype, into which that layout cannot be split, and "
+                "it would compute as a plain tensor. Give the model plain parameters before "
+                "wrapping (for QLoRA-style training, a frozen bfloat16 base beside the "
+                "trainable adapters: frozen parameters are sharded too). DTensor parameters "
+                '(tensor parallelism, with a "tp" dimension in process_group) are the one '
+                "tensor subclass taken."
             )
 
 
