@@ -13,6 +13,7 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
 - ``model.module`` is the model (a submodule named ``module`` stays reachable);
 - ``DistributedDataParallel(model)`` around it and ``copy.deepcopy(model)`` are refused, naming
   the fix, DDP before its first collective;
+- attributes set on parameters before wrapping (``p._no_weight_decay = True``) stay on them;
 - ``model.require_backward_grad_sync = False`` keeps gradients local, reduced once at the last
   micro-batch, in parity with the unwrapped model at every stage; it reads ``False`` inside
   ``no_sync()``; ranks that set it differently raise on every rank (before: they waited on each
@@ -215,6 +216,55 @@ def test_deepcopy_of_the_sharded_model_is_refused_naming_the_ways_to_copy(
         assert "[p.detach().clone() for p in model.parameters()]" in message
 
     _run(world_size, fn)
+
+
+def _decay_groups(m: nn.Module) -> list[dict[str, Any]]:
+    """Weight-decay groups built from a tag on the parameters, as Mamba's training scripts
+    do."""
+    params = list(m.parameters())
+    plain = [p for p in params if not getattr(p, "_no_weight_decay", False)]
+    tagged = [p for p in params if getattr(p, "_no_weight_decay", False)]
+    return [{"params": plain, "weight_decay": 0.5}, {"params": tagged, "weight_decay": 0.0}]
+
+
+def _tagged(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with tags on three parameters (a deep copy drops a parameter's
+    attributes, so they are set on each copy)."""
+    model = copy.deepcopy(model)
+    for p in (model.wpe.weight, model.blocks[0].ln_1.weight):
+        p._no_weight_decay = True
+    model.lm_head.weight.lr_scale = 0.5
+    return model
+
+
+def test_attributes_set_on_parameters_stay_on_them() -> None:
+    """A tag set on a parameter before wrapping is on its shard parameter (before, it was
+    dropped: an optimizer built from the tags decayed every parameter, and training departed
+    from DDP's without a word); the tagged groups train as the plain model's."""
+    torch.manual_seed(0)
+    model = GPT()
+    batches = [make_batch(s, 4) for s in range(2)]
+    plain = _tagged(model)
+    opt = torch.optim.SGD(_decay_groups(plain), lr=0.1, momentum=0.9)
+    for idx, targets in batches:
+        plain(idx, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(_tagged(model), auto_wrap=Block, process_group=pg)
+        assert m.wpe.weight._no_weight_decay and m.blocks[0].ln_1.weight._no_weight_decay
+        assert m.lm_head.weight.lr_scale == 0.5
+        assert not hasattr(m.wte.weight, "_no_weight_decay")
+        opt = torch.optim.SGD(_decay_groups(m), lr=0.1, momentum=0.9)
+        for idx, targets in batches:
+            m(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn, timeout=30.0):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
 
 
 # gradient accumulation -------------------------------------------------------------------

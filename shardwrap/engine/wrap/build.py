@@ -106,6 +106,7 @@ def build_root(
             )
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
                 shard_param.requires_grad_(p.requires_grad)
+                _keep_attributes(p, shard_param)
                 setattr(shard_param, SHARD_ATTR, True)
                 setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i, stats))
                 setattr(shard_param, NAME_ATTR, name)
@@ -143,3 +144,12 @@ def build_root(
     assign.install()  # the hooks that see parameters and modules assigned after wrapping
     weakref.finalize(root, assign.release)
     return root
+
+
+def _keep_attributes(original: nn.Parameter, shard_param: nn.Parameter) -> None:
+    """What a user set on a parameter (a tag such as ``p._no_weight_decay = True``, which an
+    optimizer's groups are built from, or per-parameter settings) stays on it, as under DDP
+    and DeepSpeed, which keep the parameter object: copied onto its shard parameter."""
+    for key, value in vars(original).items():
+        if key != "_is_param" and not key.startswith("_shardwrap"):
+            setattr(shard_param, key, value)
