@@ -45,27 +45,14 @@ SHARD_ATTR = "_shardwrap_shard"
 
 def check_wrappable(module: nn.Module) -> None:
     """Refuse, before any collective, a model wrapped already (or a part of it), or holding a
-    parameter the flat shards cannot hold."""
+    parameter with a layout of its own, which the flat shards cannot hold."""
     for name, m in module.named_modules():
         if hasattr(m, ROOT_ATTR) or hasattr(m, UNIT_ATTR):
             already_wrapped("the model" if not name else f"its submodule '{name}'")
     for name, p in module.named_parameters():
         if getattr(p, SHARD_ATTR, False):
             already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
-    _check_plain_parameters(module)
-
-
-def _check_plain_parameters(module: nn.Module) -> None:
-    """Refuse, before any collective, a parameter with a layout of its own: a tensor subclass
-    other than tensor parallelism's DTensor (torchao's NF4 and float8 tensors, ...), or
-    bitsandbytes' quantized parameters (packed codes beside their quantization state). A flat
-    shard holds plain values of one dtype, which that layout cannot be split into."""
-    for name, p in module.named_parameters():
-        if is_traceable_wrapper_subclass(p):
-            own_layout = not is_dtensor(p)
-        else:
-            own_layout = type(p).__module__.startswith("bitsandbytes.")
-        if own_layout:
+        if _has_own_layout(p):
             raise TypeError(
                 f"ShardedModule: parameter '{name}' is a {type(p).__module__}."
                 f"{type(p).__name__}, a tensor with a layout of its own (NF4's or "
@@ -77,6 +64,15 @@ def _check_plain_parameters(module: nn.Module) -> None:
                 '(tensor parallelism, with a "tp" dimension in process_group) are the one '
                 "tensor subclass taken."
             )
+
+
+def _has_own_layout(p: Tensor) -> bool:
+    """Whether ``p`` is a tensor subclass other than tensor parallelism's DTensor (torchao's NF4
+    and float8 tensors, ...) or one of bitsandbytes' quantized parameters (packed codes beside
+    their quantization state)."""
+    if is_traceable_wrapper_subclass(p):
+        return not is_dtensor(p)
+    return type(p).__module__.startswith("bitsandbytes.")
 
 
 def already_wrapped(where: str) -> None:
