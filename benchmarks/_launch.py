@@ -10,6 +10,7 @@ from its own folder, which Python puts first on the path of ``python benchmarks/
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -132,6 +134,21 @@ def run_once(
     raise RuntimeError(
         f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-12000:]}"
     )
+
+
+def end_ranks() -> None:
+    """Destroy this rank's default process group, its threads joined, so that the process exits
+    cleanly; a launched rank's last call.
+
+    A DDP or FSDP2 run on gloo under torch 2.13 can abort as its process exits ("terminate
+    called without an active exception", exit code -6; 4 launches of 20 on the test machine): a
+    gloo thread releases a finished reduction, which holds a Python object, after the interpreter
+    has begun to shut down. Collecting garbage first frees the models the caller no longer
+    holds, and with them their hold on the group, so that destroying it joins its threads while
+    the interpreter still runs. The caller drops its own references to such models first.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def hardware() -> str:

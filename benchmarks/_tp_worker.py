@@ -40,7 +40,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _worker import ByteCounter, peak_mb, rss_mb  # noqa: E402  (this folder, as the script's)
+from _launch import end_ranks  # noqa: E402  (this folder, as the script's)
+from _worker import ByteCounter, peak_mb, rss_mb  # noqa: E402
 
 from examples.train_gpt import GPT, Block  # noqa: E402
 from examples.train_gpt_tp import tp_plan  # noqa: E402
@@ -174,7 +175,7 @@ def main() -> None:
     result = run(method, cfg)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

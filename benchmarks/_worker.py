@@ -91,7 +91,8 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from compare import (  # noqa: E402  (this folder, as the script's)
+from _launch import end_ranks  # noqa: E402  (this folder, as the script's)
+from compare import (  # noqa: E402
     ALIASES,
     METHODS,
     OPTIMIZERS,
@@ -600,7 +601,7 @@ def main() -> None:
     result = run(method, cfg)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

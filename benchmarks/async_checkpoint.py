@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _launch import commit, hardware, results_dir, torchrun
+from _launch import commit, end_ranks, hardware, results_dir, torchrun
 
 HOLD_GOAL = 0.1  # a non-blocking save holds the loop at most this times a blocking one
 STEP_GOAL = 1.25  # a step while a write runs takes at most this times a normal step
@@ -180,7 +180,7 @@ def _worker(cfg_json: str, folder: str, steps: int, during: int) -> None:
         del model, opt
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 # the driver: launch, judge, report ---------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _launch import commit, hardware, results_dir, torchrun_json
+from _launch import commit, end_ranks, hardware, results_dir, torchrun_json
 from torch import nn
 
 METHODS = ("shardwrap", "fsdp2")
@@ -229,7 +229,7 @@ def main() -> None:
         hooks = measure(sys.argv[1])
         if dist.get_rank() == 0:
             Path(sys.argv[2]).write_text(json.dumps(hooks))
-        dist.destroy_process_group()
+        end_ranks()
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))

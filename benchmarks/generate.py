@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import ROOT, commit, hardware, results_dir, torchrun_json  # noqa: E402
+from _launch import ROOT, commit, end_ranks, hardware, results_dir, torchrun_json  # noqa: E402
 
 METHODS = [
     "ddp",
@@ -137,7 +137,7 @@ def worker(method: str, rows: int, beams: int, tokens: int, repeats: int, out: s
         result["gather_mb"] = stats.bytes.get("all_gather", 0) / repeats / 2**20
     if rank == 0:
         Path(out).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def _generate(

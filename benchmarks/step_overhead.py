@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _launch import HERE, commit, hardware, results_dir, run_once, torchrun
+from _launch import HERE, commit, end_ranks, hardware, results_dir, run_once, torchrun
 
 SHARDED = ("fsdp2", "shardwrap-s2", "shardwrap-s3")
 METHODS = ("ddp", *SHARDED)
@@ -205,7 +205,7 @@ def profile_rank(method: str, config: dict[str, Any], steps: int, top: int) -> N
         stats.sort_stats("tottime").print_stats(top)
         stats.sort_stats("cumulative").print_stats("shardwrap", top)
         print("PROFILE " + json.dumps({"steps": steps, "text": out.getvalue()}), flush=True)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import torchrun_json  # noqa: E402
+from _launch import end_ranks, torchrun_json  # noqa: E402
 from generate import fsdp2_t5, t5_model  # noqa: E402
 
 METHODS = ("ddp", "shardwrap-s2", "shardwrap-s3", "fsdp2")
@@ -194,7 +194,7 @@ def worker(method: str, settings: dict[str, int], out: str) -> None:
         result["gather_mb"] = stats.bytes.get("all_gather", 0) / repeats / 2**20
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

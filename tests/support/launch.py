@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks._launch import end_ranks  # noqa: F401  (a launched rank's last call)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwrap
 from shardwrap import ShardedModule
+from tests.support.launch import end_ranks
 from tests.support.models import GPT, Block
 
 out_dir, wrap = Path(sys.argv[1]), sys.argv[2]
@@ -152,4 +153,5 @@ while True:
 if master_process:
     (out_dir / "result.json").write_text(json.dumps(result))
 if ddp:
-    dist.destroy_process_group()
+    del model  # nothing then holds the group; see end_ranks
+    end_ranks()

@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import shardwrap.hf
 from shardwrap import ShardedModule
+from tests.support.launch import end_ranks
 from tests.support.models import hf_ids, tiny_llama_config
 
 LENGTH = 10
@@ -118,7 +119,7 @@ def main(out_path: str, work: str) -> None:
     results = {mode: run(mode, Path(work)) for mode in ("ddp", "stage2", "stage3")}
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

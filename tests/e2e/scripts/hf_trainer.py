@@ -30,6 +30,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import shardwrap.hf
 from shardwrap import ShardedModule
+from tests.support.launch import end_ranks
 from tests.support.models import tiny_gpt2_config
 
 LENGTH = 12
@@ -151,7 +152,7 @@ def main(out_path: str, work: str) -> None:
     results = {mode: run(mode, Path(work)) for mode in ("ddp", "shardwrap")}
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

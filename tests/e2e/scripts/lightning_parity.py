@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 import shardwrap.lightning  # noqa: F401  (registers strategy="shardwrap")
 from shardwrap.lightning import ShardwrapStrategy
+from tests.support.launch import end_ranks
 
 WIDTH, ROWS, GLOBAL_BATCH, EPOCHS = 16, 32, 8, 2
 
@@ -154,4 +155,4 @@ if __name__ == "__main__":
     mode, out, folder = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     torch.distributed.init_process_group("gloo")
     (_train if mode == "train" else _resume)(out, folder)
-    torch.distributed.destroy_process_group()
+    end_ranks()
