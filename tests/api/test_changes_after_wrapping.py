@@ -295,6 +295,62 @@ def test_edits_that_differ_across_ranks_are_refused_without_modifier_rank(stage:
     run_ranks(WORLD, fn, timeout=30)
 
 
+def _reset_every_module(m: nn.Module) -> None:
+    """A model re-initialised after wrapping, as after ``to_empty()``: each module's own
+    ``reset_parameters()``."""
+    for module in m.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reset_parameters_inside_gathered_initialises_the_full_parameters(stage: int) -> None:
+    """Inside ``gathered(modifier_rank=0)`` each module's ``reset_parameters()`` runs on its
+    full parameters: the model holds what the plain model's reset draws from the same seed
+    (Kaiming's range from the layer's input width), on every rank, and trains as it does."""
+    plain = copy.deepcopy(_net())
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        _reset_every_module(plain)
+    reset = {k: v.clone() for k, v in plain.state_dict().items()}
+    _train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        m = _wrap(pg, stage)
+        with m.gathered(modifier_rank=0):
+            if rank == 0:  # the ranks, threads here, share torch's generator: one draws
+                with torch.random.fork_rng():
+                    torch.manual_seed(5)
+                    _reset_every_module(m)
+        after_reset = m.full_state_dict()
+        _train(m, rank, WORLD)
+        return after_reset, m.full_state_dict()
+
+    for after_reset, trained in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(after_reset, reset, atol=0, rtol=0)
+        torch.testing.assert_close(trained, dict(plain.state_dict()), atol=1e-5, rtol=0)
+
+
+def test_reset_parameters_on_pieces_is_refused_naming_the_module_and_the_fix() -> None:
+    """Outside ``gathered()`` a module's parameters are this rank's pieces, whose shape is not
+    the parameter's: ``reset_parameters()`` is refused before it writes, naming the module and
+    ``gathered(modifier_rank=0)``, and the model trains on unchanged."""
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _wrap(pg)
+        before = m.full_state_dict()
+        with pytest.raises(ValueError, match=r"get_submodule\('b1.a'\).reset_parameters\(\)") as e:
+            _reset_every_module(m)
+        assert "gathered(modifier_rank=0)" in str(e.value) and "meta device" in str(e.value)
+        with pytest.raises(ValueError, match=r"get_submodule\('head'\)"):
+            m.head.reset_parameters()
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        _train(m, rank, WORLD)
+
+    run_ranks(WORLD, fn, timeout=30)
+
+
 def test_a_rank_raising_inside_gathered_writes_nothing_on_any_rank() -> None:
     def fn(rank: int, pg: ProcessGroup) -> None:
         m = _wrap(pg)

@@ -20,7 +20,7 @@ from ...comm.mesh import Mesh
 from ...comm.quantize import Codec
 from ...options import Compression, MixedPrecision
 from ...tiers.home import Home
-from ...tiers.shard_param import NAME_ATTR
+from ...tiers.shard_param import NAME_ATTR, ShardParam
 from ..optim.whole_params import PIECE_ATTR, install, release
 from ..shards.flat_group import FlatGroup
 from ..shards.pool import BufferPool
@@ -33,6 +33,7 @@ from .checks import SHARD_ATTR
 from .extensions import may_train
 from .meta_init import Materializer, ParamInitFn, agree_seed, is_meta
 from .policy import Placement, group_key, reduce_dtype_of
+from .resets import guard_resets
 from .retired import retire
 
 __all__ = ["build_root"]
@@ -116,6 +117,11 @@ def build_root(
             flat_groups.append(fg)
         gone = strategy.release_after_backward or stage3  # its buffers, after backward
         units.append(Unit(unit_module, index, flat_groups, stats, stage3, bucket_bytes, gone))
+    guard_resets(
+        (n, m)
+        for n, m in module.named_modules()
+        if any(isinstance(p, ShardParam) for p in m._parameters.values())
+    )
     buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():

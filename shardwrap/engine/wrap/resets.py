@@ -1,0 +1,66 @@
+"""``reset_parameters()`` on a wrapped module: run on full parameters, refused on pieces.
+
+Design note. A wrapped module's parameters are this rank's pieces, shaped ``(1, ..., n)``, so an
+initialiser that reads a parameter's shape computes from the piece: ``nn.Linear``'s and the
+convolutions' ``reset_parameters()`` (Kaiming, from the fan-in) would draw from a range set by
+``n`` instead of the input width, far too narrow for a large layer, and ``nn.Embedding``'s would
+zero the piece's first row instead of the padding row. The habit comes from a model re-initialised
+after wrapping (``for m in model.modules(): m.reset_parameters()``, as after ``to_empty()``), and
+would train from the wrong weights without a word. So each module holding pieces gets an instance
+attribute in place of its class's ``reset_parameters`` (and ``_reset_parameters``): inside
+``model.gathered(...)``, where its attributes are the full parameters, it runs the class's own;
+otherwise it raises ``ValueError`` naming the module and the two ways that initialise the full
+parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from ...tiers.shard_param import ShardParam
+
+__all__ = ["guard_resets"]
+
+RESETS = ("reset_parameters", "_reset_parameters")
+
+
+def guard_resets(owners: Iterable[tuple[str, nn.Module]]) -> None:
+    """Guard the initialisers of each ``(name, module)`` that holds shard parameters."""
+    for name, module in owners:
+        for method in RESETS:
+            own = getattr(type(module), method, None)
+            if callable(own) and method not in module.__dict__:
+                module.__dict__[method] = _guarded(weakref.ref(module), own, name, method)
+
+
+def _guarded(
+    ref: Callable[[], nn.Module | None], own: Callable[..., Any], name: str, method: str
+) -> Callable[..., Any]:
+    """The class's ``own`` initialiser, run only while the module shows full parameters (the
+    module held weakly: the guard is the module's own attribute)."""
+
+    def reset(*args: Any, **kwargs: Any) -> Any:
+        module = ref()
+        pieces = [
+            attr
+            for attr, p in module._parameters.items()
+            if isinstance(p, ShardParam) and getattr(module, attr) is p
+        ]
+        if pieces:
+            where = f"model.get_submodule({name!r})" if name else "model"
+            raise ValueError(
+                f"shardwrap: {where}.{method}() would initialise this rank's pieces of "
+                f"{', '.join(pieces)}, and an initialiser reads the shape of what it fills (a "
+                "piece's is not the parameter's: Kaiming's range would come from the piece's "
+                "length). Re-initialise the full parameters: with model.gathered("
+                f"modifier_rank=0): {where}.{method}() (rank 0's "
+                "values go to every rank), or build the model on the meta device and let "
+                "wrapping initialise it (param_init_fn=... for an initialiser of your own)."
+            )
+        return own(module, *args, **kwargs)
+
+    return reset
