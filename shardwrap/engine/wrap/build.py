@@ -20,7 +20,7 @@ from ...comm.mesh import Mesh
 from ...comm.quantize import Codec
 from ...options import Compression, MixedPrecision
 from ...tiers.home import Home
-from ...tiers.shard_param import NAME_ATTR, ShardParam
+from ...tiers.shard_param import NAME_ATTR
 from ..optim.whole_params import PIECE_ATTR, install, release
 from ..shards.flat_group import FlatGroup
 from ..shards.pool import BufferPool
@@ -117,11 +117,7 @@ def build_root(
             flat_groups.append(fg)
         gone = strategy.release_after_backward or stage3  # its buffers, after backward
         units.append(Unit(unit_module, index, flat_groups, stats, stage3, bucket_bytes, gone))
-    guard_resets(
-        (n, m)
-        for n, m in module.named_modules()
-        if any(isinstance(p, ShardParam) for p in m._parameters.values())
-    )
+    guard_resets(module)
     buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():

@@ -16,7 +16,7 @@ parameters.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -28,9 +28,11 @@ __all__ = ["guard_resets"]
 RESETS = ("reset_parameters", "_reset_parameters")
 
 
-def guard_resets(owners: Iterable[tuple[str, nn.Module]]) -> None:
-    """Guard the initialisers of each ``(name, module)`` that holds shard parameters."""
-    for name, module in owners:
+def guard_resets(model: nn.Module) -> None:
+    """Guard the initialisers of each module of ``model`` that holds shard parameters."""
+    for name, module in model.named_modules():
+        if not any(isinstance(p, ShardParam) for p in module._parameters.values()):
+            continue
         for method in RESETS:
             own = getattr(type(module), method, None)
             if callable(own) and method not in module.__dict__:
