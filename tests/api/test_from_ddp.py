@@ -12,7 +12,9 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
   state plain again), and training then goes on exactly as if they had never been taken;
 - ``model.module`` is the model (a submodule named ``module`` stays reachable);
 - ``DistributedDataParallel(model)`` around it and ``copy.deepcopy(model)`` are refused, naming
-  the fix, DDP before its first collective;
+  the fix, DDP before its first collective; DDP around a module holding the sharded model is
+  refused at its first forward, on every rank, and one told to leave the sharded parameters
+  alone trains like the plain model;
 - attributes set on parameters before wrapping (``p._no_weight_decay = True``) stay on them;
 - ``model.require_backward_grad_sync = False`` keeps gradients local, reduced once at the last
   micro-batch, in parity with the unwrapped model at every stage; it reads ``False`` inside
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +197,91 @@ def test_ddp_around_the_sharded_model_is_refused_before_it_communicates() -> Non
         m(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
 
     run_ranks(2, fn, timeout=30.0)
+
+
+class Outer(nn.Module):
+    """A plain module around a network sharded on its own (``outer.body =
+    ShardedModule(outer.body)``), with a head of its own. Each of the network's layers is a unit
+    holding one parameter, so every rank's pieces have the same shapes and DDP's constructor
+    accepts them (pieces of unequal shapes fail there, in DDP's words)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False)
+        )
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x)).square().mean()
+
+
+def _outer(pg: ProcessGroup, outer: Outer) -> Outer:
+    m = copy.deepcopy(outer)
+    m.body = ShardedModule(m.body, auto_wrap=nn.Linear, process_group=pg)
+    return m
+
+
+def test_ddp_around_a_module_holding_the_sharded_model_is_refused_at_its_first_forward() -> None:
+    """``DDP(outer)`` with ``outer.body`` sharded: DDP's start-up broadcast copies rank 0's
+    pieces over rank 1's, and its all-reduce would average pieces of different ranges (before:
+    training went on from the overwritten pieces without a word). Refused at the first forward
+    DDP runs, on every rank, before a gather, naming the module and both fixes. The ranks'
+    forwards take turns: DDP marks the one it runs for the whole process, and these ranks are
+    threads of one."""
+    torch.manual_seed(0)
+    outer, x = Outer(), torch.randn(4, 8)
+    turns = threading.Lock()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _outer(pg, outer)
+        ddp = DistributedDataParallel(m, process_group=pg)
+        stats = m.body._shardwrap_root.stats
+        before = stats.calls.copy()
+        with turns, pytest.raises(TypeError) as raised:
+            ddp(x.chunk(2)[rank])
+        assert stats.calls == before
+        message = str(raised.value)
+        assert message.startswith(
+            "DistributedDataParallel around a module that holds a ShardedModule (at 'body'): "
+            "DDP replicates the ShardedModule's parameters (0.weight, 2.weight)"
+        )
+        assert "ShardedModule(model, auto_wrap=...) in place of" in message
+        assert "_set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in " in message
+        assert "n.startswith('body.')" in message
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+def test_ddp_told_to_leave_the_sharded_parameters_alone_trains_like_the_plain_model() -> None:
+    """The other way out: DDP replicates the outer module's own parameters, the ShardedModule
+    shards its own; three AdamW steps on half the batch per rank match the plain model's on
+    the whole batch."""
+    torch.manual_seed(0)
+    outer = Outer()
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    plain = copy.deepcopy(outer)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for x in batches:
+        plain(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        m = _outer(pg, outer)
+        sharded = [n for n, _ in m.named_parameters() if n.startswith("body.")]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, sharded)
+        ddp = DistributedDataParallel(m, process_group=pg)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        for x in batches:
+            ddp(x.chunk(2)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.body.full_state_dict(), {k: v.clone() for k, v in m.head.state_dict().items()}
+
+    for body, head in run_ranks(2, fn, timeout=30.0):
+        torch.testing.assert_close(body, plain.body.state_dict(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(head, plain.head.state_dict(), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -30,6 +30,7 @@ from ..step.root import Root
 from ..step.strategy import Strategy
 from . import assign
 from .checks import SHARD_ATTR
+from .ddp_habits import refuse_ddp_outside
 from .extensions import may_train
 from .meta_init import Materializer, ParamInitFn, agree_seed, is_meta
 from .policy import Placement, group_key, reduce_dtype_of
@@ -118,6 +119,7 @@ def build_root(
         gone = strategy.release_after_backward or stage3  # its buffers, after backward
         units.append(Unit(unit_module, index, flat_groups, stats, stage3, bucket_bytes, gone))
     guard_resets(module)
+    refuse_ddp_outside(module)
     buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():

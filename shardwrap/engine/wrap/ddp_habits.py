@@ -8,18 +8,27 @@ script may keep would go wrong without a word, and are refused where they run, n
 ``DistributedDataParallel(model)`` around the sharded model (its start-up broadcast would
 overwrite every rank's pieces with rank 0's, and its all-reduce average pieces of different
 ranges) and ``copy.deepcopy(model)`` (an EMA copy, say: the copy would share the process group).
+
+DDP around a module that holds a sharded model (``parent.body = ShardedModule(parent.body)``,
+then ``DDP(parent)``) cannot be refused as DDP is built: its constructor asks nothing of a child
+before its start-up broadcast, which overwrites every rank's pieces with rank 0's where the
+pieces' shapes agree (where they differ, DDP itself raises that a parameter's sizes do not
+match). :func:`refuse_ddp_outside` refuses the first forward such a DDP runs, on every rank,
+before the forward's first gather: no step is ever taken on the overwritten pieces.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..step.root import Root
 
-__all__ = ["DDPHabits"]
+__all__ = ["DDPHabits", "refuse_ddp_outside"]
 
 
 class DDPHabits:
@@ -111,3 +120,43 @@ class DDPHabits:
             param = index.get(id(p))
             total += p.numel() if param is None else math.prod(param.shape)
         return total
+
+
+def refuse_ddp_outside(model: nn.Module) -> None:
+    """Make ``model``'s forward raise when a DDP (``DistributedDataParallel`` or ``replicate``)
+    around a module holding ``model`` runs it and replicates its pieces; a DDP told to leave
+    them alone (its ``parameters_to_ignore`` naming them all) runs it as any caller would."""
+    harmless: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def hook(module: nn.Module, args: Any) -> None:
+        ddp = DistributedDataParallel._active_ddp_module  # set for the length of its forward
+        if ddp is None or ddp in harmless:
+            return
+        ignored = ddp.parameters_to_ignore
+        managed = {id(p) for n, p in ddp.module.named_parameters() if n not in ignored}
+        replicated = [n for n, p in module.named_parameters() if id(p) in managed]
+        if not replicated:
+            harmless.add(ddp)
+            return
+        # replicate()'s DDP holds a list of the parameters, where the model has no name
+        where = next((n for n, m in ddp.module.named_modules() if m is module), None)
+        raise TypeError(
+            "DistributedDataParallel around a module that holds a ShardedModule"
+            f"{f' (at {where!r})' if where else ''}: DDP replicates the ShardedModule's "
+            f"parameters ({', '.join(replicated[:3])}{', ...' if len(replicated) > 3 else ''}), "
+            "which are this rank's pieces. Its start-up broadcast has already copied rank 0's "
+            "pieces over every other rank's, and its all-reduce would average pieces that hold "
+            "different ranges: rebuild the model, then shard all of it (ShardedModule(model, "
+            "auto_wrap=...) in place of DistributedDataParallel(model): the outer module's own "
+            "parameters join the root unit)"
+            + (
+                ", or tell DDP to leave the sharded parameters alone before building it: "
+                "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n "
+                f"for n, _ in model.named_parameters() if n.startswith({where + '.'!r})]) (the "
+                "ShardedModule averages its own gradients)."
+                if where
+                else "."
+            )
+        )
+
+    model.register_forward_pre_hook(hook, prepend=True)
