@@ -10,7 +10,11 @@ global batch:
   2 x 2 hybrid sharding, and training is then in parity;
 - by default the tensors that differ are copied from rank 0 too, as DDP does, with a warning
   on every rank naming them and the choices, and training is in parity;
-- ``sync_module_states=False`` skips the check for weights loaded after wrapping.
+- ``sync_module_states=False`` skips the check for weights loaded after wrapping;
+- ``model.apply(model._init_weights)`` (a model re-initialised after wrapping) runs inside
+  ``gathered(modifier_rank=0)`` on the full parameters, as on the plain model, and is refused
+  on pieces, naming the module and the fix (before: Llama's embedding table was zeroed on every
+  rank, its padding row being the whole piece).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_init.py -q``
 """
@@ -123,3 +127,61 @@ def test_loading_after_wrapping_skips_the_check(tmp_path: Any) -> None:
 
     for state in run_ranks(2, fn):
         torch.testing.assert_close(state, pretrained.state_dict(), atol=0, rtol=0)
+
+
+def _padded(family: Any, seed: int) -> tuple[nn.Module, type]:
+    """The family's model with padding row 0 in its token embedding (BERT's by default)."""
+    model, layer = family(seed)
+    config = model.config
+    config.pad_token_id = 0
+    torch.manual_seed(seed)
+    return type(model)(config), layer
+
+
+def _init_every_module(model: nn.Module) -> None:
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        model.apply(model._init_weights)
+
+
+@pytest.mark.parametrize("family", [_llama, _bert], ids=["llama", "bert"])
+def test_init_weights_inside_gathered_initialises_the_full_parameters(family: Any) -> None:
+    model, layer = _padded(family, seed=1)
+    plain = copy.deepcopy(model)
+    _init_every_module(plain)
+    initialised = copy.deepcopy(plain.state_dict())
+    if family is _llama:  # its padding row zeroed (BERT's initialiser leaves it drawn)
+        assert not initialised["model.embed_tokens.weight"][0].any()
+    ref_losses = _train(plain, 0, 1, None)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], list[float]]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=layer, process_group=pg)
+        with m.gathered(modifier_rank=0):
+            if rank == 0:  # the ranks, threads here, share torch's generator: one draws
+                _init_every_module(m)
+        return m.full_state_dict(), _train(m, rank, 2, pg)
+
+    for state, losses in run_ranks(2, fn, timeout=60.0):
+        torch.testing.assert_close(state, initialised, atol=0, rtol=0)
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+
+
+def test_init_weights_on_pieces_is_refused_naming_the_module_and_the_fix() -> None:
+    model, layer = _padded(_llama, seed=1)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=layer, process_group=pg)
+        before = m.full_state_dict()
+        with pytest.raises(ValueError) as raised:
+            _init_every_module(m)
+        message = str(raised.value)
+        assert message.startswith(
+            "shardwrap: model._init_weights(model.get_submodule('model.embed_tokens')) would "
+            "initialise this rank's pieces of weight"
+        )
+        assert "with model.gathered(modifier_rank=0): model.apply(model._init_weights)" in message
+        with pytest.raises(ValueError, match=r"get_submodule\('model'\)._init_weights\("):
+            m.model._init_weights(m.model.norm)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+
+    run_ranks(2, fn, timeout=60.0)

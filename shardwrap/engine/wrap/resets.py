@@ -1,4 +1,4 @@
-"""``reset_parameters()`` on a wrapped module: run on full parameters, refused on pieces.
+"""Initialisers on a wrapped module: run on full parameters, refused on pieces.
 
 Design note. A wrapped module's parameters are this rank's pieces, shaped ``(1, ..., n)``, so an
 initialiser that reads a parameter's shape computes from the piece: ``nn.Linear``'s and the
@@ -11,6 +11,12 @@ attribute in place of its class's ``reset_parameters`` (and ``_reset_parameters`
 ``model.gathered(...)``, where its attributes are the full parameters, it runs the class's own;
 otherwise it raises ``ValueError`` naming the module and the two ways that initialise the full
 parameters.
+
+A ``transformers`` model initialises through its own ``_init_weights(module)``, one module at a
+time (``model.apply(model._init_weights)``): on pieces it draws every rank's piece alike, and an
+embedding's padding row, ``weight[padding_idx]``, is the whole piece when ``padding_idx`` is 0
+(the table zeroed on every rank) and out of range otherwise. Each module whose class has one gets
+the same guard, judging the module it is handed.
 """
 
 from __future__ import annotations
@@ -26,17 +32,44 @@ from ...tiers.shard_param import ShardParam
 __all__ = ["guard_resets"]
 
 RESETS = ("reset_parameters", "_reset_parameters")
+INIT_WEIGHTS = "_init_weights"  # transformers' initialiser of the module it is handed
 
 
 def guard_resets(model: nn.Module) -> None:
-    """Guard the initialisers of each module of ``model`` that holds shard parameters."""
+    """Guard the initialisers of each module of ``model`` that holds shard parameters, and
+    each module's ``_init_weights(module)``."""
     for name, module in model.named_modules():
+        own = getattr(type(module), INIT_WEIGHTS, None)
+        if callable(own) and INIT_WEIGHTS not in module.__dict__:
+            module.__dict__[INIT_WEIGHTS] = _guarded_init_weights(weakref.ref(module), own, name)
         if not any(isinstance(p, ShardParam) for p in module._parameters.values()):
             continue
         for method in RESETS:
             own = getattr(type(module), method, None)
             if callable(own) and method not in module.__dict__:
                 module.__dict__[method] = _guarded(weakref.ref(module), own, name, method)
+
+
+def _pieces(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own parameters that show this rank's pieces now (inside
+    ``gathered()`` they show the full parameters)."""
+    return [
+        attr
+        for attr, p in module._parameters.items()
+        if isinstance(p, ShardParam) and getattr(module, attr) is p
+    ]
+
+
+def _refusal(call: str, pieces: list[str], fix: str) -> ValueError:
+    return ValueError(
+        f"shardwrap: {call} would initialise this rank's pieces of {', '.join(pieces)}, and an "
+        "initialiser reads the shape of what it fills (a piece's is not the parameter's: "
+        "Kaiming's range would come from the piece's length, and row i of an embedding is not "
+        "the piece's row i). Re-initialise the full parameters: with model.gathered("
+        f"modifier_rank=0): {fix} (rank 0's values go to every rank), or build the model on "
+        "the meta device and let wrapping initialise it (param_init_fn=... for an initialiser "
+        "of your own)."
+    )
 
 
 def _guarded(
@@ -47,22 +80,30 @@ def _guarded(
 
     def reset(*args: Any, **kwargs: Any) -> Any:
         module = ref()
-        pieces = [
-            attr
-            for attr, p in module._parameters.items()
-            if isinstance(p, ShardParam) and getattr(module, attr) is p
-        ]
+        pieces = _pieces(module)
         if pieces:
             where = f"model.get_submodule({name!r})" if name else "model"
-            raise ValueError(
-                f"shardwrap: {where}.{method}() would initialise this rank's pieces of "
-                f"{', '.join(pieces)}, and an initialiser reads the shape of what it fills (a "
-                "piece's is not the parameter's: Kaiming's range would come from the piece's "
-                "length). Re-initialise the full parameters: with model.gathered("
-                f"modifier_rank=0): {where}.{method}() (rank 0's "
-                "values go to every rank), or build the model on the meta device and let "
-                "wrapping initialise it (param_init_fn=... for an initialiser of your own)."
-            )
+            raise _refusal(f"{where}.{method}()", pieces, f"{where}.{method}()")
         return own(module, *args, **kwargs)
 
     return reset
+
+
+def _guarded_init_weights(
+    ref: Callable[[], nn.Module | None], own: Callable[..., Any], name: str
+) -> Callable[..., Any]:
+    """The class's ``_init_weights(target)``, run only while ``target`` shows full parameters."""
+
+    def init_weights(target: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        model = ref()
+        pieces = _pieces(target)
+        if pieces:
+            where = f"model.get_submodule({name!r})" if name else "model"
+            inside = next((n for n, m in model.named_modules() if m is target), None)
+            handed = f"model.get_submodule({inside!r})" if inside else type(target).__name__
+            raise _refusal(
+                f"{where}._init_weights({handed})", pieces, f"{where}.apply({where}._init_weights)"
+            )
+        return own(model, target, *args, **kwargs)
+
+    return init_weights
