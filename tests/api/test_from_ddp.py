@@ -16,6 +16,8 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
   refused at its first forward, on every rank, and one told to leave the sharded parameters
   alone trains like the plain model;
 - attributes set on parameters before wrapping (``p._no_weight_decay = True``) stay on them;
+- gradient hooks on parameters, registered before or after wrapping, see this rank's gradient
+  of the whole parameter and change what is averaged, as under DDP, at every stage;
 - ``model.require_backward_grad_sync = False`` keeps gradients local, reduced once at the last
   micro-batch, in parity with the unwrapped model at every stage; it reads ``False`` inside
   ``no_sync()``; ranks that set it differently raise on every rank (before: they waited on each
@@ -352,6 +354,56 @@ def test_attributes_set_on_parameters_stay_on_them() -> None:
         return m.full_state_dict()
 
     for state in run_ranks(2, fn, timeout=30.0):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
+
+
+def _new_rows_only(vocab: int) -> Any:
+    """A gradient hook that trains only the embedding's last four rows (new tokens), as
+    fine-tuning scripts that add tokens do."""
+    mask = torch.zeros(vocab, 1)
+    mask[-4:] = 1.0
+    return lambda g: g * mask
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_hooks_on_parameters_fire_as_under_ddp(stage: int) -> None:
+    """``p.register_hook(fn)`` sees this rank's gradient of the whole parameter and what it
+    returns is averaged, as DDP's: a mask registered before wrapping keeps the embedding's
+    other rows exactly as they were, a scale registered after wrapping scales, and training
+    matches the plain model's with the same hooks (before: both were dropped without a word,
+    every row trained). A post-accumulate-grad hook registered before wrapping stays too."""
+    torch.manual_seed(0)
+    model = GPT()
+    batches = [make_batch(s, 4) for s in range(STEPS)]
+    rows = model.wte.weight.shape[0] - 4
+    plain = copy.deepcopy(model)
+    plain.wte.weight.register_hook(_new_rows_only(rows + 4))
+    plain.blocks[0].ln_1.weight.register_hook(lambda g: g * 0.5)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for idx, targets in batches:
+        plain(idx, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], int]:
+        m = copy.deepcopy(model)
+        m.wte.weight.register_hook(_new_rows_only(rows + 4))
+        landed: list[int] = []
+        m.ln_f.weight.register_post_accumulate_grad_hook(lambda p: landed.append(1))
+        m = ShardedModule(m, auto_wrap=Block, process_group=pg, stage=stage)
+        m.blocks[0].ln_1.weight.register_hook(lambda g: g * 0.5)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for idx, targets in batches:
+            m(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict(), len(landed)
+
+    for state, landed in run_ranks(2, fn, timeout=60.0):
+        assert landed == STEPS
+        kept, trained = state["wte.weight"].split([rows, 4])
+        assert torch.equal(kept, model.wte.weight[:rows])
+        assert not torch.equal(trained, model.wte.weight[rows:])
         torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
 
 

@@ -298,9 +298,22 @@ class FlatGroup:
             views = self.param_views()
         self.views = [v if s is None else s.as_param(v) for v, s in zip(views, self.specs)]
         self.views_track_grad = track_grad
+        if track_grad:
+            self._hook_views()
         for view, slots in zip(self.views, self.slots):
             for module, attr in slots:
                 module.__dict__[attr] = view
+
+    def _hook_views(self) -> None:
+        """Give each full parameter its shard parameter's gradient hooks (``p.register_hook``):
+        a shard parameter is in no graph, so autograd would never call them. On the view they
+        see this rank's gradient of the whole parameter before the reduction, and what they
+        return is what is reduced, as DDP's hooks on its parameters."""
+        for view, p in zip(self.views, self.shard_params):
+            hooks = p._backward_hooks
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    view.register_hook(hook)
 
     def param_views(self) -> list[Tensor]:
         """The gathered buffer shaped into the parameters (local blocks), outside autograd."""

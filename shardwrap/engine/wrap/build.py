@@ -152,8 +152,13 @@ def build_root(
 
 def _keep_attributes(original: nn.Parameter, shard_param: nn.Parameter) -> None:
     """What a user set on a parameter (a tag such as ``p._no_weight_decay = True``, which an
-    optimizer's groups are built from, or per-parameter settings) stays on it, as under DDP
-    and DeepSpeed, which keep the parameter object: copied onto its shard parameter."""
+    optimizer's groups are built from, or per-parameter settings) and the hooks registered on
+    it (``register_hook``, ``register_post_accumulate_grad_hook``) stay on it, as under DDP and
+    DeepSpeed, which keep the parameter object: copied onto its shard parameter."""
     for key, value in vars(original).items():
         if key != "_is_param" and not key.startswith("_shardwrap"):
             setattr(shard_param, key, value)
+    for hook in (original._backward_hooks or {}).values():
+        shard_param.register_hook(hook)
+    for hook in (original._post_accumulate_grad_hooks or {}).values():
+        shard_param.register_post_accumulate_grad_hook(hook)
