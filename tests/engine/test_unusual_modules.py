@@ -1,7 +1,7 @@
 """Modules that are unusual in what they hold, take or return: units whose parameters are all
-empty, a frozen float8 parameter, a dataclass of tensors as input under mixed precision, a unit
-that returns its own parameter (in a tuple or a plain object), and a parameter read outside its
-unit's forward.
+empty, an embedding with sparse gradients, a frozen float8 parameter, a dataclass of tensors as
+input under mixed precision, a unit that returns its own parameter (in a tuple or a plain
+object), and a parameter read outside its unit's forward.
 
 Each trains or runs a sharded model (2 ranks as threads) beside a deep-copied plain model on the
 whole batch and compares them; the last case checks the error names the parameter and the fix.
@@ -91,6 +91,46 @@ def test_units_whose_parameters_are_all_empty(stage: int) -> None:
     model (before: a stride error, or a ``KeyError`` in the buffer pool with several)."""
     torch.manual_seed(0)
     _parity(WithEmpty(), lambda m, x: m(x).square().mean(), stage, auto_wrap=Empty)
+
+
+class SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, sparse=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.emb(ids)).square().mean()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adagrad])
+def test_a_sparse_embedding_trains_as_the_plain_model(stage: int, optimizer: type) -> None:
+    """``nn.Embedding(sparse=True)``, with optimizers that take its sparse gradient on the plain
+    model: its gradient is laid out dense in the unit's flat gradient, and training matches
+    (before: "reshape is not implemented for sparse tensors" in backward)."""
+    torch.manual_seed(0)
+    model = SparseEmbedding()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 16, (4 * WORLD, 3), generator=g) for _ in range(3)]
+
+    def train(m: nn.Module, rank: int, world: int) -> None:
+        opt = optimizer(m.parameters(), lr=0.1)
+        for ids in batches:
+            m(ids.chunk(world)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+
+    plain = copy.deepcopy(model)
+    train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(model), process_group=pg, stage=stage)
+        train(m, rank, WORLD)
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-6, rtol=0)
 
 
 class WithFloat8(nn.Module):

@@ -326,7 +326,9 @@ class FlatGroup:
 
     def flat_grad(self, grads: tuple[Tensor | None, ...]) -> Tensor:
         """The parameters' gradients laid out flat in ``grad_dtype`` (zeros where none, and in
-        the padding): one copy, which also casts, into a buffer from the pool."""
+        the padding): one copy, which also casts, into a buffer from the pool. A sparse one
+        (``nn.Embedding(sparse=True)``) is laid out dense: pieces of the flat gradient are
+        what ranks reduce and optimizers step on."""
         flat = self.pool.take_scratch(self.layout.padded_numel, self.grad_dtype, self.home.device)
         seen = self.grads_seen
         for i, (g, offset, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
@@ -334,7 +336,7 @@ class FlatGroup:
                 flat[offset : offset + n].zero_()
             else:
                 seen[i] = True
-                flat[offset : offset + n].copy_(g.reshape(-1))
+                flat[offset : offset + n].copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
         flat[self.layout.numel :].zero_()
         return flat
 
