@@ -18,6 +18,7 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
 - attributes set on parameters before wrapping (``p._no_weight_decay = True``) stay on them;
 - gradient hooks on parameters, registered before or after wrapping, see this rank's gradient
   of the whole parameter and change what is averaged, as under DDP, at every stage;
+- an L2 penalty summed over ``model.parameters()`` outside forward trains as on the plain model;
 - ``model.require_backward_grad_sync = False`` keeps gradients local, reduced once at the last
   micro-batch, in parity with the unwrapped model at every stage; it reads ``False`` inside
   ``no_sync()``; ranks that set it differently raise on every rank (before: they waited on each
@@ -405,6 +406,36 @@ def test_gradient_hooks_on_parameters_fire_as_under_ddp(stage: int) -> None:
         assert torch.equal(kept, model.wte.weight[:rows])
         assert not torch.equal(trained, model.wte.weight[rows:])
         torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_penalty_summed_over_the_parameters_trains_as_on_the_plain_model(stage: int) -> None:
+    """``loss + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())``, a DDP script's L2
+    penalty outside forward: each rank's pieces get their elements' gradients, and three SGD
+    steps match the plain model's on the whole batch."""
+    torch.manual_seed(0)
+    model = GPT()
+    batches = [make_batch(s, 4) for s in range(STEPS)]
+
+    def train(m: nn.Module, rank: int, world: int) -> None:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        n = 4 // world
+        for idx, targets in batches:
+            loss = m(idx[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n])
+            (loss + 1e-2 * sum(p.pow(2).sum() for p in m.parameters())).backward()
+            opt.step()
+            opt.zero_grad()
+
+    plain = copy.deepcopy(model)
+    train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        train(m, rank, 2)
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn, timeout=60.0):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-6, rtol=0)
 
 
 # gradient accumulation -------------------------------------------------------------------
