@@ -1,5 +1,5 @@
 """Parity in the autograd situations users meet: tied, frozen, skipped and reused modules,
-no-grad decoding, gradient accumulation, non-None zeroed gradients and buffers.
+no-grad and inference-mode decoding, gradient accumulation, non-None zeroed gradients and buffers.
 
 Every case trains a sharded model (ranks as threads, each on its slice of the global batch)
 and a deep-copied plain reference side by side with SGD with momentum, then checks that the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
@@ -304,9 +305,14 @@ def test_module_called_twice_in_one_forward(
 # eval + no_grad decoding -------------------------------------------------------------
 
 
-@torch.no_grad()
-def _decode(model: nn.Module, prompt: Tensor, steps: int) -> tuple[Tensor, Tensor]:
-    """Greedy decoding in eval mode: ``steps`` forwards, each on the whole sequence so far.
+GradOff = Callable[[], AbstractContextManager[object]]  # torch.no_grad, torch.inference_mode
+
+
+def _decode(
+    model: nn.Module, prompt: Tensor, steps: int, grad_off: GradOff = torch.no_grad
+) -> tuple[Tensor, Tensor]:
+    """Greedy decoding in eval mode, under ``grad_off()``: ``steps`` forwards, each on the whole
+    sequence so far.
 
     Returns:
         The tokens ``(B, T + steps)`` and the last forward's logits, which expose any stale
@@ -314,21 +320,25 @@ def _decode(model: nn.Module, prompt: Tensor, steps: int) -> tuple[Tensor, Tenso
     """
     model.eval()
     idx = prompt
-    for _ in range(steps):
-        logits = model(idx)
-        assert not logits.requires_grad
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    with grad_off():
+        for _ in range(steps):
+            logits = model(idx)
+            assert not logits.requires_grad
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     model.train()
-    return idx, logits
+    return idx.clone(), logits.clone()  # plain tensors, also from inference mode
 
 
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_greedy_decoding_between_training_steps(world_size: int) -> None:
+def test_greedy_decoding_between_training_steps(world_size: int, grad_off: GradOff) -> None:
     """Train, decode, backward, decode, step, decode, train: decodes and parameters agree.
 
     The first decode is 30 forwards long. The decode between backward and step leaves the root
     gathered; the step then changes its shard, so the next decode must not reuse the stale
-    gathered buffer (a few forwards each suffice there).
+    gathered buffer (a few forwards each suffice there). Under ``torch.inference_mode()`` the
+    buffers a decode first gathers into are kept for training's gathers (before: "Inplace
+    update to inference tensor outside InferenceMode" at the next training forward).
     """
     lengths = [30, 4, 4]
     torch.manual_seed(4)
@@ -360,7 +370,7 @@ def test_greedy_decoding_between_training_steps(world_size: int) -> None:
         def decode() -> None:
             grads = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
             reductions = root.stats.calls.get("reduce_scatter", 0)
-            decoded.append(_decode(m, prompts[rank], lengths[len(decoded)]))
+            decoded.append(_decode(m, prompts[rank], lengths[len(decoded)], grad_off))
             assert root.stats.calls.get("reduce_scatter", 0) == reductions  # no backward ran
             for g, p in zip(grads, m.parameters(), strict=True):
                 assert (g is None and p.grad is None) or torch.equal(g, p.grad)
@@ -381,7 +391,7 @@ def test_greedy_decoding_between_training_steps(world_size: int) -> None:
     def ref_decode() -> None:
         steps = lengths[len(want[0])]
         for r in range(world_size):
-            want[r].append(_decode(ref, prompts[r], steps))
+            want[r].append(_decode(ref, prompts[r], steps, grad_off))
 
     train(ref, opt, batches[0], None)
     ref_decode()

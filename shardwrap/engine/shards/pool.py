@@ -68,7 +68,10 @@ class Spares(Generic[K, B]):
 
 
 def _empty(key: tuple[int, torch.dtype, torch.device]) -> Tensor:
-    return torch.empty(key[0], dtype=key[1], device=key[2])
+    # Made under torch.inference_mode() it would be an inference tensor, which no gather after
+    # that block could write into: a pooled buffer outlives the forward that asked for it.
+    with torch.inference_mode(False):
+        return torch.empty(key[0], dtype=key[1], device=key[2])
 
 
 class BufferPool(Spares[tuple[int, torch.dtype, torch.device], Tensor]):
