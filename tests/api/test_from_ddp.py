@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwrap import ShardedModule
 from shardwrap.engine.optim.pieces import ShardPiece
 from tests.support.models import GPT, Block, make_batch
+from tests.support.parity import sgd, train_reference, train_sharded
 from tests.support.ranks import run_ranks
 
 MICRO, STEPS = 3, 2
@@ -417,25 +418,12 @@ def test_a_penalty_summed_over_the_parameters_trains_as_on_the_plain_model(stage
     model = GPT()
     batches = [make_batch(s, 4) for s in range(STEPS)]
 
-    def train(m: nn.Module, rank: int, world: int) -> None:
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        n = 4 // world
-        for idx, targets in batches:
-            loss = m(idx[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n])
-            (loss + 1e-2 * sum(p.pow(2).sum() for p in m.parameters())).backward()
-            opt.step()
-            opt.zero_grad()
+    def penalised(m: nn.Module, idx: Tensor, targets: Tensor) -> Tensor:
+        return m(idx, targets) + 1e-2 * sum(p.pow(2).sum() for p in m.parameters())
 
-    plain = copy.deepcopy(model)
-    train(plain, 0, 1)
-
-    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
-        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
-        train(m, rank, 2)
-        return m.full_state_dict()
-
-    for state in run_ranks(2, fn, timeout=60.0):
-        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-6, rtol=0)
+    ref = train_reference(model, sgd, batches, penalised)
+    for run in train_sharded(model, 2, sgd, batches, penalised, auto_wrap=Block, stage=stage):
+        torch.testing.assert_close(run.state, ref.state, atol=1e-6, rtol=0)
 
 
 # gradient accumulation -------------------------------------------------------------------
