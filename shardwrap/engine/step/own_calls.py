@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
+from .eager import eager
 
 __all__ = ["Driver", "OwnCalls", "piece_hint", "ready"]
 
@@ -63,8 +64,8 @@ class OwnCalls:
                                 entry[1].append(unit)
         for module, units in owners.values():
             self._hooks[id(module)] = [
-                module.register_forward_pre_hook(self._hook_pre_call(units)),
-                module.register_forward_hook(self._hook_post_call(units)),
+                module.register_forward_pre_hook(eager(self._hook_pre_call(units))),
+                module.register_forward_hook(eager(self._hook_post_call(units))),
             ]
 
     def unhook(self, module: nn.Module) -> None:

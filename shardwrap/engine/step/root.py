@@ -50,6 +50,7 @@ from ..shards.pool import BufferPool
 from ..shards.profile import label
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
+from .eager import eager
 from .edits import agree_edits
 from .order import ExecutionOrder, unit_index
 from .own_calls import OwnCalls
@@ -157,8 +158,9 @@ class Root:
         # the frozen groups that may start to train (see ``_train_unfrozen``)
         self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
         for unit in units:
-            unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
-            unit.module.register_forward_hook(self._hook_post_forward(unit))
+            pre_forward = eager(self._hook_pre_forward(unit))
+            unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+            unit.module.register_forward_hook(eager(self._hook_post_forward(unit)))
             unit.hook_grads(self, self.reductions)
         self.own_calls = OwnCalls(self, units)
 

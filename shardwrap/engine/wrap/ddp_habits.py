@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..step.eager import eager
 from ..step.root import Root
 
 __all__ = ["DDPHabits", "refuse_ddp_outside"]
@@ -159,4 +160,4 @@ def refuse_ddp_outside(model: nn.Module) -> None:
             )
         )
 
-    model.register_forward_pre_hook(hook, prepend=True)
+    model.register_forward_pre_hook(eager(hook), prepend=True)

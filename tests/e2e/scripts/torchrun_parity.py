@@ -12,7 +12,8 @@ case) and each one's result written to OUT.json's list in order; a case is extra
 refused, and records the error. The key ``"optimizer"``: ``"muon"`` (Muon for the matrices,
 AdamW for the rest) or ``"adafactor"`` instead of SGD; the reference then accumulates its
 gradient over the ranks' slices (their summation order: Muon's bf16 Newton-Schulz iteration
-amplifies rounding).
+amplifies rounding). The key ``"torch_compile"``: a ``torch.compile`` backend the wrapped
+model is compiled with after wrapping (``model = torch.compile(model, backend=...)``).
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ def case(wrap: dict) -> dict[str, Any] | None:
             "cpu", shape, mesh_dim_names=("replicate", "shard")
         )
     optimizer = wrap.pop("optimizer", "sgd")
+    backend = wrap.pop("torch_compile", None)
     model = ShardedModule(base, auto_wrap=Block, **wrap)
+    run = model if backend is None else torch.compile(model, backend=backend)
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, reference)
     losses, ref_losses = [], []
     for step in range(STEPS):
         idx, targets = make_batch(step, 2 * world)
-        loss = model(idx.chunk(world)[rank], targets.chunk(world)[rank])
+        loss = run(idx.chunk(world)[rank], targets.chunk(world)[rank])
         loss.backward()
         opt.step()
         opt.zero_grad()
