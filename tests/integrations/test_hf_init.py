@@ -180,7 +180,8 @@ def test_init_weights_on_pieces_is_refused_naming_the_module_and_the_fix() -> No
             "initialise this rank's pieces of weight"
         )
         assert "with model.gathered(modifier_rank=0): model.apply(model._init_weights)" in message
-        with pytest.raises(ValueError, match=r"get_submodule\('model'\)._init_weights\("):
+        inner = r"get_submodule\('model'\)._init_weights\(model.get_submodule\('model.norm'\)\)"
+        with pytest.raises(ValueError, match=inner):
             m.model._init_weights(m.model.norm)
         torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
 

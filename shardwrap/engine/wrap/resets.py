@@ -100,7 +100,8 @@ def _guarded_init_weights(
         if pieces:
             where = f"model.get_submodule({name!r})" if name else "model"
             inside = next((n for n, m in model.named_modules() if m is target), None)
-            handed = f"model.get_submodule({inside!r})" if inside else type(target).__name__
+            path = ".".join(n for n in (name, inside) if n)
+            handed = type(target).__name__ if inside is None else f"model.get_submodule({path!r})"
             raise _refusal(
                 f"{where}._init_weights({handed})", pieces, f"{where}.apply({where}._init_weights)"
             )
