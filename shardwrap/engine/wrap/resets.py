@@ -60,6 +60,11 @@ def _pieces(module: nn.Module) -> list[str]:
     ]
 
 
+def _where(name: str) -> str:
+    """How a message names the module at ``name`` from the model (``""``: the model itself)."""
+    return f"model.get_submodule({name!r})" if name else "model"
+
+
 def _refusal(call: str, pieces: list[str], fix: str) -> ValueError:
     return ValueError(
         f"shardwrap: {call} would initialise this rank's pieces of {', '.join(pieces)}, and an "
@@ -82,7 +87,7 @@ def _guarded(
         module = ref()
         pieces = _pieces(module)
         if pieces:
-            where = f"model.get_submodule({name!r})" if name else "model"
+            where = _where(name)
             raise _refusal(f"{where}.{method}()", pieces, f"{where}.{method}()")
         return own(module, *args, **kwargs)
 
@@ -98,10 +103,10 @@ def _guarded_init_weights(
         model = ref()
         pieces = _pieces(target)
         if pieces:
-            where = f"model.get_submodule({name!r})" if name else "model"
+            where = _where(name)
             inside = next((n for n, m in model.named_modules() if m is target), None)
             path = ".".join(n for n in (name, inside) if n)
-            handed = type(target).__name__ if inside is None else f"model.get_submodule({path!r})"
+            handed = type(target).__name__ if inside is None else _where(path)
             raise _refusal(
                 f"{where}._init_weights({handed})", pieces, f"{where}.apply({where}._init_weights)"
             )
