@@ -4,6 +4,7 @@ is made and agrees the rest across ranks (``agree_values.py``: the weights too);
 shards each unit's parameters into flat groups and builds the root; ``meta_init.py``
 materialises a meta-device model one unit at a time; ``retired.py`` frees the original
 parameters; ``assign.py`` takes parameters assigned after wrapping, or refuses them;
-``summary.py`` says what a wrap produced; ``extensions.py`` is where integrations plug in;
+``summary.py`` says what a wrap produced; ``moves.py`` lets a move or cast through where it
+changes nothing and refuses the rest; ``extensions.py`` is where integrations plug in;
 ``ddp_habits.py`` gives the wrapper DDP's ``module`` and ``require_backward_grad_sync``.
 """

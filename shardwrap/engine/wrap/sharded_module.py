@@ -46,15 +46,16 @@ from .checks import (
     unit_plan,
 )
 from .ddp_habits import DDPHabits
-from .extensions import check_move, check_prepare, checkpoint_unit, class_habits
+from .extensions import check_prepare, checkpoint_unit, class_habits
 from .meta_init import ParamInitFn, check_param_init_fn, is_meta
+from .moves import Moves
 from .policy import AutoWrap, check_selects_something, place_parameters, resolve_policy
 from .summary import log_summary, summarize
 
 __all__ = ["ShardedModule"]
 
 
-class ShardedModule(DDPHabits, nn.Module):
+class ShardedModule(DDPHabits, Moves, nn.Module):
     """Shard a model's training state across ranks (ZeRO stage 1, 2 or 3), keeping its identity.
 
     Every submodule that ``auto_wrap`` selects becomes a *unit*; the root holds the
@@ -253,32 +254,6 @@ class ShardedModule(DDPHabits, nn.Module):
     @_is_accelerate_prepared.setter
     def _is_accelerate_prepared(self, value: bool) -> None:
         """accelerate marks what it prepared; a sharded model is marked for good."""
-
-    def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
-        """``.to()``, ``.cuda()``, ``.half()`` and friends: allowed where they change nothing.
-
-        Raises:
-            ValueError: a move to another device or a cast: applied to the shard parameters it
-                would detach them from the flat shards, and the optimizer would step copies.
-            TypeError: an integration refuses the move (the Hugging Face one: a
-                ``transformers.Trainer`` that would save on rank 0 alone is moving the model,
-                as it does while being built, naming ``shardwrap.hf.Trainer``).
-        """
-        check_move(self)
-        for unit in self._shardwrap_root.units:
-            for g in unit.groups:
-                probe = torch.empty(0, dtype=g.dtype, device=g.home.device)
-                out = fn(probe)
-                if out.dtype != probe.dtype or not _same_device(out.device, probe.device):
-                    raise ValueError(
-                        f"ShardedModule: moving or casting a sharded model (to {out.device}, "
-                        f"{out.dtype}; it computes on {probe.device}, its shards are "
-                        f"{probe.dtype}) would detach its parameters from the flat shards. "
-                        "Choose the device when wrapping (move the model first, or pass "
-                        "device=...), and the compute dtype with "
-                        "mixed_precision=MixedPrecision(...)."
-                    )
-        return self
 
     @property
     def comm_stats(self) -> CommStats:
@@ -512,18 +487,6 @@ class ShardedModule(DDPHabits, nn.Module):
                     v.copy_(param.group.piece_of(param.index, value))
                 else:
                     v.copy_(value)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices name the same memory (``cpu`` and ``cpu:0`` do)."""
-    if a.type != b.type:
-        return False
-    if a.type == "cpu":
-        return True
-    current = torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0
-    index_a = current if a.index is None else a.index
-    index_b = current if b.index is None else b.index
-    return index_a == index_b
 
 
 # construction ------------------------------------------------------------------------
