@@ -166,8 +166,8 @@ def test_a_parameter_with_a_layout_of_its_own_is_refused_naming_it(
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize(
     "auto_wrap",
-    ["Block", True, [Block], (Block, int), (Block, "Block")],
-    ids=["str", "bool", "list", "tuple-with-int", "tuple-with-str"],
+    ["Block", True, [Block, "Block"], (Block, int), (Block, "Block"), {"blocks": Block}],
+    ids=["str", "bool", "list-with-str", "tuple-with-int", "tuple-with-str", "dict"],
 )
 def test_auto_wrap_of_the_wrong_type(world_size: int, auto_wrap: object) -> None:
     message = _error_on_rank0(

@@ -164,6 +164,8 @@ def describe(value: object) -> str:
         return str(value)
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(describe(v) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(describe(v) for v in value)) + "}"
     if isinstance(value, dict):
         items = sorted(value.items(), key=lambda kv: str(kv[0]))
         return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in items) + "}"

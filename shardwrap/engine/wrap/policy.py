@@ -2,9 +2,14 @@
 
 Pure module-tree logic: no tensors are moved and nothing is communicated here.
 
-- ``auto_wrap`` selects units: a class, a tuple of classes, a callable ``(module) -> bool``
-  or an int (minimum parameter count, counted bottom-up so a selected child's parameters do
-  not count again for its parent). The root is always a unit.
+- ``auto_wrap`` selects units: a class, a tuple (or set, frozenset, list) of classes, a callable
+  ``(module) -> bool`` or an int (minimum parameter count, counted bottom-up so a selected
+  child's parameters do not count again for its parent). The root is always a unit.
+- The auto-wrap policies written for ``torch.distributed.fsdp.FullyShardedDataParallel`` work
+  unchanged: a policy object (``ModuleWrapPolicy``, ``CustomPolicy``) selects the modules it
+  returns, and a callable taking ``(module, recurse, nonwrapped_numel)``
+  (``transformer_auto_wrap_policy``, ``size_based_auto_wrap_policy`` and the like, bound with
+  ``functools.partial``) is asked as that wrapper asks it, descending from the root.
 - A parameter belongs to the innermost unit whose subtree holds every place it is used:
   the lowest common ancestor of those places. Tied parameters (an embedding shared with the
   output head) therefore land in the unit that encloses both uses, automatically.
@@ -12,6 +17,7 @@ Pure module-tree logic: no tensors are moved and nothing is communicated here.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +35,16 @@ __all__ = [
     "resolve_policy",
 ]
 
-AutoWrap = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | int | None
+AutoWrap = (
+    type[nn.Module]
+    | tuple[type[nn.Module], ...]
+    | set[type[nn.Module]]
+    | frozenset[type[nn.Module]]
+    | list[type[nn.Module]]
+    | Callable[..., bool]
+    | int
+    | None
+)
 
 
 def resolve_policy(root: nn.Module, auto_wrap: AutoWrap) -> Callable[[nn.Module], bool]:
@@ -49,15 +64,73 @@ def resolve_policy(root: nn.Module, auto_wrap: AutoWrap) -> Callable[[nn.Module]
         return _size_policy(root, auto_wrap)
     if isinstance(auto_wrap, type):
         auto_wrap = (auto_wrap,)
-    if isinstance(auto_wrap, tuple):
-        bad = [c for c in auto_wrap if not (isinstance(c, type) and issubclass(c, nn.Module))]
-        if bad or not auto_wrap:
+    if isinstance(auto_wrap, (tuple, set, frozenset, list)):
+        classes = tuple(auto_wrap)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad or not classes:
             raise TypeError(_bad_policy(auto_wrap))
-        classes = auto_wrap
         return lambda m: isinstance(m, classes)
+    if hasattr(auto_wrap, "_run_policy"):
+        return _policy_object(root, auto_wrap)
     if callable(auto_wrap):
+        if _asks_recurse(auto_wrap):
+            return _recursing_policy(root, auto_wrap)
         return auto_wrap
     raise TypeError(_bad_policy(auto_wrap))
+
+
+def _asks_recurse(policy: Callable[..., bool]) -> bool:
+    """Whether ``policy`` takes the ``recurse`` argument of the recursing protocol."""
+    try:
+        return "recurse" in inspect.signature(policy).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _policy_object(root: nn.Module, policy: object) -> Callable[[nn.Module], bool]:
+    """The modules a policy object (``ModuleWrapPolicy``, ``CustomPolicy``) selects.
+
+    Raises:
+        ValueError: the policy gives a module options of its own, which units do not take.
+    """
+    targets = policy._run_policy(root, set(), {})  # type: ignore[attr-defined]
+    for module, options in targets.items():
+        if options:
+            name = next(n for n, m in root.named_modules() if m is module) or "the root"
+            raise ValueError(
+                f"auto_wrap={policy!r} gives {name} ({type(module).__name__}) options of its "
+                f"own ({', '.join(sorted(options))}); every unit takes ShardedModule's options. "
+                "Make the policy return True for the modules to wrap, or pass "
+                "auto_wrap=lambda m: isinstance(m, Block) for them."
+            )
+    selected = {id(m) for m in targets if m is not root}
+    return lambda m: id(m) in selected
+
+
+def _recursing_policy(root: nn.Module, policy: Callable[..., bool]) -> Callable[[nn.Module], bool]:
+    """Ask a ``(module, recurse, nonwrapped_numel)`` policy over the tree, as its wrapper does.
+
+    From the root down, a module's children are visited only where the policy says
+    ``recurse=True`` for the module's whole parameter count; after them, the module (never the
+    root) is selected where the policy says ``recurse=False`` for the count its selected
+    descendants leave. A selected module's whole count is then taken from its parent's.
+    """
+    selected: set[int] = set()
+
+    def visit(module: nn.Module) -> int:
+        total = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=total):
+            return 0
+        taken = sum(visit(child) for child in module.children())
+        if module is not root and policy(
+            module=module, recurse=False, nonwrapped_numel=total - taken
+        ):
+            selected.add(id(module))
+            return total
+        return taken
+
+    visit(root)
+    return lambda m: id(m) in selected
 
 
 def check_selects_something(
@@ -87,7 +160,7 @@ def check_selects_something(
 def _describe(auto_wrap: AutoWrap) -> str:
     if isinstance(auto_wrap, type):
         return auto_wrap.__name__
-    if isinstance(auto_wrap, tuple):
+    if isinstance(auto_wrap, (tuple, set, frozenset, list)):
         return "(" + ", ".join(getattr(c, "__name__", repr(c)) for c in auto_wrap) + ")"
     return repr(auto_wrap)
 
@@ -95,8 +168,9 @@ def _describe(auto_wrap: AutoWrap) -> str:
 def _bad_policy(value: object) -> str:
     return (
         f"auto_wrap got {value!r} ({type(value).__name__}); it takes a module class, a tuple "
-        "of module classes, a callable (module) -> bool, an int (minimum parameter count) "
-        "or None. Example: ShardedModule(model, auto_wrap=TransformerBlock)."
+        "of module classes (or a set or list of them), a callable (module) -> bool, an "
+        "auto-wrap policy of torch's FullyShardedDataParallel, an int (minimum parameter "
+        "count) or None. Example: ShardedModule(model, auto_wrap=TransformerBlock)."
     )
 
 
