@@ -1,4 +1,4 @@
-"""Coming from torch's FSDP: its auto-wrap policies select units unchanged.
+"""Coming from torch's FSDP: its auto-wrap policies and option objects work unchanged.
 
 A script moving to shardwrap keeps its ``auto_wrap_policy`` (``ModuleWrapPolicy``,
 ``CustomPolicy``, ``transformer_auto_wrap_policy`` or ``size_based_auto_wrap_policy`` bound with
@@ -7,15 +7,32 @@ the units it makes on ``tests.support.models.GPT`` (module names worked out by h
 policy's documented rule), then two of them train in parity with the plain model at 2 ranks
 (SGD, every parameter within 1e-5). A policy giving a module options of its own is refused.
 
+``MixedPrecisionPolicy`` and ``MixedPrecision`` train bit for bit as the
+``shardwrap.MixedPrecision`` of the same dtypes (2 ranks, 3 AdamW steps, losses and every
+parameter); ``CPUOffloadPolicy`` and ``CPUOffload`` are the host tier. Settings with no
+counterpart are refused, naming the line to write.
+
+Torch's ``apply_activation_checkpointing`` applied before wrapping trains like the plain model;
+applied after, in FSDP's order, it is refused before it swaps anything, naming both fixes.
+FSDP2's gradient accumulation switch, ``model.set_requires_gradient_sync(False)``, accumulates
+without communication and ends in parity with the plain model.
+
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_from_fsdp.py -q``
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import warnings
 
 import pytest
-from torch import nn
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup, fsdp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+)
 from torch.distributed.fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -24,9 +41,19 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
-from shardwrap import ShardedModule
+from shardwrap import MixedPrecision, Offload, ShardedModule
 from tests.support.models import Block, CausalSelfAttention
-from tests.support.parity import GPT_BATCHES, assert_parity, build_gpt, gpt_loss, sgd
+from tests.support.parity import (
+    GPT_BATCHES,
+    adamw,
+    assert_parity,
+    build_gpt,
+    gpt_loss,
+    sgd,
+    train_reference,
+    train_sharded,
+)
+from tests.support.ranks import run_ranks
 
 BLOCKS = {f"blocks.{i}" for i in range(3)}
 # 5000 parameters: each block (16020) and its MLP (10548) are descended into; what they hold
@@ -91,3 +118,158 @@ def test_a_policy_giving_a_module_options_of_its_own_is_refused_naming_it() -> N
     message = str(error.value)
     assert "gives blocks.0 (Block) options of its own (reshard_after_forward)" in message
     assert "return True for the modules to wrap" in message
+
+
+BF16, F32 = torch.bfloat16, torch.float32
+PRECISIONS = {
+    "policy": (
+        fsdp.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=F32, output_dtype=F32),
+        MixedPrecision(param_dtype=BF16, reduce_dtype=F32, output_dtype=F32),
+    ),
+    "policy-reduce-in-bf16": (
+        fsdp.MixedPrecisionPolicy(param_dtype=BF16),
+        MixedPrecision(param_dtype=BF16, reduce_dtype=None),
+    ),
+    "fsdp1": (
+        fsdp.MixedPrecision(param_dtype=BF16, reduce_dtype=F32, buffer_dtype=BF16),
+        MixedPrecision(param_dtype=BF16, reduce_dtype=F32, buffer_dtype=BF16),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PRECISIONS)
+def test_fsdps_mixed_precision_trains_bit_for_bit_as_shardwraps_own(name: str) -> None:
+    theirs, own = PRECISIONS[name]
+    model = build_gpt(False)
+    runs = {
+        label: train_sharded(
+            model, 2, adamw, GPT_BATCHES, gpt_loss, auto_wrap=Block, mixed_precision=precision
+        )
+        for label, precision in (("theirs", theirs), ("own", own), ("fp32", None))
+    }
+    for rank in range(2):
+        got, want = runs["theirs"][rank], runs["own"][rank]
+        assert got.losses == want.losses, rank
+        for key, value in want.state.items():
+            assert torch.equal(got.state[key], value), (rank, key)
+    assert runs["own"][0].losses != runs["fp32"][0].losses  # bf16 did change the numbers
+
+
+REFUSED = {
+    "uncast-inputs": (
+        fsdp.MixedPrecisionPolicy(param_dtype=BF16, cast_forward_inputs=False),
+        "MixedPrecisionPolicy with cast_forward_inputs=False",
+        "shardwrap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=None)",
+    ),
+    "low-precision-grads": (
+        fsdp.MixedPrecision(param_dtype=BF16, reduce_dtype=F32, keep_low_precision_grads=True),
+        "MixedPrecision with keep_low_precision_grads=True",
+        "shardwrap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
+    ),
+    "batchnorm-in-fp32": (
+        fsdp.MixedPrecision(param_dtype=BF16),
+        "its _BatchNorm modules (here: 1) kept in full precision",
+        "shardwrap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=None)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_setting_with_no_counterpart_is_refused_naming_the_line_to_write(name: str) -> None:
+    precision, setting, line = REFUSED[name]
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError) as error:
+        ShardedModule(model, auto_wrap=nn.Sequential, mixed_precision=precision)
+    assert f"{setting} has no counterpart in shardwrap" in str(error.value)
+    assert f"Pass {line} to train with shardwrap's own" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [fsdp.CPUOffloadPolicy(), fsdp.CPUOffload(offload_params=True), Offload(device="cpu")],
+    ids=["policy", "fsdp1", "own"],
+)
+def test_fsdps_cpu_offload_is_the_host_tier(offload: object) -> None:
+    """On a CPU compute device the host tier changes nothing and says so: the words show which
+    tier each became."""
+    with pytest.warns(UserWarning, match=r'Offload\(device="cpu"\) with a CPU compute device'):
+        ShardedModule(build_gpt(False), auto_wrap=Block, offload=offload)
+
+
+@pytest.mark.parametrize("offload", [fsdp.OffloadPolicy(), fsdp.CPUOffload(), None])
+def test_fsdps_no_offload_is_none(offload: object) -> None:
+    """``OffloadPolicy()`` and ``CPUOffload()`` offload nothing, and say nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardedModule(build_gpt(False), auto_wrap=Block, offload=offload)
+
+
+def test_cpu_offload_without_pinned_memory_is_refused_naming_the_line_to_write() -> None:
+    with pytest.raises(ValueError) as error:
+        ShardedModule(build_gpt(False), auto_wrap=Block, offload=fsdp.CPUOffloadPolicy(False))
+    assert "CPUOffloadPolicy with pin_memory=False has no counterpart" in str(error.value)
+    assert "Pass shardwrap.Offload(device='cpu')" in str(error.value)
+
+
+def _checkpoint_blocks(model: nn.Module) -> nn.Module:
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+def test_activation_checkpointing_applied_before_wrapping_trains_like_the_plain_model() -> None:
+    model = build_gpt(False)
+    want = train_reference(model, sgd, GPT_BATCHES, gpt_loss)
+    checkpointed = _checkpoint_blocks(copy.deepcopy(model))
+    for rank, run in enumerate(
+        train_sharded(checkpointed, 2, sgd, GPT_BATCHES, gpt_loss, auto_wrap=Block)
+    ):
+        torch.testing.assert_close(run.losses, want.losses, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            run.state, want.state, atol=1e-5, rtol=0, msg=lambda m, r=rank: f"{r}: {m}"
+        )
+
+
+def test_activation_checkpointing_applied_after_wrapping_is_refused_naming_the_fix() -> None:
+    """FSDP scripts wrap first and apply torch's checkpointing after; here the order is named."""
+    model = ShardedModule(build_gpt(False), auto_wrap=Block)
+    with pytest.raises(TypeError) as error:
+        _checkpoint_blocks(model)
+    message = str(error.value)
+    assert "blocks.0 = CheckpointWrapper(blocks.0) puts a wrapper around a module" in message
+    assert "apply_activation_checkpointing(model, ...), then ShardedModule" in message
+    assert "checkpoint_activations=Block" in message
+    assert all(type(b) is Block for b in model.blocks)  # nothing swapped
+
+
+def test_set_requires_gradient_sync_accumulates_without_communication_as_fsdp2_does() -> None:
+    """FSDP2's accumulation loop: sync off for all micro-batches but the last. No reduction runs
+    until the last, and the parameters end as the plain model's trained on the whole batches."""
+    model = build_gpt(False)
+    want = train_reference(model, sgd, GPT_BATCHES, gpt_loss)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        opt = sgd(m.parameters())
+        for inputs, targets in GPT_BATCHES:
+            micro = list(zip(inputs.chunk(2)[rank].chunk(2), targets.chunk(2)[rank].chunk(2)))
+            for i, (x, y) in enumerate(micro):
+                m.set_requires_gradient_sync(i == len(micro) - 1)
+                before = m.comm_stats.bytes.get("reduce_scatter", 0)
+                (gpt_loss(m, x, y) / len(micro)).backward()
+                synced = m.comm_stats.bytes.get("reduce_scatter", 0) > before
+                assert synced == (i == len(micro) - 1), (rank, i)
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    for rank, state in enumerate(run_ranks(2, fn, timeout=30)):
+        torch.testing.assert_close(
+            state, want.state, atol=1e-5, rtol=0, msg=lambda m, r=rank: f"{r}: {m}"
+        )
+
+
+def test_set_requires_gradient_sync_for_part_of_the_model_is_refused() -> None:
+    model = ShardedModule(build_gpt(False), auto_wrap=Block)
+    with pytest.raises(ValueError, match=r"recurse=False\) has no counterpart in shardwrap"):
+        model.set_requires_gradient_sync(False, recurse=False)
+    assert model.require_backward_grad_sync

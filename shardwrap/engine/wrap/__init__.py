@@ -6,5 +6,6 @@ materialises a meta-device model one unit at a time; ``retired.py`` frees the or
 parameters; ``assign.py`` takes parameters assigned after wrapping, or refuses them;
 ``summary.py`` says what a wrap produced; ``moves.py`` lets a move or cast through where it
 changes nothing and refuses the rest; ``extensions.py`` is where integrations plug in;
-``ddp_habits.py`` gives the wrapper DDP's ``module`` and ``require_backward_grad_sync``.
+``ddp_habits.py`` gives the wrapper DDP's ``module`` and ``require_backward_grad_sync``;
+``from_fsdp.py`` takes FSDP's option objects and gives its ``set_requires_gradient_sync``.
 """

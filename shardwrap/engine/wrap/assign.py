@@ -14,11 +14,14 @@ and module assigned to a module of a wrapped model:
    ranks that assigned different values, or only some ranks, raise at their next forward;
 2. refused, before anything changes, where the shard cannot follow: another shape or dtype (a
    resize), a tie or untie between parameters, a new parameter name, or a module swapped in or
-   out that holds parameters. Each must happen before wrapping.
+   out that holds parameters. Each must happen before wrapping. A wrapper put around a module
+   (torch's ``apply_activation_checkpointing`` after wrapping, as FSDP scripts order it) is
+   named as such, with ``checkpoint_activations`` as the fix.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -128,6 +131,8 @@ class Assignments:
         )
         if held or any(True for _ in new.parameters()):
             where = f"{self._names.get(id(parent), type(parent).__name__)}.{name}".lstrip(".")
+            if old is not None and _encloses(new, old):
+                raise TypeError(_wrapped_after(where, old, new))
             raise TypeError(
                 f"{where} = {type(new).__name__}(...) swaps a module holding parameters in or out "
                 "of a sharded model, whose flat shards cannot follow: the new parameters would "
@@ -136,6 +141,31 @@ class Assignments:
                 "to change weights after wrapping, assign parameters of the same shape, or edit "
                 "them inside model.gathered(writeback=True)."
             )
+
+
+def _encloses(new: nn.Module, old: nn.Module) -> bool:
+    """Whether ``new`` is a wrapper around ``old``: it holds ``old`` and no other parameter."""
+    return any(m is old for m in new.modules()) and {id(p) for p in new.parameters()} == {
+        id(p) for p in old.parameters()
+    }
+
+
+def _wrapped_after(where: str, old: nn.Module, new: nn.Module) -> str:
+    """The refusal of a wrapper put around a module of a sharded model, naming the fix."""
+    message = (
+        f"{where} = {type(new).__name__}({where}) puts a wrapper around a module of a sharded "
+        "model: the flat shards hold its parameters by their names, which the wrapper would "
+        "change. Put the wrapper on before ShardedModule"
+    )
+    wrappers = sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    if wrappers is not None and isinstance(new, wrappers.ActivationWrapper):
+        return (
+            f"{message} (apply_activation_checkpointing(model, ...), then ShardedModule), or let "
+            "shardwrap recompute the activations inside its sharding hooks, reusing the "
+            f"backward gather: ShardedModule(model, auto_wrap=..., checkpoint_activations="
+            f"{type(old).__name__})."
+        )
+    return message + "."
 
 
 def install() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ...comm.collectives import CommStats
 from ...comm.failures import CollectiveFailed
 from ...comm.mesh import resolve_mesh
-from ...options import Compression, MixedPrecision, Offload
+from ...options import Compression
 from ...tiers.home import make_home
 from ..optim.dcp_pieces import DCPPiece, dcp_call, local_pieces, refuse_tensor_parallel
 from ..optim.pieces import as_piece
@@ -47,15 +47,19 @@ from .checks import (
 )
 from .ddp_habits import DDPHabits
 from .extensions import check_prepare, checkpoint_unit, class_habits
+from .from_fsdp import FSDPHabits, own_mixed_precision, own_offload
 from .meta_init import ParamInitFn, check_param_init_fn, is_meta
 from .moves import Moves
 from .policy import AutoWrap, check_selects_something, place_parameters, resolve_policy
 from .summary import log_summary, summarize
 
+if TYPE_CHECKING:
+    from .from_fsdp import MixedPrecisionArg, OffloadArg
+
 __all__ = ["ShardedModule"]
 
 
-class ShardedModule(DDPHabits, Moves, nn.Module):
+class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
     """Shard a model's training state across ranks (ZeRO stage 1, 2 or 3), keeping its identity.
 
     Every submodule that ``auto_wrap`` selects becomes a *unit*; the root holds the
@@ -89,7 +93,8 @@ class ShardedModule(DDPHabits, Moves, nn.Module):
             backward (one all-gather fewer per unit and step).
         mixed_precision: compute in a lower precision (see :class:`MixedPrecision`); the
             shards, and so the optimizer, stay in the parameters' own dtype. ``None``: no
-            casts at all.
+            casts at all. FSDP's ``MixedPrecisionPolicy`` and ``MixedPrecision`` are taken as
+            the same settings (what has no counterpart is refused, naming the line to write).
         checkpoint_activations: recompute units' activations in backward instead of keeping
             them (non-reentrant activation checkpointing of the unit's ``forward``, inside the
             sharding hooks; the recomputation reuses the backward all-gather). ``True``: every
@@ -105,7 +110,8 @@ class ShardedModule(DDPHabits, Moves, nn.Module):
         offload: ``Offload(device="disk", path=...)`` keeps the shards, their gradients and
             the optimizer state in files under ``path`` (stage 3, CPU compute device);
             ``Offload(device="cpu")`` keeps them in pinned host memory while a GPU computes
-            (any stage). See :class:`Offload`.
+            (any stage). See :class:`Offload`. FSDP's ``CPUOffloadPolicy()`` and
+            ``CPUOffload(offload_params=True)`` mean ``Offload(device="cpu")``.
         sync_module_states: ``None`` (default): check that every parameter and buffer has
             the same values on every rank (one pass over the weights, one small
             collective), and copy rank 0's values of those that differ to every rank, as
@@ -152,12 +158,12 @@ class ShardedModule(DDPHabits, Moves, nn.Module):
         device: torch.device | str | None = None,
         stage: int = 3,
         reshard_after_forward: bool | None = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecisionArg = None,
         checkpoint_activations: bool | AutoWrap = False,
         compile: bool | dict[str, Any] = False,
         param_init_fn: ParamInitFn | None = None,
         sync_module_states: bool | None = None,
-        offload: Offload | None = None,
+        offload: OffloadArg = None,
         compression: Compression | None = None,
         bucket_mb: float = 4,
     ) -> ShardedModule:
@@ -169,6 +175,8 @@ class ShardedModule(DDPHabits, Moves, nn.Module):
         device = check_device(module, device)
         check_param_init_fn(module, param_init_fn)
         strategy = _strategy(stage, reshard_after_forward)
+        mixed_precision = own_mixed_precision(mixed_precision, module)
+        offload = own_offload(offload)
         check_options(stage, device, mixed_precision, offload, compression)
         unsupported = {"offload": offload is not None, "compile": bool(compile)}
         check_tensor_parallel(module, process_group, {**unsupported, "meta init": is_meta(module)})

@@ -1,0 +1,167 @@
+"""What a script written for torch's FSDP passes and calls, on a sharded model.
+
+A script moving from ``fully_shard`` or ``FullyShardedDataParallel`` keeps its
+``MixedPrecisionPolicy``, ``MixedPrecision``, ``CPUOffloadPolicy`` or ``CPUOffload`` line: each
+becomes the :class:`~shardwrap.MixedPrecision` or :class:`~shardwrap.Offload` that computes the
+same. A setting shardwrap has no counterpart for is refused naming the line to write instead.
+Anything else is passed on unchanged for :func:`~.checks.check_options` to judge. Its gradient
+accumulation call, ``model.set_requires_gradient_sync(False)``, is :class:`FSDPHabits`'.
+(Its auto-wrap policies are taken by ``policy.py``.)
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ...options import MixedPrecision, Offload
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from torch.distributed import fsdp
+
+    MixedPrecisionArg: TypeAlias = (
+        MixedPrecision | fsdp.MixedPrecisionPolicy | fsdp.MixedPrecision | None
+    )
+    OffloadArg: TypeAlias = Offload | fsdp.OffloadPolicy | fsdp.CPUOffload | None
+
+__all__ = ["FSDPHabits", "own_mixed_precision", "own_offload"]
+
+
+def _fsdp() -> ModuleType | None:
+    """torch's FSDP package where it is loaded, as it is wherever one of its objects exists
+    (importing it here would load DTensor with shardwrap)."""
+    return sys.modules.get("torch.distributed.fsdp")
+
+
+def own_mixed_precision(value: object, module: nn.Module) -> object:
+    """``mixed_precision`` as a :class:`MixedPrecision` where it is one of FSDP's policies.
+
+    Raises:
+        ValueError: a setting with no counterpart here (inputs left uncast, gradients kept in
+            low precision, normalisation modules kept in full precision).
+    """
+    fsdp = _fsdp()
+    if fsdp is None:
+        return value
+    if isinstance(value, fsdp.MixedPrecisionPolicy):
+        own = MixedPrecision(
+            param_dtype=value.param_dtype,
+            reduce_dtype=value.reduce_dtype,
+            output_dtype=value.output_dtype,
+        )
+        if not value.cast_forward_inputs and value.param_dtype is not None:
+            raise ValueError(_refused(value, own, "cast_forward_inputs=False", _CASTS))
+        return own
+    if isinstance(value, fsdp.MixedPrecision):
+        own = MixedPrecision(
+            param_dtype=value.param_dtype,
+            reduce_dtype=value.reduce_dtype,
+            buffer_dtype=value.buffer_dtype,
+        )
+        if value.keep_low_precision_grads:
+            raise ValueError(
+                _refused(
+                    value,
+                    own,
+                    "keep_low_precision_grads=True",
+                    "gradients land in the shards' dtype, which the optimizer steps",
+                )
+            )
+        if value.param_dtype is not None and not (
+            value.cast_forward_inputs or value.cast_root_forward_inputs
+        ):
+            raise ValueError(_refused(value, own, "inputs left uncast", _CASTS))
+        kept = tuple(value._module_classes_to_ignore)
+        full = [n or "the root" for n, m in module.named_modules() if kept and isinstance(m, kept)]
+        if value.param_dtype is not None and full:
+            raise ValueError(
+                _refused(
+                    value,
+                    own,
+                    f"its {', '.join(c.__name__ for c in kept)} modules (here: "
+                    f"{', '.join(full[:3])}{', ...' if len(full) > 3 else ''}) kept in full "
+                    "precision",
+                    "every unit computes in param_dtype, these modules too",
+                )
+            )
+        return own
+    return value
+
+
+def own_offload(value: object) -> object:
+    """``offload`` as an :class:`Offload` (or ``None``) where it is one of FSDP's policies.
+
+    Raises:
+        ValueError: ``CPUOffloadPolicy(pin_memory=False)``: the host tier pins its memory.
+    """
+    fsdp = _fsdp()
+    if fsdp is None:
+        return value
+    if isinstance(value, fsdp.CPUOffloadPolicy):
+        if not value.pin_memory:
+            raise ValueError(
+                _refused(
+                    value,
+                    Offload(device="cpu"),
+                    "pin_memory=False",
+                    "the host tier's copies overlap compute only from pinned memory",
+                )
+            )
+        return Offload(device="cpu")
+    if isinstance(value, fsdp.OffloadPolicy):
+        return None
+    if isinstance(value, fsdp.CPUOffload):
+        return Offload(device="cpu") if value.offload_params else None
+    return value
+
+
+_CASTS = "each unit casts its floating-point inputs to param_dtype"
+
+
+def _refused(value: object, own: object, setting: str, why: str) -> str:
+    return (
+        f"{type(value).__name__} with {setting} has no counterpart in shardwrap: {why}. "
+        f"Pass {_shown(own)} to train with shardwrap's own."
+    )
+
+
+def _shown(own: object) -> str:
+    """The line that makes ``own``."""
+    if isinstance(own, Offload):
+        return f"shardwrap.Offload(device={own.device!r})"
+    assert isinstance(own, MixedPrecision)
+    names = ["param_dtype", "reduce_dtype"] + [
+        n for n in ("output_dtype", "buffer_dtype") if getattr(own, n) is not None
+    ]
+    return f"shardwrap.MixedPrecision({', '.join(f'{n}={getattr(own, n)}' for n in names)})"
+
+
+class FSDPHabits:
+    """FSDP2's gradient-sync switch on a sharded model (mixed into :class:`ShardedModule`)."""
+
+    require_backward_grad_sync: bool
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's name for ``model.require_backward_grad_sync = requires_gradient_sync``.
+
+        ``False``: the backwards that follow keep local, unsharded gradients without
+        communication (gradient accumulation); ``True`` again: the next backward reduces all
+        that was accumulated. Call it alike on every rank, before the forward.
+
+        Raises:
+            ValueError: ``recurse=False``: gradients sync for the whole model or not at all.
+        """
+        if not recurse:
+            raise ValueError(
+                "set_requires_gradient_sync(..., recurse=False) has no counterpart in "
+                "shardwrap: the whole model's gradients are reduced together, or none. Call "
+                "model.set_requires_gradient_sync(flag) (or enter model.no_sync())."
+            )
+        self.require_backward_grad_sync = requires_gradient_sync
