@@ -1,7 +1,9 @@
 """Activation checkpointing and ``torch.compile`` of units, and of the wrapped model.
 
 Checkpointed units recompute their forward in backward; the recomputation must reuse the
-all-gather backward already did (no second gather of a gathered unit), with training parity.
+all-gather backward already did (no second gather of a gathered unit), with training parity;
+so must a part of a unit checkpointed by hand (a block's MLP), whose recomputation runs outside
+the unit's forward.
 Compiled units run their ``forward`` as compiled graphs with no sharding hook inside, without
 recompiling from step to step although every gather makes new parameter tensors.
 """
@@ -48,6 +50,17 @@ class CheckpointingGPT(GPT):
             x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
         logits = self.lm_head(self.ln_f(x))
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MLPCheckpointingBlock(Block):
+    """A block that checkpoints only its MLP, by hand: a part of a unit recomputed in backward."""
+
+    reentrant = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        h = self.ln_2(x)
+        return x + torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=self.reentrant)
 
 
 def _count_calls(module: nn.Module) -> list[int]:
@@ -109,6 +122,29 @@ def test_checkpointing_by_hand_inside_the_model_reuses_the_backward_gather() -> 
     assert_parity(model, 2, sgd, GPT_BATCHES, gpt_loss, auto_wrap=Block)
     plain = GPT(tied=True)
     plain.load_state_dict(model.state_dict())
+    for (gathers, runs), (ck_gathers, ck_runs) in zip(
+        _gathers_and_block_runs(plain, 2), _gathers_and_block_runs(model, 2)
+    ):
+        assert (runs, ck_runs) == (1, 2)
+        assert ck_gathers == gathers
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_a_part_of_a_unit_by_hand_trains_like_the_plain_model(
+    reentrant: bool,
+) -> None:
+    """The recomputed MLP reads its unit's parameters in backward, outside the unit's forward:
+    a non-reentrant checkpoint finds the same tensors saved as in forward (it counts them),
+    and reuses the backward gather."""
+    torch.manual_seed(0)
+    model = GPT(tied=True)
+    plain = copy.deepcopy(model)
+    for block in model.blocks:
+        block.__class__ = MLPCheckpointingBlock
+        block.reentrant = reentrant
+    assert_parity(model, 2, sgd, GPT_BATCHES, gpt_loss, auto_wrap=Block)
+    if reentrant:  # its own backward over the recomputed MLP releases the unit: gathered again
+        return
     for (gathers, runs), (ck_gathers, ck_runs) in zip(
         _gathers_and_block_runs(plain, 2), _gathers_and_block_runs(model, 2)
     ):

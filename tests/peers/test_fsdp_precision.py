@@ -3,7 +3,8 @@ to shardwrap.
 
 Upstream: ``test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py`` (compute
 and reduce dtypes, accumulation in the reduce dtype, structured activations, casts of a unit's
-inputs, recomputation, norms, non-floating parameters) and ``test_fully_shard_grad_scaler.py``.
+inputs, recomputation, norms, non-floating parameters), ``test_fully_shard_grad_scaler.py`` and
+``test_fully_shard_compose.py`` (composable ``checkpoint`` inside a unit).
 Each test names the upstream test it mirrors. The reference is the plain model in the textbook
 mixed-precision recipe, on the whole global batch: float32 master weights, a working copy in
 the compute dtype that runs forward and backward on each rank's slice of the batch (its inputs
@@ -28,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
@@ -498,6 +500,34 @@ def test_recomputed_unit_sees_cast_inputs(stage: int) -> None:
         step=recipe_step(_mse, torch.bfloat16, torch.float32, check),
         auto_wrap=Recording,
         checkpoint_activations=True,
+        mixed_precision=BF16,
+    )
+
+
+@stages
+@pytest.mark.parametrize("where", ["unit", "strict-submodule"])
+def test_composable_checkpoint_of_a_unit_or_a_part_of_it(stage: int, where: str) -> None:
+    """Mirrors test_fully_shard_compose.py::test_checkpoint_and_fully_shard: torch's composable
+    ``checkpoint`` on a unit, or on a strict submodule of it (its Linear, recomputed in backward
+    outside the unit's forward), under bf16: the unit sees bf16 inputs at every run, and trains
+    as the recipe does."""
+    torch.manual_seed(0)
+    model = UpcastsFirst()
+    composable_checkpoint(model.unit if where == "unit" else model.unit.lin)
+    runs_per_step = 2 if where == "unit" else 1  # forward, and recomputation of the unit
+
+    def check(side: Side) -> None:
+        if side.sharded:
+            seen = side.model.unit.seen
+            assert set(seen) == {torch.bfloat16}, seen
+            assert len(seen) == runs_per_step * (side.step_index + 1)
+
+    assert_peer_parity(
+        model,
+        stage=stage,
+        batches=BATCHES,
+        step=recipe_step(_mse, torch.bfloat16, torch.float32, check),
+        auto_wrap=Recording,
         mixed_precision=BF16,
     )
 

@@ -81,6 +81,12 @@ class OwnCalls:
             if self.paused or all(ready(u, grad) for u in units):
                 return
             root.settle()
+            if root.in_backward:  # recomputation under activation checkpointing
+                for unit in units:
+                    if not ready(unit, grad):
+                        root.ensure_gathered(unit, backward=True)
+                        unit.use_full(grad)
+                return
             if grad:
                 root.saved.start(module)
             gathered = []
