@@ -2,8 +2,8 @@
 
 Checkpointed units recompute their forward in backward; the recomputation must reuse the
 all-gather backward already did (no second gather of a gathered unit), with training parity;
-so must a part of a unit checkpointed by hand (a block's MLP), whose recomputation runs outside
-the unit's forward.
+so must a part of a unit checkpointed by hand (a block's MLP; selectively too), whose recomputation
+runs outside the unit's forward.
 Compiled units run their ``forward`` as compiled graphs with no sharding hook inside, without
 recompiling from step to step although every gather makes new parameter tensors.
 """
@@ -11,6 +11,7 @@ recompiling from step to step although every gather makes new parameter tensors.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -18,6 +19,11 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from shardwrap import MixedPrecision, ShardedModule
 from tests.support.models import GPT, Block, make_batch
@@ -52,15 +58,27 @@ class CheckpointingGPT(GPT):
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A selective checkpoint's policy: keep matmul outputs, recompute the rest."""
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op == torch.ops.aten.mm.default
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
 class MLPCheckpointingBlock(Block):
     """A block that checkpoints only its MLP, by hand: a part of a unit recomputed in backward."""
 
-    reentrant = False
+    how = "non-reentrant"
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
         h = self.ln_2(x)
-        return x + torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=self.reentrant)
+        if self.how == "selective":
+            contexts = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            return x + checkpoint(self.mlp, h, use_reentrant=False, context_fn=contexts)
+        return x + checkpoint(self.mlp, h, use_reentrant=self.how == "reentrant")
 
 
 def _count_calls(module: nn.Module) -> list[int]:
@@ -129,21 +147,20 @@ def test_checkpointing_by_hand_inside_the_model_reuses_the_backward_gather() -> 
         assert ck_gathers == gathers
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_checkpointing_a_part_of_a_unit_by_hand_trains_like_the_plain_model(
-    reentrant: bool,
-) -> None:
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "selective"])
+def test_checkpointing_a_part_of_a_unit_by_hand_trains_like_the_plain_model(how: str) -> None:
     """The recomputed MLP reads its unit's parameters in backward, outside the unit's forward:
-    a non-reentrant checkpoint finds the same tensors saved as in forward (it counts them),
-    and reuses the backward gather."""
+    a non-reentrant checkpoint finds the same tensors saved as in forward (it counts them), a
+    selective one replays the same ops (it refuses any other), and both reuse the backward
+    gather."""
     torch.manual_seed(0)
     model = GPT(tied=True)
     plain = copy.deepcopy(model)
     for block in model.blocks:
         block.__class__ = MLPCheckpointingBlock
-        block.reentrant = reentrant
+        block.how = how
     assert_parity(model, 2, sgd, GPT_BATCHES, gpt_loss, auto_wrap=Block)
-    if reentrant:  # its own backward over the recomputed MLP releases the unit: gathered again
+    if how == "reentrant":  # its own backward over the recomputed MLP releases the unit
         return
     for (gathers, runs), (ck_gathers, ck_runs) in zip(
         _gathers_and_block_runs(plain, 2), _gathers_and_block_runs(model, 2)
