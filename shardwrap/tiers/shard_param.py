@@ -13,10 +13,18 @@ the old values, or with its own rank's slice new and the others' old. So a shard
 tensor cannot become. A ``t`` of another shape, dtype or device is refused, naming the
 parameter. The engine's own swaps (whole-parameter steps, the planner's) use :func:`raw_data`
 and :func:`set_raw_data`, torch's own accessors.
+
+A random draw on the piece itself (``nn.init``'s initialisers, ``p.normal_()``) is refused:
+see :class:`ShardParam`. Its ``__torch_function__`` costs a Python call per torch call on a
+piece: a for-loop AdamW step over 150 pieces of 50,000 elements took 18.4 ms instead of
+16.4 ms on this project's 2-core machine, a foreach step 34.8 ms either way.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 from torch._C import TensorBase
 
@@ -37,9 +45,45 @@ def set_raw_data(p: Tensor, value: Tensor) -> None:
     _DATA.__set__(p, value)
 
 
+# In-place random draws, and the initialisers of ``torch.nn.init`` that hand their tensor to
+# ``__torch_function__`` before drawing (the others draw through the methods).
+_DRAWS = frozenset(
+    {
+        Tensor.uniform_,
+        Tensor.normal_,
+        Tensor.bernoulli_,
+        Tensor.cauchy_,
+        Tensor.exponential_,
+        Tensor.geometric_,
+        Tensor.log_normal_,
+        Tensor.random_,
+        nn.init.uniform_,
+        nn.init.normal_,
+        nn.init.kaiming_uniform_,
+    }
+)
+
+
 class ShardParam(nn.Parameter):
     """A shard parameter: a ``Parameter`` whose ``data`` writes count as writes to it (see the
-    module's note)."""
+    module's note), and on which a random initialiser is refused.
+
+    An initialiser run on a piece reads the piece's shape, ``(1, ..., n)``: a fan-based one
+    (``kaiming_*``, ``xavier_*``) scales its draws by ``n`` instead of the parameter's fans,
+    and every rank's piece draws the same numbers from the same generator. Refused before it
+    writes, naming where it runs right: before wrapping, or on the full parameters inside
+    ``model.gathered(modifier_rank=0)``.
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _DRAWS:
+            piece = next(a for a in (*args, *kwargs.values()) if isinstance(a, ShardParam))
+            raise ValueError(_drawn_on_piece(func, piece))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @property
     def data(self) -> Tensor:  # type: ignore[override]
@@ -63,3 +107,18 @@ class ShardParam(nn.Parameter):
         if value.data_ptr() == self.data_ptr() and value.stride() == self.stride():
             return  # the piece itself (Module._apply's no-op conversions assign it back)
         self.detach().copy_(value)
+
+
+def _drawn_on_piece(func: Any, piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    module = getattr(func, "__module__", None)
+    where = f"{module}.{func.__name__}" if module else f"Tensor.{func.__name__}"
+    return (
+        f"{where} on {name}, this rank's piece of it (shape {tuple(piece.shape)}): a random "
+        "initialiser on a piece reads the piece's shape (nn.init's kaiming_* and xavier_* would "
+        "scale by it, not by the parameter's fans), and every rank's piece would draw the same "
+        "numbers. Initialise before wrapping (or build on the meta device and pass "
+        "param_init_fn=), or initialise the full parameters as module attributes inside "
+        "`with model.gathered(modifier_rank=0):` (e.g. nn.init.xavier_uniform_(block.attn.weight)"
+        "; model.parameters() stays the pieces there)."
+    )

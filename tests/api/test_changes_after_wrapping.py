@@ -351,6 +351,46 @@ def test_reset_parameters_on_pieces_is_refused_naming_the_module_and_the_fix() -
     run_ranks(WORLD, fn, timeout=30)
 
 
+INITIALISERS = {
+    "xavier_uniform_": lambda w, g: nn.init.xavier_uniform_(w, generator=g),
+    "kaiming_normal_": lambda w, g: nn.init.kaiming_normal_(w, generator=g),
+    "trunc_normal_": lambda w, g: nn.init.trunc_normal_(w, std=0.02, generator=g),
+    "normal_": lambda w, g: nn.init.normal_(w, std=0.02, generator=g),
+    "uniform_": lambda w, g: nn.init.uniform_(w, -0.1, 0.1, generator=g),
+    "Tensor.normal_": lambda w, g: w.normal_(generator=g),
+}
+
+
+@pytest.mark.parametrize("init", INITIALISERS)
+def test_a_random_initialiser_on_a_piece_is_refused_and_inside_gathered_initialises_the_whole(
+    init: str,
+) -> None:
+    """On a piece, shape ``(1, n)``, ``nn.init``'s fan-based initialisers would scale by ``n``
+    and every rank's piece would draw the same numbers: refused before it writes, naming the
+    parameter and the fix. On the full parameter inside ``gathered(modifier_rank=0)`` the same
+    call initialises it as on the plain model (rank 0's draws on every rank)."""
+    initialise = INITIALISERS[init]
+    plain = copy.deepcopy(_net())
+    with torch.no_grad():
+        initialise(plain.b1.a.weight, torch.Generator().manual_seed(7))
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _wrap(pg)
+        before = m.full_state_dict()
+        with pytest.raises(ValueError) as error, torch.no_grad():
+            initialise(m.b1.a.weight, torch.Generator().manual_seed(7))
+        message = str(error.value)
+        assert "on b1.a.weight, this rank's piece of it" in message
+        assert "with model.gathered(modifier_rank=0):" in message
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        with m.gathered(modifier_rank=0), torch.no_grad():
+            initialise(m.b1.a.weight, torch.Generator().manual_seed(7 + rank))
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=0, rtol=0)
+
+
 def test_a_rank_raising_inside_gathered_writes_nothing_on_any_rank() -> None:
     def fn(rank: int, pg: ProcessGroup) -> None:
         m = _wrap(pg)
