@@ -15,7 +15,8 @@ counterpart are refused, naming the line to write.
 Torch's ``apply_activation_checkpointing`` applied before wrapping trains like the plain model;
 applied after, in FSDP's order, it is refused before it swaps anything, naming both fixes.
 FSDP2's gradient accumulation switch, ``model.set_requires_gradient_sync(False)``, accumulates
-without communication and ends in parity with the plain model.
+without communication and ends in parity with the plain model. FSDP's own arguments
+(``sharding_strategy``, ``device_id``, ``mp_policy``, ...) are refused naming shardwrap's.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_from_fsdp.py -q``
 """
@@ -273,3 +274,31 @@ def test_set_requires_gradient_sync_for_part_of_the_model_is_refused() -> None:
     with pytest.raises(ValueError, match=r"recurse=False\) has no counterpart in shardwrap"):
         model.set_requires_gradient_sync(False, recurse=False)
     assert model.require_backward_grad_sync
+
+
+FSDP_ARGUMENTS = {
+    "shard-grad-op": (
+        {"sharding_strategy": fsdp.ShardingStrategy.SHARD_GRAD_OP},
+        "sharding_strategy=SHARD_GRAD_OP is FSDP's; write stage=3, reshard_after_forward=False",
+    ),
+    "hybrid": (
+        {"sharding_strategy": fsdp.ShardingStrategy.HYBRID_SHARD},
+        'write process_group= a DeviceMesh with dimensions ("replicate", "shard")',
+    ),
+    "device-id": ({"device_id": 0}, "device_id is FSDP's; write device="),
+    "two": (
+        {"mp_policy": fsdp.MixedPrecisionPolicy(), "use_orig_params": True},
+        "mp_policy is FSDP's; write mixed_precision= (the same MixedPrecisionPolicy works); "
+        "use_orig_params is FSDP's; drop it",
+    ),
+    "unknown": ({"autowrap": Block}, "autowrap is not an argument of ShardedModule"),
+}
+
+
+@pytest.mark.parametrize("name", FSDP_ARGUMENTS)
+def test_an_argument_of_fsdps_is_refused_naming_the_one_to_write(name: str) -> None:
+    arguments, said = FSDP_ARGUMENTS[name]
+    with pytest.raises(TypeError) as error:
+        ShardedModule(build_gpt(False), auto_wrap=Block, **arguments)
+    assert said in str(error.value)
+    assert "Its arguments: auto_wrap, process_group, device, stage," in str(error.value)

@@ -5,7 +5,9 @@ A script moving from ``fully_shard`` or ``FullyShardedDataParallel`` keeps its
 becomes the :class:`~shardwrap.MixedPrecision` or :class:`~shardwrap.Offload` that computes the
 same. A setting shardwrap has no counterpart for is refused naming the line to write instead.
 Anything else is passed on unchanged for :func:`~.checks.check_options` to judge. Its gradient
-accumulation call, ``model.set_requires_gradient_sync(False)``, is :class:`FSDPHabits`'.
+accumulation call, ``model.set_requires_gradient_sync(False)``, is :class:`FSDPHabits`'. An
+argument of FSDP's own (``sharding_strategy``, ``device_id``, ``mp_policy``) is refused naming
+shardwrap's (:func:`other_arguments`).
 (Its auto-wrap policies are taken by ``policy.py``.)
 """
 
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     )
     OffloadArg: TypeAlias = Offload | fsdp.OffloadPolicy | fsdp.CPUOffload | None
 
-__all__ = ["FSDPHabits", "own_mixed_precision", "own_offload"]
+__all__ = ["FSDPHabits", "other_arguments", "own_mixed_precision", "own_offload"]
 
 
 def _fsdp() -> ModuleType | None:
@@ -165,3 +167,49 @@ class FSDPHabits:
                 "model.set_requires_gradient_sync(flag) (or enter model.no_sync())."
             )
         self.require_backward_grad_sync = requires_gradient_sync
+
+
+# FSDP's arguments (``FullyShardedDataParallel``'s and ``fully_shard``'s): what to write instead.
+_COUNTERPARTS = {
+    "auto_wrap_policy": "write auto_wrap= (the same policy object works)",
+    "mp_policy": "write mixed_precision= (the same MixedPrecisionPolicy works)",
+    "offload_policy": "write offload= (the same CPUOffloadPolicy works)",
+    "cpu_offload": "write offload= (the same CPUOffload works)",
+    "device_id": "write device=",
+    "mesh": 'write process_group= (a DeviceMesh works; ("replicate", "shard") for hybrid sharding)',
+    "use_orig_params": "drop it: parameters always keep their names",
+    "limit_all_gathers": "drop it: each unit's start issues the next unit's gather",
+    "forward_prefetch": "drop it: each unit's start issues the next unit's gather",
+    "backward_prefetch": "drop it: each unit's start issues the next unit's gather",
+    "ignored_modules": "no counterpart: keep what must stay unsharded outside the wrapped model",
+    "ignored_params": "no counterpart: keep what must stay unsharded outside the wrapped model",
+}
+
+_STRATEGIES = {
+    "FULL_SHARD": "stage=3 (the default)",
+    "SHARD_GRAD_OP": "stage=3, reshard_after_forward=False (full parameters from forward to "
+    "the end of backward), or stage=2 (kept between steps too)",
+    "NO_SHARD": "stage=1 (full parameters and gradients; the optimizer state sharded)",
+    "HYBRID_SHARD": 'process_group= a DeviceMesh with dimensions ("replicate", "shard")',
+    "_HYBRID_SHARD_ZERO2": 'process_group= a DeviceMesh with dimensions ("replicate", "shard"), '
+    "stage=2",
+}
+
+
+def other_arguments(arguments: dict[str, object], taken: list[str]) -> str:
+    """Why ``ShardedModule`` refuses keyword ``arguments`` it does not take: each of FSDP's named
+    with the argument to write instead, any other named as unknown; ``taken``: its own."""
+    lines = []
+    for name, value in arguments.items():
+        if name == "sharding_strategy":
+            strategy = getattr(value, "name", str(value))
+            here = _STRATEGIES.get(strategy, "stage=1, 2 or 3")
+            lines.append(f"sharding_strategy={strategy} is FSDP's; write {here}")
+        elif name in _COUNTERPARTS:
+            lines.append(f"{name} is FSDP's; {_COUNTERPARTS[name]}")
+        else:
+            lines.append(f"{name} is not an argument of ShardedModule")
+    return (
+        f"ShardedModule: {'; '.join(lines)}. Its arguments: {', '.join(taken)} (see "
+        "docs/api.md; from FSDP and DeepSpeed: docs/fsdp.md)."
+    )

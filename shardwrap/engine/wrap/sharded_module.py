@@ -47,7 +47,7 @@ from .checks import (
 )
 from .ddp_habits import DDPHabits
 from .extensions import check_prepare, checkpoint_unit, class_habits
-from .from_fsdp import FSDPHabits, own_mixed_precision, own_offload
+from .from_fsdp import FSDPHabits, other_arguments, own_mixed_precision, own_offload
 from .meta_init import ParamInitFn, check_param_init_fn, is_meta
 from .moves import Moves
 from .policy import AutoWrap, check_selects_something, place_parameters, resolve_policy
@@ -128,12 +128,14 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
             backend that pays per message (gloo) that is most of a small model's step. A unit
             gathered with the next ones stays gathered until its own forward or backward
             releases it: memory of at most one bucket more.
+        other: none is taken; one of FSDP's (``sharding_strategy``, ``device_id``,
+            ``mp_policy``, ...) is refused naming the argument to write instead.
 
     Raises:
         RuntimeError: no process group while a launcher started several processes (each
             would train its own copy), naming ``init_process_group``.
         TypeError: ``auto_wrap``, ``checkpoint_activations``, ``mixed_precision``,
-            ``compile`` or ``bucket_mb`` of an unsupported type.
+            ``compile`` or ``bucket_mb`` of an unsupported type; an argument it does not take.
         ValueError: an ``auto_wrap`` that selects no submodule (naming the classes the model
             has), a ``stage`` other than 1, 2 or 3, a negative ``bucket_mb``,
             ``reshard_after_forward`` given with a stage other than 3, or ranks whose
@@ -166,7 +168,10 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         offload: OffloadArg = None,
         compression: Compression | None = None,
         bucket_mb: float = 4,
+        **other: Any,
     ) -> ShardedModule:
+        if other:
+            raise TypeError(other_arguments(other, list(ShardedModule.__new__.__kwdefaults__)))
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
         check_wrappable(module)
