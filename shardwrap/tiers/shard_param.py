@@ -73,6 +73,12 @@ class ShardParam(nn.Parameter):
     and every rank's piece draws the same numbers from the same generator. Refused before it
     writes, naming where it runs right: before wrapping, or on the full parameters inside
     ``model.gathered(modifier_rank=0)``.
+
+    Gradients with respect to pieces are refused too, naming ``loss.backward()``: forward
+    computes with the full parameters gathered for it, never with the pieces, so no model's
+    graph holds a piece. ``loss.backward(inputs=pieces)`` would leave their ``.grad`` as it was
+    without a word; ``torch.autograd.grad(loss, pieces)`` would say only that they are unused
+    (a graph built on a piece itself, a penalty on it, is differentiated as usual).
     """
 
     @classmethod
@@ -83,6 +89,15 @@ class ShardParam(nn.Parameter):
         if func in _DRAWS:
             piece = next(a for a in (*args, *kwargs.values()) if isinstance(a, ShardParam))
             raise ValueError(_drawn_on_piece(func, piece))
+        if func is torch.autograd.backward:  # would leave every piece's .grad as it was
+            raise RuntimeError(_differentiated(func, args, kwargs))
+        if func is torch.autograd.grad:  # fine where a piece is in the graph (a penalty on it)
+            try:
+                return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+            except RuntimeError as e:
+                if "not have been used in the graph" not in str(e):
+                    raise
+                raise RuntimeError(_differentiated(func, args, kwargs)) from e
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @property
@@ -121,4 +136,20 @@ def _drawn_on_piece(func: Any, piece: Tensor) -> str:
         "param_init_fn=), or initialise the full parameters as module attributes inside "
         "`with model.gathered(modifier_rank=0):` (e.g. nn.init.xavier_uniform_(block.attn.weight)"
         "; model.parameters() stays the pieces there)."
+    )
+
+
+def _differentiated(func: Any, args: tuple, kwargs: dict) -> str:
+    listed = [
+        a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (list, tuple)) else [v])
+    ]
+    piece = next(a for a in listed if isinstance(a, ShardParam))
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"torch.autograd.{func.__name__} with respect to {name}, this rank's piece of it: a "
+        "sharded model's forward computes with the full parameters gathered for it, never with "
+        "the pieces, so no graph holds a piece. Call loss.backward() and read each parameter's "
+        ".grad (this rank's piece of the gradient averaged over the ranks; p.grad.norm() and "
+        "torch.nn.utils.clip_grad_norm_ give whole norms), or differentiate with respect to "
+        "inputs or activations."
     )

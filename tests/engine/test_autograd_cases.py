@@ -552,7 +552,10 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
     """``torch.autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])`` give each rank the
     plain model's gradient of its slice's input and leave the parameters' ``.grad`` ``None``;
     the next plain backward and step train as the plain model. A gradient with respect to the
-    parameters is refused by torch itself (the shard parameters are not in the graph)."""
+    parameters (the shard parameters, in no graph of the model's) is refused naming
+    ``loss.backward()``: ``autograd.grad`` would say only that they are unused, and
+    ``backward(inputs=...)`` would leave their ``.grad`` as it was. A graph built on a piece
+    itself is differentiated as usual."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     x, y = torch.randn(4, 8), torch.randn(4, 4)
@@ -579,8 +582,15 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
         loss_of(m, inp, ys).backward(inputs=[inp])
         torch.testing.assert_close(inp.grad, want[rank], atol=ATOL, rtol=0)
         assert all(p.grad is None for p in m.parameters())
-        with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        fix = r"no graph holds a piece\. Call loss\.backward\(\)"
+        with pytest.raises(RuntimeError, match=r"torch\.autograd\.grad with respect to 0\.weight"):
             torch.autograd.grad(loss_of(m, xs, ys), list(m.parameters()))
+        with pytest.raises(RuntimeError, match=fix):
+            loss_of(m, xs, ys).backward(inputs=list(m.parameters()))
+        assert all(p.grad is None for p in m.parameters())
+        piece = next(m.parameters())
+        (of_piece,) = torch.autograd.grad(piece.square().sum(), piece)
+        torch.testing.assert_close(of_piece, 2 * piece.detach(), atol=0, rtol=0)
         opt = _sgd(m)
         loss_of(m, xs, ys).backward()
         opt.step()
