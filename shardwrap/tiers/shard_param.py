@@ -87,17 +87,16 @@ class ShardParam(nn.Parameter):
     ) -> Any:
         kwargs = kwargs or {}
         if func in _DRAWS:
-            piece = next(a for a in (*args, *kwargs.values()) if isinstance(a, ShardParam))
-            raise ValueError(_drawn_on_piece(func, piece))
+            raise ValueError(_drawn_on_piece(func, _piece_among(args, kwargs)))
         if func is torch.autograd.backward:  # would leave every piece's .grad as it was
-            raise RuntimeError(_differentiated(func, args, kwargs))
+            raise RuntimeError(_differentiated(func, _piece_among(args, kwargs)))
         if func is torch.autograd.grad:  # fine where a piece is in the graph (a penalty on it)
             try:
                 return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
             except RuntimeError as e:
                 if "not have been used in the graph" not in str(e):
                     raise
-                raise RuntimeError(_differentiated(func, args, kwargs)) from e
+                raise RuntimeError(_differentiated(func, _piece_among(args, kwargs))) from e
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @property
@@ -124,6 +123,14 @@ class ShardParam(nn.Parameter):
         self.detach().copy_(value)
 
 
+def _piece_among(args: tuple, kwargs: dict) -> Tensor:
+    """The first shard parameter among a call's arguments, or in a list or tuple there."""
+    listed = (
+        a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (list, tuple)) else [v])
+    )
+    return next(a for a in listed if isinstance(a, ShardParam))
+
+
 def _drawn_on_piece(func: Any, piece: Tensor) -> str:
     name = getattr(piece, NAME_ATTR, "a shard parameter")
     module = getattr(func, "__module__", None)
@@ -139,11 +146,7 @@ def _drawn_on_piece(func: Any, piece: Tensor) -> str:
     )
 
 
-def _differentiated(func: Any, args: tuple, kwargs: dict) -> str:
-    listed = [
-        a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (list, tuple)) else [v])
-    ]
-    piece = next(a for a in listed if isinstance(a, ShardParam))
+def _differentiated(func: Any, piece: Tensor) -> str:
     name = getattr(piece, NAME_ATTR, "a shard parameter")
     return (
         f"torch.autograd.{func.__name__} with respect to {name}, this rank's piece of it: a "

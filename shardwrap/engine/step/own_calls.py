@@ -10,19 +10,11 @@ and the hooks do nothing; inside ``gathered()`` (``paused``) every parameter is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode,
-    _pop_mode,
-    _push_mode,
-)
 from torch.utils.hooks import RemovableHandle
 
 from ..shards.saved import SavedViews
@@ -30,12 +22,6 @@ from ..shards.unit import ShardState, Unit
 from .eager import eager
 
 __all__ = ["Driver", "OwnCalls", "piece_hint", "ready"]
-
-# The dispatch modes of a selective checkpoint: recording its region's ops, and replaying them.
-_SELECTIVE_CHECKPOINT_MODES = (
-    torch.utils.checkpoint._CachingTorchDispatchMode,
-    torch.utils.checkpoint._CachedTorchDispatchMode,
-)
 
 
 class Driver(Protocol):
@@ -55,6 +41,8 @@ class Driver(Protocol):
     def settle(self) -> None: ...
 
     def ensure_gathered(self, unit: Unit, backward: bool) -> None: ...
+
+    def gather_for_recompute(self, unit: Unit, grad: bool) -> None: ...
 
     def release_after_forward(self, unit: Unit, grad: bool) -> bool: ...
 
@@ -96,11 +84,9 @@ class OwnCalls:
                 return
             root.settle()
             if root.in_backward:  # recomputation under activation checkpointing
-                with _apart_from_replay():
-                    for unit in units:
-                        if not ready(unit, grad):
-                            root.ensure_gathered(unit, backward=True)
-                            unit.use_full(grad)
+                for unit in units:
+                    if not ready(unit, grad):
+                        root.gather_for_recompute(unit, grad)
                 return
             if grad:
                 root.saved.start(module)
@@ -109,7 +95,7 @@ class OwnCalls:
                 if unit.state is not ShardState.GATHERED or unit.is_stale:
                     gathered.append(unit)
                 if not ready(unit, grad):
-                    root.ensure_gathered(unit, backward=root.in_backward)
+                    root.ensure_gathered(unit, backward=False)
                     unit.use_full(grad)
             self._called_alone[id(module)] = gathered
 
@@ -129,25 +115,6 @@ class OwnCalls:
                     unit.reshard()
 
         return hook
-
-
-@contextmanager
-def _apart_from_replay() -> Iterator[None]:
-    """Step out of a selective checkpoint's replay while showing full parameters in backward.
-
-    Selective activation checkpointing replays in backward exactly the ops its region ran in
-    forward, and refuses any other: the views made here belong to no region (in forward the
-    unit's own hooks made them, outside it). Only the checkpoint's modes on top of the dispatch
-    stack are stepped out of; a mode beneath them (an allocation tracker) still sees the gather.
-    """
-    popped: list[TorchDispatchMode] = []
-    try:
-        while isinstance(_get_current_dispatch_mode(), _SELECTIVE_CHECKPOINT_MODES):
-            popped.append(_pop_mode())
-        yield
-    finally:
-        for mode in reversed(popped):
-            _push_mode(mode)
 
 
 def ready(unit: Unit, grad: bool) -> bool:

@@ -7,16 +7,35 @@ checkpointed piece and every compiled graph.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode,
+    _push_mode,
+)
 
 from ..shards.unit import Unit
 from .own_calls import OwnCalls
 
-__all__ = ["Regathers", "compile_unit", "guard_recompute", "recompute_activations"]
+__all__ = [
+    "Regathers",
+    "apart_from_replay",
+    "compile_unit",
+    "guard_recompute",
+    "recompute_activations",
+]
+
+# The dispatch modes of a selective checkpoint: recording its region's ops, and replaying them.
+_SELECTIVE_CHECKPOINT_MODES = (
+    torch.utils.checkpoint._CachingTorchDispatchMode,
+    torch.utils.checkpoint._CachedTorchDispatchMode,
+)
 
 
 class Regathers(Protocol):
@@ -25,7 +44,7 @@ class Regathers(Protocol):
     @property
     def in_backward(self) -> bool: ...
 
-    def ensure_gathered(self, unit: Unit, backward: bool) -> None: ...
+    def gather_for_recompute(self, unit: Unit, grad: bool) -> None: ...
 
 
 def recompute_activations(root: Regathers, unit: Unit) -> None:
@@ -61,11 +80,31 @@ def guard_recompute(
 
     def recompute_or_run(*args: Any, **kwargs: Any) -> Any:
         if root.in_backward:
-            root.ensure_gathered(unit, backward=True)
-            unit.use_full(track_grad=True)
+            root.gather_for_recompute(unit, grad=True)
         return function(*args, **kwargs)
 
     return recompute_or_run
+
+
+@contextmanager
+def apart_from_replay() -> Iterator[None]:
+    """Step out of a selective checkpoint's replay while a unit's full parameters are shown to
+    a recomputation.
+
+    Selective activation checkpointing replays in backward exactly the ops its region ran in
+    forward, and refuses any other: the gather and the views are sharding work, which forward
+    did outside the region where a part of a unit is checkpointed. Only the checkpoint's modes
+    on top of the dispatch stack are stepped out of; a mode beneath them (an allocation
+    tracker) still sees the gather.
+    """
+    popped: list[TorchDispatchMode] = []
+    try:
+        while isinstance(_get_current_dispatch_mode(), _SELECTIVE_CHECKPOINT_MODES):
+            popped.append(_pop_mode())
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
 
 
 def compile_unit(own_calls: OwnCalls, unit: Unit, options: dict[str, Any]) -> None:

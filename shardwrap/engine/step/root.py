@@ -54,6 +54,7 @@ from .eager import eager
 from .edits import agree_edits
 from .order import ExecutionOrder, unit_index
 from .own_calls import OwnCalls
+from .recompute import apart_from_replay
 from .reduce import Reductions, reduction_order
 from .schedule import Schedule
 from .strategy import Strategy
@@ -206,8 +207,7 @@ class Root:
     def _pre_forward(self, unit: Unit) -> None:
         self.settle()  # a backward that raised: its reductions go out before any gather here
         if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
-            self.ensure_gathered(unit, backward=True)
-            unit.use_full(torch.is_grad_enabled())
+            self.gather_for_recompute(unit, torch.is_grad_enabled())
             return
         if unit is self.root:
             self.check_state()
@@ -475,6 +475,14 @@ class Root:
             return
         self._stage_after(self.schedule.gather(unit, backward)[-1], backward)
         unit.finish_gather()
+
+    def gather_for_recompute(self, unit: Unit, grad: bool) -> None:
+        """Show ``unit``'s full parameters to a recomputation in backward (activation
+        checkpointing, of the unit or of a part of it), reusing backward's gather; made outside
+        a selective checkpoint's replay (:func:`apart_from_replay`)."""
+        with apart_from_replay():
+            self.ensure_gathered(unit, backward=True)
+            unit.use_full(grad)
 
     def _prefetch(self, current: Unit, backward: bool) -> None:
         nxt = self.order.after(current, backward)
