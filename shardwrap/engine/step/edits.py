@@ -28,7 +28,7 @@ from ...comm.collectives import CommStats, all_reduce, broadcast
 from ...comm.mesh import Mesh
 from ..shards.flat_group import FlatGroup
 
-__all__ = ["agree_edits", "check_modifier_rank", "fingerprint"]
+__all__ = ["agree_edits", "broadcast_from", "check_modifier_rank", "fingerprint"]
 
 _CHUNK = 1 << 20  # elements fingerprinted at a time: the int64 copy stays small
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -119,7 +119,7 @@ def agree_edits(
         )
     if modifier_rank is not None:
         for g in groups:
-            _broadcast_from(g.full_data, mesh, stats, shard_at, replica_at)
+            broadcast_from(g.full_data, mesh, stats, shard_at, replica_at)
         return True
     differ = _differing(groups, rest[: len(prints)], rest[len(prints) :])
     if differ:
@@ -167,7 +167,7 @@ def _differing(groups: list[FlatGroup], low: list[int], neg_high: list[int]) -> 
     ]
 
 
-def _broadcast_from(
+def broadcast_from(
     buffer: Tensor, mesh: Mesh, stats: CommStats, shard_at: int, replica_at: int
 ) -> None:
     """Copy the full ``buffer`` of the rank at (``shard_at``, ``replica_at``) to every rank."""
