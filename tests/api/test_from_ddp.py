@@ -34,6 +34,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_from_ddp.py -
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import threading
@@ -48,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwrap import ShardedModule
 from shardwrap.engine.optim.pieces import ShardPiece
+from tests.support.hybrid import hybrid_mesh
 from tests.support.models import GPT, Block, make_batch
 from tests.support.parity import sgd, train_reference, train_sharded
 from tests.support.ranks import run_ranks
@@ -563,3 +565,79 @@ def test_evaluation_on_rank_0_alone_raises_at_that_forward(stage: int) -> None:
             message
         )
         assert "if master_process:" in message and "docs/ddp.md" in message
+
+
+class ConvNet(nn.Module):
+    """Two convolutions with BatchNorm (running statistics and a batch count in buffers) and a
+    constant buffer no forward changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(6, 6, 3), nn.BatchNorm2d(6), nn.ReLU())
+        self.head = nn.Linear(6, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, 3, H, W)
+        return self.head(self.b(self.a(x)).mean((2, 3))) * self.scale
+
+
+def _buffers(m: nn.Module) -> dict[str, Tensor]:
+    return {n.removeprefix("module."): b.clone() for n, b in m.named_buffers()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_buffers_are_rank_zeros_on_every_rank_after_each_step_as_under_ddp(
+    world_size: int,
+) -> None:
+    """BatchNorm's running statistics, each rank's own from its own batch during a step, are
+    rank 0's on every rank after each step's last backward, as DDP copies rank 0's buffers
+    before the forward that follows a synchronised one: an evaluation on every rank runs the
+    model rank 0 saves, exactly DDP's. Three steps of two micro-batches (the first under
+    ``no_sync()``, which shares nothing), against DDP itself on the same batches, after every
+    forward; at 4 ranks with hybrid sharding (2 x 2) too. The constant buffer is never sent."""
+    torch.manual_seed(0)
+    model = ConvNet()
+    batches = [[torch.randn(2 * world_size, 3, 8, 8) * (1 + s) for _ in range(2)] for s in range(3)]
+    probe = torch.randn(2 * world_size, 3, 8, 8)
+
+    def train(m: nn.Module, rank: int, count: Any) -> tuple[list[Any], Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        seen = []
+        for micro in batches:
+            for i, x in enumerate(micro):
+                with m.no_sync() if i == 0 else contextlib.nullcontext():
+                    loss = m(x.chunk(world_size)[rank]).square().mean()
+                    seen.append((loss.item(), _buffers(m)))
+                    loss.backward()
+                seen.append(count())
+            opt.step()
+            opt.zero_grad()
+        m.eval()
+        with torch.no_grad():
+            return seen, m(probe.chunk(world_size)[rank])
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[Any, Any, dict[str, Tensor]]:
+        ddp = DistributedDataParallel(copy.deepcopy(model), process_group=pg)
+        group = hybrid_mesh(pg) if world_size == 4 else pg
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=nn.Sequential, process_group=group)
+        stats = m.comm_stats
+        ours = train(m, rank, lambda: stats.bytes.get("broadcast", 0))
+        return train(ddp, rank, lambda: None), ours, m.full_state_dict()
+
+    results = run_ranks(world_size, fn, timeout=60.0)
+    rank0 = results[0][0][0][-2][1]  # rank 0's buffers after its last forward, under DDP
+    for rank, ((ddp_seen, ddp_out), (seen, out), state) in enumerate(results):
+        for (ddp_loss, ddp_buffers), (loss, buffers) in zip(ddp_seen[::2], seen[::2], strict=True):
+            assert loss == pytest.approx(ddp_loss, abs=1e-6)
+            torch.testing.assert_close(buffers, ddp_buffers, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out, ddp_out, atol=1e-6, rtol=0)
+        torch.testing.assert_close({k: state[k] for k in rank0}, rank0, atol=1e-6, rtol=0)
+        # Sent after each synchronised backward only, the same bytes each time: the two
+        # BatchNorms' statistics (float32) and counts (int64), not the constant buffer. On a
+        # hybrid mesh the first rank of each shard group takes them across replicas first.
+        hops = 2 if world_size == 4 and rank % 2 == 0 else 1
+        per_step = (2 * 2 * 6 * 4 + 2 * 8) * hops
+        assert seen[1::2] == [s * per_step for s in (0, 1, 1, 2, 2, 3)]
+    first, second = (r[0][0][-2][1]["a.1.running_mean"] for r in results[:2])
+    assert (first - second).abs().max() > 1e-3  # the ranks' own statistics did differ

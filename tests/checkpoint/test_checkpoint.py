@@ -244,6 +244,47 @@ def test_buffers_and_frozen_parameters_round_trip(
         _assert_close(state, expected)
 
 
+def test_a_batchnorm_model_resumed_evaluates_on_every_rank_as_one_never_stopped(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint holds rank 0's running statistics; every rank holds them too after each
+    step, so a run stopped after step 3 and resumed from its checkpoint trains and evaluates on
+    every rank exactly as the run never stopped (before, the other ranks resumed with rank 0's
+    statistics in place of their own, and their evaluations changed)."""
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(GLOBAL_BATCH, 13, generator=generator) * (1 + s) for s in range(6)]
+    probe = torch.randn(GLOBAL_BATCH, 13, generator=generator)
+
+    def steps(m: nn.Module, opt: torch.optim.Optimizer, pg: ProcessGroup, span: range) -> Tensor:
+        for s in span:
+            m.train()
+            m(_local(batches[s], pg)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        m.eval()
+        with torch.no_grad():
+            return m(_local(probe, pg))
+
+    def unbroken(rank: int, pg: ProcessGroup) -> Tensor:
+        m = _wrap(model, pg, nn.BatchNorm1d)
+        opt = _sgd(m.parameters())
+        steps(m, opt, pg, range(3))
+        save_checkpoint(tmp_path / "ckpt", m, opt)
+        return steps(m, opt, pg, range(3, 6))
+
+    def resumed(rank: int, pg: ProcessGroup) -> Tensor:
+        torch.manual_seed(1)
+        m = _wrap(WithBatchNorm(), pg, nn.BatchNorm1d)
+        opt = _sgd(m.parameters())
+        load_checkpoint(tmp_path / "ckpt", m, opt)
+        return steps(m, opt, pg, range(3, 6))
+
+    for expected, got in zip(run_ranks(2, unbroken), run_ranks(2, resumed), strict=True):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
 def test_layout_on_disk_is_keyed_by_name_and_range(tmp_path: Path) -> None:
     """Each rank file holds 1-D pieces; together they are each parameter, whatever the policy."""
     model = _gpt()

@@ -484,12 +484,16 @@ def test_zero_grad_without_set_to_none(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_batchnorm_buffers_stay_full_and_local(world_size: int) -> None:
-    """Running statistics are per rank (BatchNorm without sync), parameters are global.
+def test_batchnorm_buffers_stay_full_and_become_rank_zeros_after_each_step(world_size: int) -> None:
+    """Running statistics are whole on every rank, each updated from its own batch (BatchNorm
+    without sync), and at the end of each step's backward every rank takes rank 0's, as DDP
+    copies rank 0's buffers before the next forward: an evaluation then runs on every rank the
+    model rank 0 saves. Parameters are global.
 
     The reference runs each rank's slice separately and averages the losses; before each
     slice it swaps in that rank's running statistics, so it tracks both at once (in training
-    mode BatchNorm's output does not depend on its running statistics).
+    mode BatchNorm's output does not depend on its running statistics), and after each step
+    every rank's statistics become a copy of rank 0's.
     """
     torch.manual_seed(7)
     model = WithBatchNorm()
@@ -499,23 +503,27 @@ def test_batchnorm_buffers_stay_full_and_local(world_size: int) -> None:
     data = list(zip(inputs, labels, strict=True))
     probe = torch.randn(world_size * 3, 13, generator=generator)
 
-    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
+    def fn(
+        rank: int, pg: ProcessGroup
+    ) -> tuple[dict[str, Tensor], list[dict[str, Tensor]], Tensor]:
         m = _shard(copy.deepcopy(model), pg, auto_wrap=nn.BatchNorm1d)
         bn = m.net[1]
         assert any(u.module is bn for u in m._shardwrap_root.units)
         names = {n for u in m._shardwrap_root.units for g in u.groups for n in g.names}
         assert not names & {n for n, _ in m.named_buffers()}
         opt = _sgd(m)
+        after_forward = []
         for x, y in data:
             opt.zero_grad()
-            F.cross_entropy(m(_slice(x, rank, world_size)), _slice(y, rank, world_size)).backward()
+            loss = F.cross_entropy(m(_slice(x, rank, world_size)), _slice(y, rank, world_size))
+            after_forward.append({n: b.clone() for n, b in m.named_buffers()})
+            loss.backward()
             opt.step()
         assert bn.running_mean.shape == bn.running_var.shape == (22,)
-        buffers = {n: b.clone() for n, b in m.named_buffers()}
         m.eval()
         with torch.no_grad():
             out = m(_slice(probe, rank, world_size))
-        return m.full_state_dict(), buffers, out
+        return m.full_state_dict(), after_forward, out
 
     ref = copy.deepcopy(model)
     local = [{n: b.clone() for n, b in ref.named_buffers()} for _ in range(world_size)]
@@ -527,24 +535,31 @@ def test_batchnorm_buffers_stay_full_and_local(world_size: int) -> None:
             ref.get_submodule(owner)._buffers[attr] = buffer
 
     opt = _sgd(ref)
+    expected_after_forward: list[list[dict[str, Tensor]]] = []
     for x, y in data:
         opt.zero_grad()
         losses = []
         for r, (xs, ys) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True)):
             swap_in(r)
             losses.append(F.cross_entropy(ref(xs), ys))
+        expected_after_forward.append([{n: b.clone() for n, b in c.items()} for c in local])
         torch.stack(losses).mean().backward()
         opt.step()
+        local = [{n: b.clone() for n, b in local[0].items()} for _ in range(world_size)]
     params = {n: p.detach() for n, p in ref.named_parameters()}
     ref.eval()
-    for rank, (got, buffers, out) in enumerate(run_ranks(world_size, fn, timeout=30.0)):
+    swap_in(0)
+    for rank, (got, after_forward, out) in enumerate(run_ranks(world_size, fn, timeout=30.0)):
         _assert_close(got, params)
-        assert buffers["net.1.num_batches_tracked"] == len(data)
-        _assert_close(buffers, local[rank])
-        _assert_close(got, local[rank])  # the state dict carries this rank's statistics
-        swap_in(rank)
+        for step, buffers in enumerate(after_forward):  # each rank's own, until the backward
+            _assert_close(buffers, expected_after_forward[step][rank])
+        assert got["net.1.num_batches_tracked"] == len(data)
+        _assert_close(got, local[0])  # the state dict carries rank 0's statistics
         with torch.no_grad():
             torch.testing.assert_close(out, ref(_slice(probe, rank, world_size)), rtol=0, atol=ATOL)
+    if world_size > 1:  # the ranks' own statistics differed: the copy is what made them agree
+        first, second = expected_after_forward[-1][:2]
+        assert (first["net.1.running_mean"] - second["net.1.running_mean"]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

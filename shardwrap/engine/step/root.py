@@ -50,6 +50,7 @@ from ..shards.pool import BufferPool
 from ..shards.profile import label
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
+from .buffers import SharedBuffers
 from .eager import eager
 from .edits import agree_edits
 from .order import ExecutionOrder, unit_index
@@ -164,6 +165,7 @@ class Root:
             unit.module.register_forward_hook(eager(self._hook_post_forward(unit)))
             unit.hook_grads(self, self.reductions)
         self.own_calls = OwnCalls(self, units)
+        self.buffers = SharedBuffers(self.root.module, mesh, stats)
 
     @property
     def root(self) -> Unit:
@@ -420,7 +422,10 @@ class Root:
                 # gathers again before it is next read.
                 for g in unit.trainable:
                     g.mark_stale()
-        self.schedule.finish_backward()
+        # Only a backward that reduces shares buffers (DDP's forward after a synced one).
+        moved = self.buffers.moved() if self.reductions.sync else []
+        if self.schedule.finish_backward(any(moved)):
+            self.buffers.share(moved)
         if not self.reductions.sync:
             for unit in self.units:
                 for g in unit.trainable:

@@ -153,6 +153,9 @@ class Schedule:
         # Whether, at the end of this backward, some rank gave some parameter of a group it
         # used no gradient: the groups' parameters with a gradient are then agreed too.
         self._partial_anywhere = False
+        # At the end of backward: whether this rank (then: some rank) changed a buffer since
+        # the buffers were last shared (``engine/step/buffers.py``).
+        self._buffers_moved = False
         # A running hash of what changed in the model since it was wrapped (a frozen parameter
         # that trains now, a parameter assigned anew: ``Root.note_change``); every handshake
         # checks that it is the same on every rank.
@@ -255,17 +258,19 @@ class Schedule:
         while True:
             ready = reductions.ready_prefix()
             used = [-int(u) for u in reductions.used]
-            partial = want == self.end_backward_priority and reductions.partial()
+            ending = want == self.end_backward_priority
+            partial = ending and reductions.partial()
+            moved = ending and self._buffers_moved
             changes, grad = self.changes, int(self.forward_grad)
             sync = int(reductions.sync or not grad)  # a forward without grad reduces nothing
             header = [want, ready, self.passes, -self.passes, call, -call, int(alone)]
-            header += [-int(partial), changes, -changes, grad, -grad, sync, -sync]
+            header += [-int(partial), -int(moved), changes, -changes, grad, -grad, sync, -sync]
             proposal = self._proposal(want, call)
             t = torch.tensor(header + used + proposal, dtype=torch.int64)
             t = t.to(self.mesh.control_device)
             all_reduce(t, self.mesh.control, dist.ReduceOp.MIN, self.stats, kind="handshake").wait()
             agreed, ready, fewest, neg_most, low_call, neg_high_call, all_alone, *rest = t.tolist()
-            any_partial, low_changes, neg_high_changes, *rest = rest
+            any_partial, any_moved, low_changes, neg_high_changes, *rest = rest
             low_grad, neg_high_grad, low_sync, neg_high_sync, *rest = rest
             training = low_call == 0 == neg_high_call
             if (
@@ -297,6 +302,7 @@ class Schedule:
             if agreed == want:
                 self.reductions.without_handshakes = all_alone == 1
                 self._partial_anywhere = any_partial < 0
+                self._buffers_moved = any_moved < 0
                 self._used_anywhere = [u < 0 for u in rest[:groups]]
                 self._accept(proposal, rest[groups:])
                 return
@@ -446,18 +452,26 @@ class Schedule:
 
     # reductions ----------------------------------------------------------------------
 
-    def finish_backward(self) -> None:
-        """End of backward: reduce what is left (zeros where unused) and wait for all of it."""
+    def finish_backward(self, buffers_moved: bool = False) -> bool:
+        """End of backward: reduce what is left (zeros where unused) and wait for all of it.
+
+        Returns:
+            Whether some rank said ``buffers_moved`` (``engine/step/buffers.py``): told in the
+            last handshake, so every rank returns the same.
+        """
         reductions = self.reductions
         self._used_anywhere = reductions.close()
         if self.world > 1:
             self.abandon_backward()  # without handshakes: the rest goes out before the last
+            self._buffers_moved = buffers_moved
             self._negotiate(self.end_backward_priority)
             seen = self._seen_anywhere() if self._partial_anywhere else None
         else:
             reductions.issue(reductions.ready_prefix())
             seen = [s or [] for s in reductions.seen]
+            self._buffers_moved = False
         reductions.finish(self._used_anywhere, seen)
+        return self._buffers_moved
 
     def _seen_anywhere(self) -> list[list[bool]]:
         """Per group, which parameters any rank gave a gradient in what it reduced now (one
