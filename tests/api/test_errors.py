@@ -160,6 +160,29 @@ def test_a_parameter_with_a_layout_of_its_own_is_refused_naming_it(
         run_ranks(world_size, fn, timeout=30)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+def test_an_embedding_that_renormalises_its_weight_in_forward_is_refused(
+    kind: type[nn.Module], world_size: int
+) -> None:
+    """``max_norm`` makes the embedding's forward write renormalised rows into its weight: in a
+    unit that is the gathered copy, which autograd refused to let change ("Output 0 of
+    _FullParams is a view and its base ... has been modified inplace") at the first forward,
+    naming neither the module nor a fix. Now refused before any collective."""
+    torch.manual_seed(0)
+    model = nn.Sequential(kind(20, 8, max_norm=1.5), nn.Linear(8, 3))
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, process_group=group),
+        _copy_of(model),
+    )
+    assert message.startswith(f"ShardedModule: submodule '0' is an nn.{kind.__name__} with ")
+    assert "max_norm=1.5" in message and "Build it with max_norm=None" in message
+    assert "with model.gathered(writeback=True): w = model.get_submodule('0').weight; " in message
+    assert "w.copy_(torch.renorm(w, 2.0, 0, 1.5))" in message
+
+
 # auto_wrap ---------------------------------------------------------------------------
 
 

@@ -44,11 +44,14 @@ SHARD_ATTR = "_shardwrap_shard"
 
 
 def check_wrappable(module: nn.Module) -> None:
-    """Refuse, before any collective, a model wrapped already (or a part of it), or holding a
-    parameter with a layout of its own, which the flat shards cannot hold."""
+    """Refuse, before any collective, a model wrapped already (or a part of it), holding a
+    parameter with a layout of its own, which the flat shards cannot hold, or an embedding
+    that renormalises its weight in place during forward."""
     for name, m in module.named_modules():
         if hasattr(m, ROOT_ATTR) or hasattr(m, UNIT_ATTR):
             already_wrapped("the model" if not name else f"its submodule '{name}'")
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            _renorming_embedding(name or "the model", m)
     for name, p in module.named_parameters():
         if getattr(p, SHARD_ATTR, False):
             already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
@@ -64,6 +67,21 @@ def check_wrappable(module: nn.Module) -> None:
                 '(tensor parallelism, with a "tp" dimension in process_group) are the one '
                 "tensor subclass taken."
             )
+
+
+def _renorming_embedding(name: str, m: nn.Module) -> None:
+    kind, norm = type(m).__name__, m.max_norm
+    raise ValueError(
+        f"ShardedModule: submodule '{name}' is an nn.{kind} with max_norm={norm}: its forward "
+        "renormalises, in place, the rows of its weight that it looks up. A sharded model's "
+        "forward computes with a gathered copy of the weight that is dropped afterwards, so "
+        "those writes could never reach the shards (and each rank looks up other rows; under "
+        "DDP the replicas would drift apart). Build it with max_norm=None and bound the rows "
+        "after each optimizer step, on every rank: with model.gathered(writeback=True): "
+        f"w = model.get_submodule('{name}').weight; "
+        f"w.copy_(torch.renorm(w, {m.norm_type}, 0, {norm})) (every row, not only those a batch "
+        "looked up)."
+    )
 
 
 def _has_own_layout(p: Tensor) -> bool:
