@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 import torch
@@ -613,3 +614,76 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
 
     for got in run_ranks(world_size, fn):
         _assert_close(got, ref.state_dict())
+
+
+# torch.func.functional_call -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_functional_call_computes_with_the_tensors_given(world_size: int) -> None:
+    """``torch.func.functional_call(model, tensors, x)`` (meta-learning's inner loop, a
+    look-ahead) computes with the tensors given, as on the unwrapped model: outputs and their
+    gradients with respect to those tensors equal the plain model's, for a whole set of
+    parameters and for a part of one unit's. With the whole set the model's own parameters get
+    no gradient; with a part, the rest get the plain model's, averaged over ranks. Training
+    afterwards is in parity with the plain model. Before, every unit's gathered parameters
+    shadowed the tensors given, and the call returned the model's own output without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8),
+        nn.Tanh(),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+        nn.Linear(8, 2),
+    )
+    generator = torch.Generator().manual_seed(1)
+    given = {n: torch.randn(p.shape, generator=generator) for n, p in model.named_parameters()}
+    part = {"2.0.weight": given["2.0.weight"], "3.bias": given["3.bias"]}
+    x = torch.randn(4 * world_size, 6, generator=generator)
+    data = [torch.randn(4 * world_size, 6, generator=generator) for _ in range(3)]
+
+    def called(m: nn.Module, tensors: dict[str, Tensor], xs: Tensor) -> tuple[Tensor, list[Tensor]]:
+        leaves = {n: t.clone().requires_grad_() for n, t in tensors.items()}
+        out = torch.func.functional_call(m, leaves, (xs,))
+        out.square().sum().backward()
+        return out.detach(), [leaves[n].grad for n in tensors]
+
+    def train(m: nn.Module, world: int, rank: int) -> None:
+        opt = _sgd(m)
+        for xs in data:
+            opt.zero_grad()
+            m(_slice(xs, rank, world)).square().mean().backward()
+            opt.step()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[Any], dict[str, Tensor], dict[str, Tensor]]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=nn.Sequential)
+        xs = _slice(x, rank, world_size)
+        results = [called(m, given, xs)]
+        assert all(p.grad is None for p in m.parameters())
+        results.append(called(m, part, xs))
+        torch.optim.SGD(m.parameters(), lr=1.0).step()  # the parameters less their gradients
+        stepped = m.full_state_dict()
+        m.load_full_state_dict(model.state_dict())
+        train(m, world_size, rank)
+        return results, stepped, m.full_state_dict()
+
+    plains = [copy.deepcopy(model) for _ in range(world_size)]
+    expected = []
+    for rank, plain in enumerate(plains):
+        xs = _slice(x, rank, world_size)
+        expected.append([called(copy.deepcopy(model), given, xs), called(plain, part, xs)])
+    stepped_plain = {
+        n: p.detach() - sum(q.get_parameter(n).grad for q in plains) / world_size
+        if p.grad is not None
+        else p.detach()
+        for n, p in plains[0].named_parameters()
+    }
+    assert {n for n, p in plains[0].named_parameters() if p.grad is None} == set(part)
+    ref = copy.deepcopy(model)
+    train(ref, 1, 0)
+    for rank, (results, stepped, state) in enumerate(run_ranks(world_size, fn, timeout=30.0)):
+        for (out, grads), (want_out, want_grads) in zip(results, expected[rank], strict=True):
+            torch.testing.assert_close(out, want_out, rtol=0, atol=ATOL)
+            for got, want in zip(grads, want_grads, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+        _assert_close(stepped, stepped_plain)
+        _assert_close(state, dict(ref.state_dict()))

@@ -287,22 +287,30 @@ class FlatGroup:
         return done
 
     def make_views(self, track_grad: bool) -> None:
-        """Shape the gathered buffer into the parameters and shadow the shard params with them."""
+        """Shape the gathered buffer into the parameters and shadow the shard params with them.
+
+        A slot whose registered parameter is not its shard parameter was swapped by
+        ``torch.func.functional_call`` (which writes ``module._parameters`` directly, for the
+        call): it is left unshadowed, so the module computes with the tensor given, as the
+        unwrapped model would.
+        """
         track_grad = track_grad and self.requires_grad
-        if self.views is not None and self.views_track_grad == track_grad:
-            return
-        if track_grad:
-            self.splits_pending += 1  # one more backward to read these views before release
-            views = list(_FullParams.apply(self.full, self._buffer, self))
-        else:
-            views = self.param_views()
-        self.views = [v if s is None else s.as_param(v) for v, s in zip(views, self.specs)]
-        self.views_track_grad = track_grad
-        if track_grad:
-            self._hook_views()
-        for view, slots in zip(self.views, self.slots):
+        if self.views is None or self.views_track_grad != track_grad:
+            if track_grad:
+                self.splits_pending += 1  # one more backward to read these views before release
+                views = list(_FullParams.apply(self.full, self._buffer, self))
+            else:
+                views = self.param_views()
+            self.views = [v if s is None else s.as_param(v) for v, s in zip(views, self.specs)]
+            self.views_track_grad = track_grad
+            if track_grad:
+                self._hook_views()
+        for view, p, slots in zip(self.views, self.shard_params, self.slots):
             for module, attr in slots:
-                module.__dict__[attr] = view
+                if module._parameters.get(attr) is p:
+                    module.__dict__[attr] = view
+                else:
+                    module.__dict__.pop(attr, None)
 
     def _hook_views(self) -> None:
         """Give each full parameter its shard parameter's gradient hooks (``p.register_hook``):
