@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.nn.utils import prune
 
 from shardwrap import ShardedModule
 from shardwrap.engine.shards.unit import ShardState
@@ -687,3 +688,51 @@ def test_functional_call_computes_with_the_tensors_given(world_size: int) -> Non
                 torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
         _assert_close(stepped, stepped_plain)
         _assert_close(state, dict(ref.state_dict()))
+
+
+# forward pre-hooks registered before wrapping ---------------------------------------------
+
+
+def _pruned() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(6, 8), nn.Tanh()),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+        nn.Linear(8, 2),
+    )
+    prune.l1_unstructured(model[0][0], "weight", amount=0.5)
+    prune.random_structured(model[2], "weight", amount=0.5, dim=0)
+    return model
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("auto_wrap", [nn.Sequential, nn.Linear])
+def test_layers_pruned_before_wrapping_train_like_the_plain_model(
+    world_size: int, auto_wrap: type[nn.Module]
+) -> None:
+    """``torch.nn.utils.prune`` registers a forward pre-hook that computes ``weight`` from
+    ``weight_orig`` and the mask. A unit's gather now runs before every pre-hook of its module,
+    so a pruned layer that is a unit itself (``auto_wrap=nn.Linear``) trains as one inside a
+    unit does: as the plain model (before, its hook read this rank's piece, and the forward
+    failed on its shape). Pruned weights stay zero."""
+    models = [_pruned() for _ in range(world_size + 1)]  # built here: the threads share the RNG
+    data = [torch.randn(4 * world_size, 6) for _ in range(3)]
+
+    def train(m: nn.Module, world: int, rank: int) -> None:
+        opt = _sgd(m)
+        for xs in data:
+            opt.zero_grad()
+            m(_slice(xs, rank, world)).square().mean().backward()
+            opt.step()
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(models[rank], pg, auto_wrap=auto_wrap)
+        train(m, world_size, rank)
+        return m.full_state_dict()
+
+    ref = models[-1]
+    train(ref, 1, 0)
+    for state in run_ranks(world_size, fn, timeout=30.0):
+        _assert_close(state, dict(ref.state_dict()))
+        weight = state["2.weight_orig"] * state["2.weight_mask"]
+        assert (weight == 0).sum() == 8 and (state["0.0.weight_mask"] == 0).sum() == 24

@@ -161,7 +161,9 @@ class Root:
         self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
         for unit in units:
             pre_forward = eager(self._hook_pre_forward(unit))
-            unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+            # First of the unit's pre-hooks: one registered before wrapping (pruning's, which
+            # computes the weight from its parameters) sees the full parameters too.
+            unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             unit.module.register_forward_hook(eager(self._hook_post_forward(unit)))
             unit.hook_grads(self, self.reductions)
         self.own_calls = OwnCalls(self, units)

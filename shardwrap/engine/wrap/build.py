@@ -119,7 +119,6 @@ def build_root(
         gone = strategy.release_after_backward or stage3  # its buffers, after backward
         units.append(Unit(unit_module, index, flat_groups, stats, stage3, bucket_bytes, gone))
     guard_resets(module)
-    refuse_ddp_outside(module)
     buffer_dtype = precision.buffer_dtype if precision else None
     for m in module.modules():
         for k, b in m._buffers.items():
@@ -140,6 +139,7 @@ def build_root(
         compression,
         bucket_bytes,
     )
+    refuse_ddp_outside(module)  # after Root's hooks: its own goes first, before any gather
     if mesh.tp is not None:
         local_views_for_inference(module)
     install()  # the step hooks that give shape-aware optimizers whole parameters
