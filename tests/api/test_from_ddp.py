@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -308,6 +309,39 @@ def test_deepcopy_of_the_sharded_model_is_refused_naming_the_ways_to_copy(
         assert "Copy the model before wrapping it" in message
         assert "load model.full_state_dict() into it" in message
         assert "[p.detach().clone() for p in model.parameters()]" in message
+
+    _run(world_size, fn)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_saving_the_model_object_is_refused_before_the_file_is_opened(
+    world_size: int, tmp_path: Path
+) -> None:
+    """``torch.save(model, "model.pt")`` (the model object, a habit of older scripts), also
+    inside a dict, and ``pickle.dumps(model)``: refused naming ``save_checkpoint`` and
+    ``full_state_dict``, and the file it would replace is kept (it was pickling's "Can't pickle
+    <class ...Sequential>: it's not the same object", after ``torch.save`` had emptied the
+    file). ``copy.copy(model)`` still makes a shallow copy."""
+    torch.manual_seed(0)
+    model = GPT()
+
+    def fn(rank: int, pg: ProcessGroup | None) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        path = tmp_path / f"model-{rank}.pt"
+        path.write_bytes(b"the last good save")
+        for save in (
+            lambda: torch.save(m, path),
+            lambda: torch.save({"model": m, "step": 3}, path),
+            lambda: pickle.dumps(m),
+        ):
+            with pytest.raises(TypeError) as raised:
+                save()
+            message = str(raised.value)
+            assert message.startswith("torch.save(model) of a ShardedModule")
+            assert "shardwrap.save_checkpoint(path, model, optimizer)" in message
+            assert "state = model.full_state_dict() on every rank" in message
+            assert path.read_bytes() == b"the last good save"
+        assert copy.copy(m).blocks is m.blocks  # a shallow copy still works, as on any module
 
     _run(world_size, fn)
 

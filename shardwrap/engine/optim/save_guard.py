@@ -1,7 +1,8 @@
 """``torch.save`` refuses an object holding a rank's pieces before it opens the file.
 
 Design note. A rank's pieces (:class:`~shardwrap.engine.optim.pieces.ShardPiece`, and
-:class:`~shardwrap.engine.optim.dcp_pieces.DCPPiece`) refuse to be pickled, but ``torch.save``
+:class:`~shardwrap.engine.optim.dcp_pieces.DCPPiece`) and the sharded model itself
+(``torch.save(model)``) refuse to be pickled, but ``torch.save``
 opens (and so truncates) its file before it pickles anything: a DDP script's
 ``torch.save(model.state_dict(), "ckpt.pt")`` would raise, and the ``ckpt.pt`` it was replacing
 would be gone. So the first piece of each kind made registers its class here, and the first
@@ -18,14 +19,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
 
 __all__ = ["guard_torch_save"]
 
-_refused: tuple[type[Tensor], ...] = ()  # the classes whose instances torch.save refuses
+_refused: tuple[type, ...] = ()  # the classes whose instances torch.save refuses
 
 
-def guard_torch_save(cls: type[Tensor]) -> None:
+def guard_torch_save(cls: type) -> None:
     """Make ``torch.save`` refuse any object holding an instance of ``cls`` (whose
     ``__reduce_ex__`` raises) before it opens the file; wraps ``torch.save`` the first time."""
     global _refused
@@ -45,7 +45,7 @@ def guard_torch_save(cls: type[Tensor]) -> None:
     _refused = (*_refused, cls)
 
 
-def _find(obj: object) -> Tensor | None:
+def _find(obj: object) -> Any:
     """The first instance of a refused class in ``obj``, its mappings, lists and tuples."""
     stack, seen = [obj], set()
     while stack:

@@ -7,7 +7,8 @@ DDP's meaning; ``docs/ddp.md`` lists the lines that must change, and why. Two li
 script may keep would go wrong without a word, and are refused where they run, naming the fix:
 ``DistributedDataParallel(model)`` around the sharded model (its start-up broadcast would
 overwrite every rank's pieces with rank 0's, and its all-reduce average pieces of different
-ranges) and ``copy.deepcopy(model)`` (an EMA copy, say: the copy would share the process group).
+ranges) and ``copy.deepcopy(model)`` (an EMA copy, say: the copy would share the process group);
+``torch.save(model)`` of the model object is refused too, before the file is opened.
 
 DDP around a module that holds a sharded model (``parent.body = ShardedModule(parent.body)``,
 then ``DDP(parent)``) cannot be refused as DDP is built: its constructor asks nothing of a child
@@ -60,6 +61,27 @@ class DDPHabits:
             "For an EMA of the weights, keep it per piece: "
             "[p.detach().clone() for p in model.parameters()], updated elementwise after "
             "each step, and swapped in with p.copy_() under torch.no_grad()."
+        )
+
+    def __copy__(self) -> Any:
+        """``copy.copy(model)``: a shallow copy sharing everything, as of any module (defined
+        here because copying would otherwise go through ``__reduce_ex__``, which refuses)."""
+        new = object.__new__(type(self))
+        new.__setstate__(self.__dict__.copy())
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``torch.save(model)`` (and any pickling of the model object) is refused: its
+        parameters are this rank's pieces and its hooks hold the process group. ``torch.save``
+        asks before it opens the file (``engine/optim/save_guard.py``), so a file it would
+        replace is kept."""
+        raise TypeError(
+            "torch.save(model) of a ShardedModule: the model object holds this rank's pieces "
+            "of its parameters and hooks tied to its process group, so no file could hold the "
+            "whole model. Save its weights instead: shardwrap.save_checkpoint(path, model, "
+            "optimizer) on every rank to resume training, or state = model.full_state_dict() "
+            "on every rank, then torch.save(state, path) on rank 0 (it loads into the plain "
+            "model with load_state_dict, and into a sharded one with load_full_state_dict)."
         )
 
     @property

@@ -23,6 +23,7 @@ from ...options import Compression
 from ...tiers.home import make_home
 from ..optim.dcp_pieces import DCPPiece, dcp_call, local_pieces, refuse_tensor_parallel
 from ..optim.pieces import as_piece
+from ..optim.save_guard import guard_torch_save
 from ..shards.tensor_parallel import check_tensor_parallel
 from ..step.edits import check_modifier_rank
 from ..step.inference import fits_gathered
@@ -230,6 +231,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
             bucket,
         )
         _make_sharded(module, root)
+        guard_torch_save(ShardedModule)  # torch.save(model) refused before the file is opened
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
             inner = (m for m in unit.module.modules() if m is not unit.module)
