@@ -620,6 +620,15 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
 # torch.func.functional_call -------------------------------------------------------------
 
 
+def _train_on(m: nn.Module, data: list[Tensor], world: int, rank: int) -> None:
+    """SGD steps on each rank's slice of each global batch, the loss a mean of squares."""
+    opt = _sgd(m)
+    for xs in data:
+        opt.zero_grad()
+        m(_slice(xs, rank, world)).square().mean().backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_functional_call_computes_with_the_tensors_given(world_size: int) -> None:
     """``torch.func.functional_call(model, tensors, x)`` (meta-learning's inner loop, a
@@ -648,13 +657,6 @@ def test_functional_call_computes_with_the_tensors_given(world_size: int) -> Non
         out.square().sum().backward()
         return out.detach(), [leaves[n].grad for n in tensors]
 
-    def train(m: nn.Module, world: int, rank: int) -> None:
-        opt = _sgd(m)
-        for xs in data:
-            opt.zero_grad()
-            m(_slice(xs, rank, world)).square().mean().backward()
-            opt.step()
-
     def fn(rank: int, pg: ProcessGroup) -> tuple[list[Any], dict[str, Tensor], dict[str, Tensor]]:
         m = _shard(copy.deepcopy(model), pg, auto_wrap=nn.Sequential)
         xs = _slice(x, rank, world_size)
@@ -664,7 +666,7 @@ def test_functional_call_computes_with_the_tensors_given(world_size: int) -> Non
         torch.optim.SGD(m.parameters(), lr=1.0).step()  # the parameters less their gradients
         stepped = m.full_state_dict()
         m.load_full_state_dict(model.state_dict())
-        train(m, world_size, rank)
+        _train_on(m, data, world_size, rank)
         return results, stepped, m.full_state_dict()
 
     plains = [copy.deepcopy(model) for _ in range(world_size)]
@@ -680,7 +682,7 @@ def test_functional_call_computes_with_the_tensors_given(world_size: int) -> Non
     }
     assert {n for n, p in plains[0].named_parameters() if p.grad is None} == set(part)
     ref = copy.deepcopy(model)
-    train(ref, 1, 0)
+    _train_on(ref, data, 1, 0)
     for rank, (results, stepped, state) in enumerate(run_ranks(world_size, fn, timeout=30.0)):
         for (out, grads), (want_out, want_grads) in zip(results, expected[rank], strict=True):
             torch.testing.assert_close(out, want_out, rtol=0, atol=ATOL)
@@ -718,20 +720,13 @@ def test_layers_pruned_before_wrapping_train_like_the_plain_model(
     models = [_pruned() for _ in range(world_size + 1)]  # built here: the threads share the RNG
     data = [torch.randn(4 * world_size, 6) for _ in range(3)]
 
-    def train(m: nn.Module, world: int, rank: int) -> None:
-        opt = _sgd(m)
-        for xs in data:
-            opt.zero_grad()
-            m(_slice(xs, rank, world)).square().mean().backward()
-            opt.step()
-
     def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
         m = _shard(models[rank], pg, auto_wrap=auto_wrap)
-        train(m, world_size, rank)
+        _train_on(m, data, world_size, rank)
         return m.full_state_dict()
 
     ref = models[-1]
-    train(ref, 1, 0)
+    _train_on(ref, data, 1, 0)
     for state in run_ranks(world_size, fn, timeout=30.0):
         _assert_close(state, dict(ref.state_dict()))
         weight = state["2.weight_orig"] * state["2.weight_mask"]
