@@ -51,7 +51,7 @@ def check_wrappable(module: nn.Module) -> None:
         if hasattr(m, ROOT_ATTR) or hasattr(m, UNIT_ATTR):
             already_wrapped("the model" if not name else f"its submodule '{name}'")
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
-            _renorming_embedding(name or "the model", m)
+            _renorming_embedding(name, m)
     for name, p in module.named_parameters():
         if getattr(p, SHARD_ATTR, False):
             already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
@@ -71,8 +71,9 @@ def check_wrappable(module: nn.Module) -> None:
 
 def _renorming_embedding(name: str, m: nn.Module) -> None:
     kind, norm = type(m).__name__, m.max_norm
+    where = f"submodule '{name}'" if name else "the model"
     raise ValueError(
-        f"ShardedModule: submodule '{name}' is an nn.{kind} with max_norm={norm}: its forward "
+        f"ShardedModule: {where} is an nn.{kind} with max_norm={norm}: its forward "
         "renormalises, in place, the rows of its weight that it looks up. A sharded model's "
         "forward computes with a gathered copy of the weight that is dropped afterwards, so "
         "those writes could never reach the shards (and each rank looks up other rows; under "
