@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from shardwrap import ShardedModule
 from shardwrap.comm import collectives
@@ -34,7 +34,7 @@ from shardwrap.comm.compressed import (
     reduce_scatter_quantized,
 )
 from shardwrap.comm.quantize import Codec
-from tests.support.models import GPT, Block
+from tests.support.models import GPT, Block, WithBatchNorm
 from tests.support.parity import GPT_BATCHES, gpt_loss, sgd, train_reference, train_steps
 
 __all__ = ["CHECKS", "Check", "Outcome", "judge", "read", "run_checks"]
@@ -218,6 +218,28 @@ def _edits_over_a_group_of_its_own(rank: int, pg: dist.ProcessGroup, device: tor
     _same_state(sharded.full_state_dict(), want, "weights after rank 0's edit")
 
 
+def _buffers_from_rank_zero(rank: int, pg: dist.ProcessGroup, device: torch.device) -> None:
+    """A BatchNorm's running statistics, each rank's own after its forward, are rank 0's on
+    both ranks after each step (``engine/step/buffers.py``: one broadcast from the device)."""
+    torch.manual_seed(0)
+    sharded = ShardedModule(WithBatchNorm(), auto_wrap=nn.BatchNorm1d, device=device)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(4 * WORLD, 13, generator=torch.Generator().manual_seed(step))
+        out = sharded(x.chunk(WORLD)[rank].to(device))
+        own = sharded.net[1].running_mean.cpu().clone()  # a copy on the CPU too
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        buffers = torch.cat([b.cpu().double().reshape(-1) for b in sharded.buffers()])
+        total = buffers.clone()
+        dist.all_reduce(total, group=_cpu_group())
+        _same(total, buffers * WORLD, f"step {step}: the buffers, summed over the ranks")
+    owns = [torch.empty_like(own) for _ in range(WORLD)]
+    dist.all_gather(owns, own, group=_cpu_group())
+    assert not torch.equal(owns[0], owns[1]), "the ranks' own statistics were the same"
+
+
 def _same_state(got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> None:
     for name, value in want.items():
         _same(got[name], value, f"{what}: {name}")
@@ -252,6 +274,11 @@ CHECKS = [
     Check("shardwrap int8 all_reduce", (GATHER,), _all_reduce_quantized),
     Check("shardwrap trains a GPT, buckets", (GATHER, REDUCE), _train()),
     Check("shardwrap trains a GPT, no buckets", (GATHER, REDUCE), _train(bucket_mb=0)),
+    Check(
+        "shardwrap keeps buffers rank 0's after each step",
+        (GATHER, REDUCE, "broadcast"),
+        _buffers_from_rank_zero,
+    ),
     Check(
         "shardwrap agrees weights and edits over a group of its own",
         (GATHER, "broadcast", "all_reduce SUM"),
