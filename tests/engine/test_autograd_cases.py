@@ -731,3 +731,37 @@ def test_layers_pruned_before_wrapping_train_like_the_plain_model(
         _assert_close(state, dict(ref.state_dict()))
         weight = state["2.weight_orig"] * state["2.weight_mask"]
         assert (weight == 0).sum() == 8 and (state["0.0.weight_mask"] == 0).sum() == 24
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_forward_hooks_registered_after_wrapping_see_the_full_parameters(world_size: int) -> None:
+    """A forward hook on a unit registered after wrapping (weight statistics, say) runs before
+    the unit releases its parameters: at each step it reads the plain model's full weight
+    (before, this rank's piece). So does a pre-hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(6, 8), nn.Tanh()),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+        nn.Linear(8, 2),
+    )
+    data = [torch.randn(4 * world_size, 6) for _ in range(3)]
+
+    def watched(m: nn.Module) -> list[Tensor]:
+        seen: list[Tensor] = []
+        m[1].register_forward_pre_hook(lambda mod, args: seen.append(mod[0].weight.detach() + 0))
+        m[1].register_forward_hook(lambda mod, args, out: seen.append(mod[0].weight.detach() + 0))
+        return seen
+
+    def fn(rank: int, pg: ProcessGroup) -> list[Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=nn.Sequential)
+        seen = watched(m)
+        _train_on(m, data, world_size, rank)
+        return seen
+
+    ref = copy.deepcopy(model)
+    want = watched(ref)
+    _train_on(ref, data, 1, 0)
+    for seen in run_ranks(world_size, fn, timeout=30.0):
+        assert len(seen) == len(want) == 2 * len(data)
+        for got, expected in zip(seen, want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)

@@ -159,12 +159,14 @@ class Root:
         self.order: ExecutionOrder[Unit] = ExecutionOrder(unit_index)  # drives prefetch
         # the frozen groups that may start to train (see ``_train_unfrozen``)
         self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
+        self._post_hook_ids: list[int] = []  # per unit: its post-forward hook's handle id
         for unit in units:
             pre_forward = eager(self._hook_pre_forward(unit))
             # First of the unit's pre-hooks: one registered before wrapping (pruning's, which
             # computes the weight from its parameters) sees the full parameters too.
             unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
-            unit.module.register_forward_hook(eager(self._hook_post_forward(unit)))
+            post = unit.module.register_forward_hook(eager(self._hook_post_forward(unit)))
+            self._post_hook_ids.append(post.id)
             unit.hook_grads(self, self.reductions)
         self.own_calls = OwnCalls(self, units)
         self.buffers = SharedBuffers(self.root.module, mesh, stats)
@@ -190,6 +192,11 @@ class Root:
     def _hook_pre_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             with label("pre_forward"):
+                # Last of the module's forward hooks, so one registered after wrapping (weight
+                # statistics, say) still sees the full parameters before they are released.
+                hooks, post = module._forward_hooks, self._post_hook_ids[unit.index]
+                if next(reversed(hooks)) != post:
+                    hooks.move_to_end(post)
                 self._pre_forward(unit)
                 if self.input_dtype is not None:
                     args, kwargs = cast_floating((args, kwargs), self.input_dtype)
