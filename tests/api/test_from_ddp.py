@@ -27,7 +27,11 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
 - weights drawn with a seed per rank are replaced by rank 0's, with a warning, and training
   then matches the unwrapped model built with rank 0's seed, as under DDP;
 - a forward on rank 0 alone (evaluation under ``if master_process:``) raises on every rank at
-  that forward, naming it and the fix.
+  that forward, naming it and the fix;
+- ``torch.save(model)`` of the model object is refused before the file is opened;
+- buffers (BatchNorm's statistics) are rank 0's on every rank after each synchronised step, as
+  DDP's, checked against DDP itself after every forward (also hybrid, with ``no_sync()``) and on
+  a ``transformers`` ResNet.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_from_ddp.py -q``
 """
@@ -675,3 +679,41 @@ def test_buffers_are_rank_zeros_on_every_rank_after_each_step_as_under_ddp(
         assert seen[1::2] == [s * per_step for s in (0, 1, 1, 2, 2, 3)]
     first, second = (r[0][0][-2][1]["a.1.running_mean"] for r in results[:2])
     assert (first - second).abs().max() > 1e-3  # the ranks' own statistics did differ
+
+
+def test_a_transformers_resnet_trains_and_evaluates_on_every_rank_as_under_ddp() -> None:
+    """A ``transformers`` ResNet (BatchNorm in every stage, 18 buffers) built from a config,
+    its stages as units: three SGD steps on each rank's half of the batch, then an evaluation
+    on every rank, give DDP's logits and buffers exactly."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+    from transformers.models.resnet.modeling_resnet import ResNetStage
+
+    torch.manual_seed(0)
+    config = ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3
+    )
+    model = ResNetForImageClassification(config)
+    generator = torch.Generator().manual_seed(1)
+    images = [torch.randn(8, 3, 16, 16, generator=generator) for _ in range(3)]
+    labels = [torch.randint(3, (8,), generator=generator) for _ in range(3)]
+    probe = torch.randn(8, 3, 16, 16, generator=generator)
+
+    def train(m: nn.Module, rank: int) -> tuple[Tensor, dict[str, Tensor]]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x, y in zip(images, labels, strict=True):
+            m(pixel_values=x.chunk(2)[rank], labels=y.chunk(2)[rank]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        m.eval()
+        with torch.no_grad():
+            return m(pixel_values=probe.chunk(2)[rank]).logits, _buffers(m)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[Any, Any]:
+        ddp = DistributedDataParallel(copy.deepcopy(model), process_group=pg)
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=ResNetStage, process_group=pg)
+        return train(ddp, rank), train(m, rank)
+
+    for (ddp_logits, ddp_buffers), (logits, buffers) in run_ranks(2, fn, timeout=60.0):
+        assert len(buffers) == 18
+        torch.testing.assert_close(logits, ddp_logits, atol=1e-6, rtol=0)
+        torch.testing.assert_close(buffers, ddp_buffers, atol=1e-6, rtol=0)
