@@ -44,6 +44,7 @@ __all__ = [
     "all_gather",
     "all_gather_many",
     "all_reduce",
+    "as_sent",
     "broadcast",
     "packing",
     "group_rank",
@@ -114,6 +115,12 @@ def group_rank(group: Group) -> int:
 def group_size(group: Group) -> int:
     """Number of ranks in ``group`` (1 without a group)."""
     return 1 if group is None else group.size()
+
+
+def as_sent(t: Tensor) -> Tensor:
+    """``t`` as a collective carries it: a float8 tensor's bytes (gloo sends no float8, and
+    torch sums none), any other tensor itself."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
 
 def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None = None) -> Pending:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...comm.collectives import CommStats, all_reduce
+from ...comm.collectives import CommStats, all_reduce, as_sent
 from ...comm.mesh import Mesh
 from .edits import broadcast_from
 
@@ -91,9 +91,7 @@ class SharedBuffers:
         with torch.no_grad():
             for tensors in by_dtype.values():
                 flat = torch.cat([t.reshape(-1).to(self.mesh.device) for t in tensors])
-                # gloo sends neither bool nor float8: their bytes go as they are
-                wire = flat.view(torch.uint8) if flat.element_size() == 1 else flat
-                broadcast_from(wire, self.mesh, self.stats, 0, 0)
+                broadcast_from(as_sent(flat), self.mesh, self.stats, 0, 0)
                 for t, value in zip(tensors, flat.split([t.numel() for t in tensors])):
                     t.copy_(value.view_as(t))
         self._shared = self._versions()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...comm.collectives import all_reduce, group_size
+from ...comm.collectives import all_reduce, as_sent, group_size
 from ...comm.mesh import Mesh
 from ..shards.tensor_parallel import is_dtensor
 
@@ -45,8 +45,7 @@ def _tensors(module: nn.Module) -> list[tuple[str, Tensor, bool]]:
 
 def _summary(t: Tensor) -> tuple[float, float]:
     """(sum, sum of squares) of ``t`` accumulated in float64, without a float64 copy of ``t``."""
-    if _is_float8(t):  # torch sums no float8: its bytes are summed
-        t = t.view(torch.uint8)
+    t = as_sent(t)  # a float8 tensor's bytes are summed
     if not (t.is_floating_point() or t.is_complex()):
         t = t.double()
     return (
@@ -116,14 +115,9 @@ def copy_from_rank0(module: nn.Module, mesh: Mesh, names: list[str] | None = Non
         if chosen is not None and name not in chosen:
             continue
         staged = t.to(mesh.device).contiguous()
-        # gloo sends no float8: its bytes go as they are
-        wire = staged.view(torch.uint8) if _is_float8(staged) else staged
+        wire = as_sent(staged)
         for group in groups:
             if not (block and group is tp):
                 group.broadcast([wire], options).wait()
         if staged is not t:
             t.copy_(staged)
-
-
-def _is_float8(t: Tensor) -> bool:
-    return t.is_floating_point() and t.element_size() == 1
