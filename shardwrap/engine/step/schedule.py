@@ -153,9 +153,9 @@ class Schedule:
         # Whether, at the end of this backward, some rank gave some parameter of a group it
         # used no gradient: the groups' parameters with a gradient are then agreed too.
         self._partial_anywhere = False
-        # At the end of backward: whether this rank (then: some rank) changed a buffer since
-        # the buffers were last shared (``engine/step/buffers.py``).
-        self._buffers_moved = False
+        # Agreed at the end of backward: whether some rank changed a buffer since the buffers
+        # were last shared (``engine/step/buffers.py``).
+        self._buffers_moved_anywhere = False
         # A running hash of what changed in the model since it was wrapped (a frozen parameter
         # that trains now, a parameter assigned anew: ``Root.note_change``); every handshake
         # checks that it is the same on every rank.
@@ -251,20 +251,21 @@ class Schedule:
             return f"before the first forward pass{since}"
         return f"after forward pass {self.passes}, outside forward and backward{since}"
 
-    def _negotiate(self, want: int, call: int = 0, alone: bool = False) -> None:
+    def _negotiate(
+        self, want: int, call: int = 0, alone: bool = False, buffers_moved: bool = False
+    ) -> None:
         reductions = self.reductions
         self._serve_plan()  # peers still following the plan wait for its rest, not for this
         groups = len(reductions.used)
         while True:
             ready = reductions.ready_prefix()
             used = [-int(u) for u in reductions.used]
-            ending = want == self.end_backward_priority
-            partial = ending and reductions.partial()
-            moved = ending and self._buffers_moved
+            partial = want == self.end_backward_priority and reductions.partial()
             changes, grad = self.changes, int(self.forward_grad)
             sync = int(reductions.sync or not grad)  # a forward without grad reduces nothing
             header = [want, ready, self.passes, -self.passes, call, -call, int(alone)]
-            header += [-int(partial), -int(moved), changes, -changes, grad, -grad, sync, -sync]
+            header += [-int(partial), -int(buffers_moved), changes, -changes]
+            header += [grad, -grad, sync, -sync]
             proposal = self._proposal(want, call)
             t = torch.tensor(header + used + proposal, dtype=torch.int64)
             t = t.to(self.mesh.control_device)
@@ -302,7 +303,7 @@ class Schedule:
             if agreed == want:
                 self.reductions.without_handshakes = all_alone == 1
                 self._partial_anywhere = any_partial < 0
-                self._buffers_moved = any_moved < 0
+                self._buffers_moved_anywhere = any_moved < 0
                 self._used_anywhere = [u < 0 for u in rest[:groups]]
                 self._accept(proposal, rest[groups:])
                 return
@@ -452,7 +453,7 @@ class Schedule:
 
     # reductions ----------------------------------------------------------------------
 
-    def finish_backward(self, buffers_moved: bool = False) -> bool:
+    def finish_backward(self, buffers_moved: bool) -> bool:
         """End of backward: reduce what is left (zeros where unused) and wait for all of it.
 
         Returns:
@@ -463,15 +464,14 @@ class Schedule:
         self._used_anywhere = reductions.close()
         if self.world > 1:
             self.abandon_backward()  # without handshakes: the rest goes out before the last
-            self._buffers_moved = buffers_moved
-            self._negotiate(self.end_backward_priority)
+            self._negotiate(self.end_backward_priority, buffers_moved=buffers_moved)
             seen = self._seen_anywhere() if self._partial_anywhere else None
         else:
             reductions.issue(reductions.ready_prefix())
             seen = [s or [] for s in reductions.seen]
-            self._buffers_moved = False
+            self._buffers_moved_anywhere = False
         reductions.finish(self._used_anywhere, seen)
-        return self._buffers_moved
+        return self._buffers_moved_anywhere
 
     def _seen_anywhere(self) -> list[list[bool]]:
         """Per group, which parameters any rank gave a gradient in what it reduced now (one
