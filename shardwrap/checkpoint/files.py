@@ -88,6 +88,7 @@ DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
 }
 
 

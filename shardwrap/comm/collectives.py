@@ -15,6 +15,8 @@ Backend quirks handled here:
   above, for one), so callers can overlap communication with compute.
 - Reductions on CPU add the ranks' pieces in rank order, one order for every element
   (``_sum_in_rank_order``); on other backends the backend picks the order.
+- A complex tensor reaches the backend's own collectives as its real and imaginary parts
+  (``_wire``): NCCL has no complex type.
 
 Every collective adds its calls and bytes to an optional :class:`CommStats`, which the
 benchmarks read.
@@ -119,8 +121,14 @@ def group_size(group: Group) -> int:
 
 def as_sent(t: Tensor) -> Tensor:
     """``t`` as a collective carries it: a float8 tensor's bytes (gloo sends no float8, and
-    torch sums none), any other tensor itself."""
-    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+    torch sums none), a complex one's real and imaginary parts, any other tensor itself."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else _wire(t)
+
+
+def _wire(t: Tensor) -> Tensor:
+    """``t`` as a backend's own collective takes it: a complex tensor as its real and imaginary
+    parts (NCCL has no complex type), which sum and average as the complex values do."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None = None) -> Pending:
@@ -145,7 +153,8 @@ def all_gather(out: Tensor, shard: Tensor, group: Group, stats: CommStats | None
         if shard.device.type == "cpu":
             return _exchange_all_gather(out, shard, group)
         # in place when shard is a slot of out
-        return Pending(group._allgather_base(out, shard), what="all-gather", group=group)
+        work = group._allgather_base(_wire(out), _wire(shard))
+        return Pending(work, what="all-gather", group=group)
     except RuntimeError as e:
         raise failed("all-gather", e, group) from e
 
@@ -167,7 +176,7 @@ def reduce_scatter(
             return _exchange_reduce_scatter(out, full, group)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.AVG
-        work = group._reduce_scatter_base(out, full, opts)
+        work = group._reduce_scatter_base(_wire(out), _wire(full), opts)
         return Pending(work, what="reduce-scatter", group=group)
     except RuntimeError as e:
         raise failed("reduce-scatter", e, group) from e
@@ -415,8 +424,8 @@ def all_to_all(
         if ins[rank].device.type != "cpu":
             mine = torch.empty(0, dtype=outs[rank].dtype, device=outs[rank].device)
             work = group.alltoall(
-                [mine if q == rank else t for q, t in enumerate(outs)],
-                [mine if q == rank else t for q, t in enumerate(ins)],
+                [_wire(mine if q == rank else t) for q, t in enumerate(outs)],
+                [_wire(mine if q == rank else t) for q, t in enumerate(ins)],
                 dist.AllToAllOptions(),
             )
             return Pending(work, what="all-to-all", group=group)
@@ -486,7 +495,7 @@ def broadcast(tensor: Tensor, group: Group, root: int, stats: CommStats | None =
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     try:
-        return Pending(group.broadcast([tensor], opts), what="broadcast", group=group)
+        return Pending(group.broadcast([_wire(tensor)], opts), what="broadcast", group=group)
     except RuntimeError as e:
         raise failed("broadcast", e, group) from e
 
@@ -507,6 +516,6 @@ def all_reduce(
     opts.reduceOp = op
     what = kind.replace("_", "-")
     try:
-        return Pending(group.allreduce([tensor], opts), what=what, group=group)
+        return Pending(group.allreduce([_wire(tensor)], opts), what=what, group=group)
     except RuntimeError as e:
         raise failed(what, e, group) from e

@@ -348,7 +348,7 @@ def _rows(
         for rank in ranks_to_plan(tr, make_optimizer)
     }
     # a non-blocking save's host copy: every shard, the largest rank's optimizer state, and
-    # error feedback's residuals (a full-size flat gradient per trainable group)
+    # error feedback's residuals (a full-size flat gradient per trainable floating-point group)
     shards = sum(g.shard for g in tr.groups)
     world = tr.groups[0].layout.world_size if tr.groups else 1
     feedback = (
@@ -360,7 +360,7 @@ def _rows(
     residuals = sum(
         g.layout.padded_numel * g.grad_dtype.itemsize
         for g in tr.groups
-        if g.requires_grad and feedback
+        if g.requires_grad and feedback and g.dtype.is_floating_point
     )
     state = max(step.state for step in steps)
     snapshot = shards + state + residuals if nonblocking_saves else 0

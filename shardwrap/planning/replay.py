@@ -120,7 +120,8 @@ class _Replay:
         # the packed shards compressed gathers keep for the next gather, by group
         self.codec = Codec(compression.params, compression.block) if quantized else None
         self.packed: dict[int, int] = {}
-        # error feedback's residuals, by group, made at each group's first reduction
+        # error feedback's residuals, by group, made at each group's first quantized reduction
+        # (a complex gradient is reduced exactly: none)
         self.feedback = (
             compression is not None
             and compression.grads is not None
@@ -420,7 +421,7 @@ class _Replay:
             for g in self.order[self.issued : self.ends[self.issued]]:
                 flat = self.flat.pop(g, self.grad_key(g))  # zeros where this rank made none
                 out = 0 if self.tier.disk else groups[g].shard_grad
-                if self.feedback:
+                if self.feedback and groups[g].dtype.is_floating_point:
                     self.residuals[g] = _nbytes(self.grad_key(g))
                 items.append((g, flat, out))
             if len(items) > 1 and self.packs:  # a packed buffer to and from each peer

@@ -24,7 +24,16 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
 from tests.support import parity
-from tests.support.models import GPT, Block, FrozenPart, LoRALinear, WithBatchNorm, make_batch
+from tests.support.models import (
+    GPT,
+    Block,
+    ComplexLayer,
+    FrozenPart,
+    LoRALinear,
+    WithBatchNorm,
+    WithComplex,
+    make_batch,
+)
 from tests.support.optimizers import scaled_step
 from tests.support.parity import fused_adamw, train_recipe
 from tests.support.ranks import run_ranks
@@ -94,6 +103,28 @@ def test_frozen_parameters_under_bf16_stay_put_while_the_rest_follows_the_recipe
         torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
         torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=0)
         assert torch.equal(state["adapter.base.weight"], model.adapter.base.weight)
+
+
+def test_complex_parameters_stay_complex64_while_the_rest_follows_the_recipe() -> None:
+    """bfloat16 compute casts the floating-point parameters only: a complex parameter is
+    gathered, computes and is reduced in complex64 (casting it would drop its imaginary part),
+    and training follows the recipe, which casts the same ones."""
+    torch.manual_seed(0)
+    model = WithComplex()
+    g = torch.Generator().manual_seed(1)
+    batches = [(x, x) for x in (torch.randn(8, 8, generator=g) for _ in range(STEPS))]
+
+    def loss(m: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+        return m(inputs.bfloat16()).float().square().mean()  # the recipe casts no inputs
+
+    ref_losses, ref_state = train_recipe(model, 2, torch.bfloat16, batches, _sgd, loss)
+    runs = parity.train_sharded(
+        model, 2, _sgd, batches, loss, auto_wrap=ComplexLayer, mixed_precision=BF16
+    )
+    for run in runs:
+        torch.testing.assert_close(run.losses, ref_losses, atol=1e-5, rtol=0)
+        torch.testing.assert_close(run.state, ref_state, atol=1e-5, rtol=0)
+        assert run.state["layers.0.w"].dtype == torch.complex64
 
 
 def test_bf16_tracks_fp32_training() -> None:

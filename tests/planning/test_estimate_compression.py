@@ -1,8 +1,9 @@
 """The memory planner with ``Compression``: error feedback's residuals (a full-size flat
-gradient per trainable group), the packed shards compressed gathers keep and, at stages 1 and
-2, the full buffers that quantized gathers keep apart from the shards are counted, and the plan
-stays within 5% of the measured peak (``track_allocations`` on each rank while training, as
-``tests/planning/test_estimate.py`` measures it).
+gradient per trainable group, none for a complex one, which is reduced exactly), the packed
+shards compressed gathers keep and, at stages 1 and 2, the full buffers that quantized gathers
+keep apart from the shards are counted, and the plan stays within 5% of the measured peak
+(``track_allocations`` on each rank while training, as ``tests/planning/test_estimate.py``
+measures it).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/planning/test_estimate_compression.py -q``
 """
@@ -20,6 +21,7 @@ from examples.train_gpt import GPT, Block
 from shardwrap import Compression, estimate_memory
 from shardwrap.planning.planner import MemoryEstimate
 from tests.support.memory import training_peak
+from tests.support.models import ComplexLayer
 
 pytestmark = pytest.mark.stage3  # names its stages itself: once is enough
 
@@ -71,6 +73,36 @@ def test_error_feedback_adds_a_full_size_gradient_per_rank() -> None:
         params = sum(p.numel() for p in GPT(**CONFIG).parameters())
     # every trainable flat gradient in float32, padded to a multiple of 2 ranks
     assert feedback.grads - plain.grads == pytest.approx(4 * params, rel=1e-3)
+
+
+class ComplexLM(nn.Module):
+    """Token ids through three ``ComplexLayer``s: complex weights beside real ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.layers = nn.Sequential(*(ComplexLayer() for _ in range(3)))
+        self.head = nn.Linear(8, 50)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.layers(self.emb(ids)))
+
+
+def test_error_feedback_keeps_no_residual_for_complex_gradients() -> None:
+    """The engine reduces complex gradients exactly, so only the floating-point groups'
+    flat gradients get a residual."""
+
+    def plan(compression: Compression | None) -> MemoryEstimate:
+        return estimate_memory(
+            ComplexLM, world_size=2, stage=3, auto_wrap=ComplexLayer, compression=compression
+        ).row(3)
+
+    with torch.device("meta"):
+        model = ComplexLM()
+    real = sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    assert real < sum(p.numel() for p in model.parameters())
+    growth = plan(Compression(grads="int8")).grads - plan(None).grads
+    assert growth == pytest.approx(4 * real, rel=1e-2)
 
 
 def test_quantized_gathers_keep_the_full_parameters_apart_at_stage_2() -> None:

@@ -20,6 +20,8 @@ __all__ = [
     "Branch",
     "Branchy",
     "WithBatchNorm",
+    "ComplexLayer",
+    "WithComplex",
     "LoRALinear",
     "FrozenPart",
     "make_batch",
@@ -158,6 +160,35 @@ class WithBatchNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, C)
         return self.net(x)
+
+
+class ComplexLayer(nn.Module):
+    """A complex weight (a spectral filter's, say) between real activations: ``(B, 8)`` in and
+    out, in the input's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(0.3 * torch.randn(8, 8, dtype=torch.complex64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = torch.tanh(self.lin(x)).to(torch.complex64) @ self.w
+        return (z.real + z.imag).to(x.dtype)
+
+
+class WithComplex(nn.Module):
+    """Two ``ComplexLayer``s, a real head and a complex scalar gain: wrapped with the layers as
+    units, the root unit's only complex parameter is one element, so one rank's piece of it is
+    empty. ``forward(x)`` maps ``(B, 8)`` to ``(B, 3)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(ComplexLayer(), ComplexLayer())
+        self.gain = nn.Parameter(torch.ones((), dtype=torch.complex64))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layers(x)) * self.gain.abs()
 
 
 class LoRALinear(nn.Module):

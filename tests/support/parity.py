@@ -92,6 +92,26 @@ def train_steps(
     return losses
 
 
+CLIP_NORM = 0.05  # below every step's gradient norm in ``train_clipped``: each step clips
+
+
+def train_clipped(
+    m: nn.Module, rank: int, world: int, device: torch.device | str = "cpu"
+) -> tuple[list[float], torch.optim.Optimizer]:
+    """AdamW over 3 steps, each on this rank's slice (of ``world``) of 8 rows of width 8, the
+    loss the outputs' mean square, the gradients clipped to ``CLIP_NORM`` by their global norm.
+    Returns each step's norm and the optimizer."""
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    norms = []
+    g = torch.Generator().manual_seed(1)
+    for x in [torch.randn(8, 8, generator=g) for _ in range(3)]:
+        m(x.chunk(world)[rank].to(device)).square().mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    return norms, opt
+
+
 def train_reference(
     model: nn.Module,
     make_optimizer: MakeOptimizer,
@@ -259,11 +279,10 @@ def train_recipe(
     """
     master = copy.deepcopy(model)
     work = copy.deepcopy(model)
-    if cast_buffers:
-        work.to(dtype)
-    else:
-        for p in work.parameters():
-            p.data = p.data.to(dtype)
+    # floating-point tensors only, as MixedPrecision casts (``Module.to`` casts complex ones too)
+    for t in [*work.parameters(), *(work.buffers() if cast_buffers else [])]:
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
     optimizer = make_optimizer(p for p in master.parameters() if p.requires_grad)
     losses = []
     for inputs, targets in batches:
@@ -277,8 +296,8 @@ def train_recipe(
             loss.backward()
             step_loss += loss.float().item() / world_size
             for g, w in zip(grads, work.parameters()):
-                if w.grad is not None:
-                    g.add_(w.grad.float())
+                if w.grad is not None:  # in float32 (a complex gradient: complex64)
+                    g.add_(w.grad.to(torch.promote_types(w.grad.dtype, torch.float32)))
                     w.grad = None
         for m, g in zip(master.parameters(), grads):
             m.grad = g / world_size if m.requires_grad else None

@@ -34,8 +34,15 @@ from shardwrap.comm.compressed import (
     reduce_scatter_quantized,
 )
 from shardwrap.comm.quantize import Codec
-from tests.support.models import GPT, Block, WithBatchNorm
-from tests.support.parity import GPT_BATCHES, gpt_loss, sgd, train_reference, train_steps
+from tests.support.models import GPT, Block, ComplexLayer, WithBatchNorm, WithComplex
+from tests.support.parity import (
+    GPT_BATCHES,
+    gpt_loss,
+    sgd,
+    train_clipped,
+    train_reference,
+    train_steps,
+)
 
 __all__ = ["CHECKS", "Check", "Outcome", "judge", "read", "run_checks"]
 
@@ -200,6 +207,21 @@ def _train(**wrap: Any) -> Callable[[int, dist.ProcessGroup, torch.device], None
     return body
 
 
+def _complex_parameters(rank: int, pg: dist.ProcessGroup, device: torch.device) -> None:
+    """Complex parameters, which a GPU's backend gathers and reduces as their real and
+    imaginary parts, train with AdamW and a clipped global norm as the plain model on this
+    device: norms and parameters within 1e-5."""
+    torch.manual_seed(0)
+    model = WithComplex()
+    plain = copy.deepcopy(model).to(device)
+    want_norms, _ = train_clipped(plain, 0, 1, device)
+    sharded = ShardedModule(model, auto_wrap=ComplexLayer, device=device)
+    norms, _ = train_clipped(sharded, rank, WORLD, device)
+    torch.testing.assert_close(norms, want_norms, atol=0, rtol=1e-5)
+    want = {k: v.cpu() for k, v in plain.state_dict().items()}
+    torch.testing.assert_close(sharded.full_state_dict(), want, atol=1e-5, rtol=0)
+
+
 def _edits_over_a_group_of_its_own(rank: int, pg: dist.ProcessGroup, device: torch.device) -> None:
     """A model wrapped over a group the user made (its agreements then run over that group, on
     ``device``): weights differing across ranks become rank 0's, and rank 0's edits inside
@@ -274,6 +296,7 @@ CHECKS = [
     Check("shardwrap int8 all_reduce", (GATHER,), _all_reduce_quantized),
     Check("shardwrap trains a GPT, buckets", (GATHER, REDUCE), _train()),
     Check("shardwrap trains a GPT, no buckets", (GATHER, REDUCE), _train(bucket_mb=0)),
+    Check("shardwrap trains complex parameters", (GATHER, REDUCE), _complex_parameters),
     Check(
         "shardwrap keeps buffers rank 0's after each step",
         (GATHER, REDUCE, "broadcast"),

@@ -222,14 +222,15 @@ def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor
 
 def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: dict) -> Any:
     """``func``'s norms of this rank's pieces, as partial norms. An empty piece (a shard can
-    be) adds nothing: its part is the identity of the combination, not an error."""
+    be) adds nothing: its part is the identity of the combination, not an error, and real
+    as every norm is (a complex piece's too)."""
     identity = float("inf") if order == float("-inf") else 0.0
     foreach = func is torch._foreach_norm
     grads = args[0] if foreach else [args[0]]
     out = []
     for g in grads:
         if g.numel() == 0:
-            dtype = kwargs.get("dtype") or g.dtype
+            dtype = (kwargs.get("dtype") or g.dtype).to_real()
             n = torch.full((), identity, dtype=dtype, device=g.device)
         else:
             with _DisableSubclass():

@@ -209,6 +209,12 @@ class FlatGroup:
         return self.pool.take(self.layout.padded_numel, dtype, self.home.device, self)
 
     @property
+    def can_train(self) -> bool:
+        """Whether the group's dtype takes gradients (floating point or complex): such a group
+        has a reduction, frozen now or not."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @property
     def full_data(self) -> Tensor:
         """The gathered flat buffer, outside autograd (only while gathered)."""
         if self._buffer is None:

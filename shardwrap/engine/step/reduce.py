@@ -243,7 +243,7 @@ class Reductions:
                         group.shard.numel(), group.grad_dtype, group.free_home_grad()
                     )
                 )
-            if self.codec is None:
+            if not self._quantizes(grads[0]):
                 work = reduce_scatter_many(outs, grads, self.mesh.shard, self.stats)
             else:  # one group a bucket
                 i = positions[0]
@@ -265,7 +265,7 @@ class Reductions:
             group = self.order[i]
             if not self._closing:  # a later unit's flat gradient reuses it
                 group.pool.give_scratch(grad)
-            if self.mesh.replicate is not None and self.codec is not None:
+            if self.mesh.replicate is not None and self._quantizes(out):
                 residual = self._residual(self.replica_residuals, i, out, self.mesh.replicate_size)
                 all_reduce_quantized(
                     out, self.mesh.replicate, self.codec, residual, self.stats
@@ -275,6 +275,11 @@ class Reductions:
                 out.div_(self.mesh.replicate_size)
             landed = self.home.land(out, group.free_home_grad(), group.param_grad_dtype)
             self._landed.append((i, landed))
+
+    def _quantizes(self, grad: Tensor) -> bool:
+        """Whether ``grad``'s reduction is quantized: not a complex one, which goes exact, as
+        complex parameters are gathered."""
+        return self.codec is not None and grad.is_floating_point()
 
     def _residual(
         self, residuals: list[Tensor | None], i: int, like: Tensor, world: int

@@ -121,7 +121,7 @@ class Root:
         self.params, self.param_of = index_params(units)
         # Every group that can train, in the canonical order: a frozen one may be unfrozen after
         # wrapping, and a fixed order keeps every rank's handshakes the same size.
-        order = reduction_order([[g for g in u.groups if g.dtype.is_floating_point] for u in units])
+        order = reduction_order([[g for g in u.groups if g.can_train] for u in units])
         self.reductions = Reductions(
             order,
             mesh,
@@ -158,7 +158,7 @@ class Root:
         self._forward_kept: set[int] = set()
         self.order: ExecutionOrder[Unit] = ExecutionOrder(unit_index)  # drives prefetch
         # the frozen groups that may start to train (see ``_train_unfrozen``)
-        self._frozen = [(u, g) for u in units for g in u.frozen if g.dtype.is_floating_point]
+        self._frozen = [(u, g) for u in units for g in u.frozen if g.can_train]
         self._post_hook_ids: list[int] = []  # per unit: its post-forward hook's handle id
         for unit in units:
             pre_forward = eager(self._hook_pre_forward(unit))

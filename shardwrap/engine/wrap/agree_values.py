@@ -45,8 +45,8 @@ def _tensors(module: nn.Module) -> list[tuple[str, Tensor, bool]]:
 
 def _summary(t: Tensor) -> tuple[float, float]:
     """(sum, sum of squares) of ``t`` accumulated in float64, without a float64 copy of ``t``."""
-    t = as_sent(t)  # a float8 tensor's bytes are summed
-    if not (t.is_floating_point() or t.is_complex()):
+    t = as_sent(t)  # a float8 tensor's bytes are summed, a complex one's parts
+    if not t.is_floating_point():
         t = t.double()
     return (
         torch.sum(t, dtype=torch.float64).item(),
