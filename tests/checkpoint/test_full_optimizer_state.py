@@ -3,7 +3,8 @@
 ``{"model": model.full_state_dict(rank0_only=True), "optimizer":
 shardwrap.full_optimizer_state_dict(model, optimizer, rank0_only=True)}``, saved by rank 0 with
 ``torch.save``. Proves, for AdamW, Muon over the matrices (AdamW over the rest, two optimizers,
-each saved as one) and Adafactor, trained 2 steps at world size 2:
+each saved as one) and Adafactor, trained 2 steps at world size 2, on a model with a 0-d
+parameter beside its matrices and vectors:
 
 - the optimizer part equals the unwrapped model's ``optimizer.state_dict()`` after the same
   steps (keys, groups and every state tensor in the parameter's shape; other ranks get ``{}``);
@@ -56,9 +57,24 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
+class Model(nn.Module):
+    """Blocks between linear layers, the output scaled by a learned 0-d temperature (as CLIP's
+    ``logit_scale``), whose per-element optimizer state one rank holds and the others none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(WIDTH, WIDTH), Block(), Block(), nn.Linear(WIDTH, WIDTH)
+        )
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x) * self.temperature
+
+
 def build() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Block(), Block(), nn.Linear(WIDTH, WIDTH))
+    return Model()
 
 
 def loss_fn(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
@@ -217,5 +233,8 @@ def test_the_file_resumes_unwrapped_and_at_any_world_size(kind: str, world: int)
 
 
 def _numel(state: Iterable[dict[str, Any]]) -> int:
-    """The elements of the state tensors (not ``step``) of an optimizer's per-parameter state."""
-    return sum(v.numel() for s in state for v in s.values() if isinstance(v, Tensor) and v.ndim)
+    """The elements of the state tensors (not ``step``) of an optimizer's per-parameter state
+    (the 0-d temperature's moments are 0-d too)."""
+    return sum(
+        v.numel() for s in state for k, v in s.items() if isinstance(v, Tensor) and k != "step"
+    )

@@ -324,11 +324,13 @@ class ScalarGain(nn.Module):
 def test_scalar_parameter_trains(stage: int) -> None:
     """Mirrors test_fully_shard_init.py::test_raise_scalar_parameter: FSDP2 refuses a parameter
     of zero dimensions ("Change scalar_p to a 1D tensor"); shardwrap shards it like any other,
-    keeps it zero-dimensional for the optimizer, and trains it as the plain model does."""
+    its piece ``(1,)`` on the rank that holds it and ``(0,)`` elsewhere (so that its optimizer
+    state, never 0-d, is told from the optimizer's ``step`` alike on every rank), and trains it
+    as the plain model does."""
     torch.manual_seed(0)
 
     def prepare(side: Side) -> None:
-        assert side.model.gain.ndim == 0 or side.model.gain.numel() == 0
+        assert not side.sharded or side.model.gain.shape in ((1,), (0,))
 
     batches = make_batches(3, (8, 6), (8, 6))
     assert_peer_parity(

@@ -283,6 +283,26 @@ def tiny_llama_config() -> Any:
     return transformers.LlamaConfig(**_TINY_DECODER)
 
 
+def tiny_clip_config() -> Any:
+    """CLIP: a text and a vision tower of 2 layers of width 16 (images 8 x 8, patches of 4),
+    projected to 8; its ``logit_scale`` is a 0-d parameter."""
+    import transformers
+
+    tower = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
+    return transformers.CLIPConfig(
+        text_config={
+            **tower,
+            "vocab_size": HF_VOCAB,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 16,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+        },
+        vision_config={**tower, "num_attention_heads": 2, "image_size": 8, "patch_size": 4},
+        projection_dim=8,
+    )
+
+
 def tiny_t5_config() -> Any:
     """T5 encoder-decoder, 2 + 2 layers of width 32, no dropout; the encoder, the decoder and the
     head share one embedding (``tie_word_embeddings``, T5's default)."""

@@ -33,7 +33,7 @@ import copy
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -195,9 +195,10 @@ def adopt_optimizer(optimizer: Optimizer, owns: Owns | None) -> None:
         # matched to the parameters as torch matches them, by the groups' order
         saved = [k for group in state_dict.get("param_groups", ()) for k in group["params"]]
         params = dict(zip(saved, _params(optimizer)))
+        scalars = _scalar_keys((params.get(i), entry) for i, entry in state_dict["state"].items())
         state = {}
         for i, entry in state_dict["state"].items():
-            kept = _cut_entry(params.get(i), entry, owns, i, strict=True)
+            kept = _cut_entry(params.get(i), entry, owns, i, scalars, strict=True)
             if kept is not None:
                 state[i] = kept
         return {**state_dict, "state": state}
@@ -205,8 +206,9 @@ def adopt_optimizer(optimizer: Optimizer, owns: Owns | None) -> None:
     optimizer.register_state_dict_post_hook(mark)
     optimizer.register_load_state_dict_pre_hook(cut)
     index = {id(p): i for i, p in enumerate(_params(optimizer))}
+    scalars = _scalar_keys(optimizer.state.items())
     for param, entry in list(optimizer.state.items()):  # loaded before the engine saw it
-        kept = _cut_entry(param, entry, owns, index.get(id(param)), strict=False)
+        kept = _cut_entry(param, entry, owns, index.get(id(param)), scalars, strict=False)
         if kept is None:
             del optimizer.state[param]
         else:
@@ -219,8 +221,29 @@ def _params(optimizer: Optimizer) -> list[Tensor]:
 
 
 def _is_state_tensor(value: Any) -> bool:
-    """A tensor of per-element state (not ``step``, a 0-d tensor)."""
+    """A tensor of per-element state (not ``step``, a 0-d tensor) of a piece, which is never
+    0-d (``flat_group.piece_shape``)."""
     return isinstance(value, Tensor) and value.ndim > 0
+
+
+# 0-d state that no element holds, in torch's optimizers: step counts and schedules (NAdam's
+# ``mu_product``, ASGD's ``eta`` and ``mu``)
+_TORCH_SCALARS = frozenset({"step", "mu_product", "eta", "mu"})
+
+
+def _scalar_keys(entries: Iterable[tuple[Tensor | None, dict[str, Any]]]) -> frozenset[str]:
+    """The keys of an optimizer's whole-tensor state (``(parameter, entry)`` pairs) that are
+    scalars, not per-element state: a 0-d parameter's state is 0-d either way (its step and its
+    moment alike), so they are read off the state of the parameters of one dimension or more,
+    where every 0-d value is a scalar; torch's own names where no such parameter has state."""
+    found: set[str] = set()
+    seen = False
+    for param, entry in entries:
+        info = piece_of(param) if param is not None else None
+        if info is not None and info[0]:
+            seen = True
+            found |= {k for k, v in entry.items() if not _is_state_tensor(v)}
+    return frozenset(found) if seen else _TORCH_SCALARS
 
 
 def _packed(value: Tensor) -> bool:
@@ -283,12 +306,18 @@ def _shown(v: Tensor, full: tuple[int, ...], start: int, stop: int, dcp: bool) -
 
 
 def _cut_entry(
-    param: Tensor | None, entry: dict[str, Any], owns: Owns | None, index: Any, strict: bool
+    param: Tensor | None,
+    entry: dict[str, Any],
+    owns: Owns | None,
+    index: Any,
+    scalars: frozenset[str],
+    strict: bool,
 ) -> dict[str, Any] | None:
     """One parameter's loaded state as this rank holds it; ``None`` where it holds none (a
     parameter stepped whole on another rank). A tensor of neither the parameter's shape nor its
     piece's raises where ``strict`` (a load), and is left as it is otherwise (state the
-    optimizer holds already: a save or a step says what is wrong with it)."""
+    optimizer holds already: a save or a step says what is wrong with it). Of a 0-d parameter,
+    the 0-d values but those under ``scalars`` are its per-element state, cut as any."""
     info = piece_of(param) if param is not None else None
     if info is None:
         return entry
@@ -303,7 +332,8 @@ def _cut_entry(
     for key, value in entry.items():
         name = f"optimizer state '{key}' of parameter {index}"
         value = local_piece(value, full, start, stop, name)
-        if not _is_state_tensor(value):
+        of_element = isinstance(value, Tensor) and not full and key not in scalars
+        if not (_is_state_tensor(value) or of_element):
             out[key] = value
         elif tuple(value.shape) == shape:  # this rank's own piece
             out[key] = value.as_subclass(Tensor) if isinstance(value, ShardPiece) else value

@@ -489,11 +489,11 @@ def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
     The piece keeps the parameter's number of dimensions, its elements along the last one
     (``(1, numel)`` for a matrix's piece), so that code which picks parameters by ``p.ndim``
     (matrices for Muon, vectors kept out of weight decay) picks the same ones as on the
-    unwrapped model. A scalar's piece is the scalar, or ``(0,)`` where this rank holds none.
+    unwrapped model. A scalar's (0-d) piece is ``(1,)`` where this rank holds it and ``(0,)``
+    elsewhere: an optimizer's per-element state is then never 0-d, as its scalars (``step``)
+    are, so every rank tells them apart alike, whichever holds the element.
     """
-    if not shape:
-        return () if numel == 1 else (0,)
-    return (1,) * (len(shape) - 1) + (numel,)
+    return (1,) * (len(shape) - 1) + (numel,) if shape else (numel,)
 
 
 def _unbacked(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
