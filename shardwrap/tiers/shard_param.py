@@ -25,10 +25,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed.distributed_c10d as dist_c10d
 from torch import Tensor, nn
 from torch._C import TensorBase
 
-__all__ = ["NAME_ATTR", "ShardParam", "raw_data", "set_raw_data"]
+__all__ = ["NAME_ATTR", "ShardParam", "is_collective", "raw_data", "set_raw_data"]
 
 NAME_ATTR = "_shardwrap_name"  # on a shard parameter: its name in the model, for messages
 
@@ -88,6 +89,8 @@ class ShardParam(nn.Parameter):
         kwargs = kwargs or {}
         if func in _DRAWS:
             raise ValueError(_drawn_on_piece(func, _piece_among(args, kwargs)))
+        if is_collective(func):
+            raise TypeError(_sent_piece(func, _piece_among(args, kwargs)))
         if func is torch.autograd.backward:  # would leave every piece's .grad as it was
             raise RuntimeError(_differentiated(func, _piece_among(args, kwargs)))
         if func is torch.autograd.grad:  # fine where a piece is in the graph (a penalty on it)
@@ -123,6 +126,12 @@ class ShardParam(nn.Parameter):
         self.detach().copy_(value)
 
 
+def is_collective(func: Any) -> bool:
+    """Whether ``func`` is one of ``torch.distributed``'s collectives or point-to-point calls,
+    which hand their tensors to ``__torch_function__`` before any communication."""
+    return getattr(func, "__module__", None) == dist_c10d.__name__
+
+
 def _piece_among(args: tuple, kwargs: dict) -> Tensor:
     """The first shard parameter among a call's arguments, or in a list or tuple there."""
     listed = (
@@ -143,6 +152,19 @@ def _drawn_on_piece(func: Any, piece: Tensor) -> str:
         "param_init_fn=), or initialise the full parameters as module attributes inside "
         "`with model.gathered(modifier_rank=0):` (e.g. nn.init.xavier_uniform_(block.attn.weight)"
         "; model.parameters() stays the pieces there)."
+    )
+
+
+def _sent_piece(func: Any, piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"torch.distributed.{func.__name__} of {name}, this rank's piece of it (shape "
+        f"{tuple(piece.shape)}): each rank holds other elements of a sharded parameter, so a "
+        "collective over the pieces would mix different elements (or wait forever where their "
+        "sizes differ). Nothing was sent. Every rank already starts from rank 0's weights "
+        "(copied when wrapping, as DDP copies them) and ends each step alike: drop the call. "
+        "To change the whole parameter on every rank, write it inside "
+        "`with model.gathered(modifier_rank=0):` (rank 0's edits reach every rank)."
     )
 
 

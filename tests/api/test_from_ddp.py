@@ -29,6 +29,8 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
 - a forward on rank 0 alone (evaluation under ``if master_process:``) raises on every rank at
   that forward, naming it and the fix;
 - ``torch.save(model)`` of the model object is refused before the file is opened;
+- ``torch.distributed`` collectives of a parameter or its ``.grad`` (a hand-written
+  ``average_gradients`` loop, a broadcast of the parameters) are refused before they send;
 - buffers (BatchNorm's statistics) are rank 0's on every rank after each synchronised step, as
   DDP's, checked against DDP itself after every forward (also hybrid, with ``no_sync()``) and on
   a ``transformers`` ResNet.
@@ -48,6 +50,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
@@ -56,7 +59,7 @@ from shardwrap import ShardedModule
 from shardwrap.engine.optim.pieces import ShardPiece
 from tests.support.hybrid import hybrid_mesh
 from tests.support.models import GPT, Block, make_batch
-from tests.support.parity import sgd, train_reference, train_sharded
+from tests.support.parity import gpt_loss, sgd, train_reference, train_sharded
 from tests.support.ranks import run_ranks
 
 MICRO, STEPS = 3, 2
@@ -464,6 +467,38 @@ def test_a_penalty_summed_over_the_parameters_trains_as_on_the_plain_model(stage
     ref = train_reference(model, sgd, batches, penalised)
     for run in train_sharded(model, 2, sgd, batches, penalised, auto_wrap=Block, stage=stage):
         torch.testing.assert_close(run.state, ref.state, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_collectives_on_pieces_and_their_gradients_are_refused_before_sending(stage: int) -> None:
+    """Lines of a script that synchronises by hand, left in: the ``average_gradients`` loop
+    (``dist.all_reduce(p.grad.data)``, then a division by the world size) and a broadcast of
+    every parameter from rank 0. Each rank's ``.grad`` and parameter are its pieces, so they
+    would add or copy different elements, or wait forever where the pieces' sizes differ
+    (before: the ranks hung at the first gradient whose pieces differed in size). Each
+    is refused on every rank before anything is sent, naming the fix, and training then goes
+    on exactly as the plain model's."""
+    torch.manual_seed(0)
+    model = GPT()
+    batches = [make_batch(s, 4) for s in range(STEPS)]
+    ref = train_reference(model, sgd, batches, gpt_loss)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(model), process_group=pg, auto_wrap=Block, stage=stage)
+        opt = sgd(m.parameters())
+        for idx, targets in batches:
+            m(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            for p in m.parameters():
+                with pytest.raises(TypeError, match="average_gradients loop"):
+                    dist.all_reduce(p.grad.data, group=pg)
+                with pytest.raises(TypeError, match=r"gathered\(modifier_rank=0\)"):
+                    dist.broadcast(p, 0, group=pg)
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn, timeout=60.0):
+        torch.testing.assert_close(state, ref.state, atol=1e-6, rtol=0)
 
 
 # gradient accumulation -------------------------------------------------------------------

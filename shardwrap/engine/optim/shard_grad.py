@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ...comm.collectives import CommStats, Group, all_reduce
 from ...tiers.offload import count_fused_write
+from ...tiers.shard_param import is_collective
 
 if TYPE_CHECKING:
     from ...tiers.home import Home
@@ -153,6 +154,8 @@ class ShardGrad(Tensor):
         cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if is_collective(func):
+            raise TypeError(_sent_grad(func, _grad_among(args, kwargs)))
         order = _norm_order(func, args, kwargs)
         if order is not None:
             return _local_norms(func, order, args, kwargs)
@@ -185,6 +188,27 @@ class ShardGrad(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         with _DisableSubclass():
             return f"ShardGrad({self.as_subclass(Tensor)!r})"
+
+
+def _grad_among(args: tuple, kwargs: dict) -> Tensor:
+    """The first shard gradient among a call's arguments, or in a list or tuple there."""
+    listed = (
+        a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (list, tuple)) else [v])
+    )
+    return next(a for a in listed if isinstance(a, ShardGrad))
+
+
+def _sent_grad(func: Any, grad: Tensor) -> str:
+    return (
+        f"torch.distributed.{func.__name__} of a sharded parameter's .grad (this rank's piece, "
+        f"shape {tuple(grad.shape)}): backward has already averaged every gradient over the "
+        "ranks, as DDP does, and left each rank its piece, so a hand-written average (an "
+        "average_gradients loop, all_reduce then divide by the world size) would add "
+        "different ranks' pieces together, or wait forever where their sizes differ. Nothing "
+        "was sent. Drop the loop; for the norm over all ranks call "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or p.grad.norm(), which "
+        "complete over the ranks."
+    )
 
 
 # How zero_grad(set_to_none=False) zeroes gradients: one by one, or together (foreach).
