@@ -22,6 +22,7 @@ piece: a for-loop AdamW step over 150 pieces of 50,000 elements took 18.4 ms ins
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ import torch.distributed.distributed_c10d as dist_c10d
 from torch import Tensor, nn
 from torch._C import TensorBase
 
-__all__ = ["NAME_ATTR", "ShardParam", "is_collective", "raw_data", "set_raw_data"]
+__all__ = ["NAME_ATTR", "ShardParam", "arguments", "is_collective", "raw_data", "set_raw_data"]
 
 NAME_ATTR = "_shardwrap_name"  # on a shard parameter: its name in the model, for messages
 
@@ -132,12 +133,15 @@ def is_collective(func: Any) -> bool:
     return getattr(func, "__module__", None) == dist_c10d.__name__
 
 
+def arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """A call's arguments, and those in a list or tuple there."""
+    for v in (*args, *kwargs.values()):
+        yield from v if isinstance(v, (list, tuple)) else [v]
+
+
 def _piece_among(args: tuple, kwargs: dict) -> Tensor:
     """The first shard parameter among a call's arguments, or in a list or tuple there."""
-    listed = (
-        a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (list, tuple)) else [v])
-    )
-    return next(a for a in listed if isinstance(a, ShardParam))
+    return next(a for a in arguments(args, kwargs) if isinstance(a, ShardParam))
 
 
 def _drawn_on_piece(func: Any, piece: Tensor) -> str:

@@ -29,8 +29,9 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
 - a forward on rank 0 alone (evaluation under ``if master_process:``) raises on every rank at
   that forward, naming it and the fix;
 - ``torch.save(model)`` of the model object is refused before the file is opened;
-- ``torch.distributed`` collectives of a parameter or its ``.grad`` (a hand-written
-  ``average_gradients`` loop, a broadcast of the parameters) are refused before they send;
+- ``torch.distributed`` collectives of a parameter, its ``.grad`` or a state dict's value (a
+  hand-written ``average_gradients`` loop, a broadcast of the parameters) are refused before
+  they send;
 - buffers (BatchNorm's statistics) are rank 0's on every rank after each synchronised step, as
   DDP's, checked against DDP itself after every forward (also hybrid, with ``no_sync()``) and on
   a ``transformers`` ResNet.
@@ -473,7 +474,9 @@ def test_a_penalty_summed_over_the_parameters_trains_as_on_the_plain_model(stage
 def test_collectives_on_pieces_and_their_gradients_are_refused_before_sending(stage: int) -> None:
     """Lines of a script that synchronises by hand, left in: the ``average_gradients`` loop
     (``dist.all_reduce(p.grad.data)``, then a division by the world size) and a broadcast of
-    every parameter from rank 0. Each rank's ``.grad`` and parameter are its pieces, so they
+    every parameter, or of every value of ``model.state_dict()`` (Horovod's
+    ``broadcast_parameters``), from rank 0. Each rank's ``.grad``, parameter and state dict value
+    are its pieces, so they
     would add or copy different elements, or wait forever where the pieces' sizes differ
     (before: the ranks hung at the first gradient whose pieces differed in size). Each
     is refused on every rank before anything is sent, naming the fix, and training then goes
@@ -495,6 +498,9 @@ def test_collectives_on_pieces_and_their_gradients_are_refused_before_sending(st
                     dist.broadcast(p, 0, group=pg)
             opt.step()
             opt.zero_grad()
+        for value in m.state_dict().values():
+            with pytest.raises(TypeError, match=r"load_state_dict\(full\)"):
+                dist.broadcast(value, 0, group=pg)
         return m.full_state_dict()
 
     for state in run_ranks(2, fn, timeout=60.0):

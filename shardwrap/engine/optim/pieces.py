@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ...tiers.shard_param import arguments, is_collective
 from .dcp_pieces import (
     DCPPiece,
     dcp_call,
@@ -98,8 +99,19 @@ class ShardPiece(Tensor):
     def __torch_function__(
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
-        """As any tensor, but refusing to be copied into a plain tensor by DCP's staging: the
-        copy would be written as the whole tensor."""
+        """As any tensor, but refusing to be copied into a plain tensor by DCP's staging (the
+        copy would be written as the whole tensor), and to be sent by ``torch.distributed``."""
+        if is_collective(func):
+            piece = next(a for a in arguments(args, kwargs) if isinstance(a, ShardPiece))
+            raise TypeError(
+                f"shardwrap: torch.distributed.{func.__name__} of {piece._held()}: each rank's "
+                "state dict holds other elements under the same names, so a collective over "
+                "them would mix different elements (or wait forever where their sizes differ). "
+                "Nothing was sent. Every rank already holds rank 0's weights after wrapping; to "
+                "give every rank a state loaded on one, load the full state dict on every rank "
+                "(model.load_state_dict(full)), or edit inside "
+                "`with model.gathered(modifier_rank=0):`."
+            )
         if (
             func is Tensor.copy_
             and len(args) > 1

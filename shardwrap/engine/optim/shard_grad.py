@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ...comm.collectives import CommStats, Group, all_reduce
 from ...tiers.offload import count_fused_write
-from ...tiers.shard_param import is_collective
+from ...tiers.shard_param import arguments, is_collective
 
 if TYPE_CHECKING:
     from ...tiers.home import Home
@@ -155,7 +155,8 @@ class ShardGrad(Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         if is_collective(func):
-            raise TypeError(_sent_grad(func, _grad_among(args, kwargs)))
+            grad = next(a for a in arguments(args, kwargs) if isinstance(a, ShardGrad))
+            raise TypeError(_sent_grad(func, grad))
         order = _norm_order(func, args, kwargs)
         if order is not None:
             return _local_norms(func, order, args, kwargs)
@@ -188,14 +189,6 @@ class ShardGrad(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         with _DisableSubclass():
             return f"ShardGrad({self.as_subclass(Tensor)!r})"
-
-
-def _grad_among(args: tuple, kwargs: dict) -> Tensor:
-    """The first shard gradient among a call's arguments, or in a list or tuple there."""
-    listed = (
-        a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (list, tuple)) else [v])
-    )
-    return next(a for a in listed if isinstance(a, ShardGrad))
 
 
 def _sent_grad(func: Any, grad: Tensor) -> str:
