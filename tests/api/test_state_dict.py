@@ -2,7 +2,9 @@
 
 PyTorch users call ``model.load_state_dict(torch.load(path))`` with the plain model's state
 dict. Proves, at world sizes 1, 2 and 4: a full state dict (of the unwrapped model) loads into
-every rank's pieces and training then goes on in parity with the plain model; this rank's own
+every rank's pieces and training then goes on in parity with the plain model; some of its keys
+(``strict=False``) load alike, the rest kept, reported as the plain model reports them; this
+rank's own
 ``state_dict()`` (shards) loads back into a model wrapped the same way; another rank's
 ``state_dict()`` is refused even where every piece has the same shape (it records whose shards
 it holds); a state dict of other shapes is refused naming ``load_full_state_dict`` and
@@ -56,6 +58,41 @@ def test_full_state_dict_loads_and_training_goes_on_in_parity(world_size: int) -
 
     for state in _run(world_size, fn):
         torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_partial_full_state_dict_loads_with_strict_false(world_size: int) -> None:
+    """A pretrained backbone loaded under a new head (``strict=False``, the fine-tuning line),
+    and a whole state dict loaded one key at a time: the keys given load into every rank's
+    pieces, the rest keep their values, and the missing and unexpected keys are those the
+    plain model reports (before: refused, "strict=False of a full state dict is not
+    supported"). A shape that differs is refused, loading nothing."""
+    torch.manual_seed(0)
+    start = GPT(tied=False)
+    torch.manual_seed(1)
+    pretrained = GPT(tied=False).state_dict()
+    backbone = {k: v for k, v in pretrained.items() if not k.startswith("lm_head.")}
+    backbone["extra.weight"] = torch.zeros(2)
+    plain = copy.deepcopy(start)
+    want_keys = plain.load_state_dict(backbone, strict=False)
+    assert want_keys.missing_keys == ["lm_head.weight"]
+
+    def fn(rank: int, pg: ProcessGroup | None) -> tuple:
+        m = ShardedModule(copy.deepcopy(start), auto_wrap=Block, process_group=pg)
+        keys = m.load_state_dict(backbone, strict=False)
+        after_backbone = m.full_state_dict()
+        for k, v in pretrained.items():  # one key at a time
+            m.load_state_dict({k: v}, strict=False)
+        after_each = m.full_state_dict()
+        with pytest.raises(ValueError, match=r"lm_head.weight: \(3, 3\)"):
+            m.load_state_dict({"lm_head.weight": torch.zeros(3, 3)}, strict=False)
+        return keys, after_backbone, after_each, m.full_state_dict()
+
+    for keys, after_backbone, after_each, after_refusal in _run(world_size, fn):
+        assert keys == want_keys
+        torch.testing.assert_close(after_backbone, plain.state_dict(), atol=0, rtol=0)
+        torch.testing.assert_close(after_each, pretrained, atol=0, rtol=0)
+        torch.testing.assert_close(after_refusal, pretrained, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

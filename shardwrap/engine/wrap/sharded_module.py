@@ -394,9 +394,10 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         """Load the unwrapped model's full state dict, or this rank's own shards, by copy, also
         with ``assign=True`` (the shards are views of the flat buffers the gathers read).
 
-        1. Every sharded parameter in full shape (``torch.load`` of a plain model's
+        1. Every sharded parameter given in full shape (``torch.load`` of a plain model's
            ``state_dict()``, or ``full_state_dict()``): loaded as :meth:`load_full_state_dict`
-           does, each rank taking its pieces; ``strict`` must be true.
+           does, each rank taking its pieces; with ``strict=False`` some of them (a pretrained
+           backbone under a new head), the rest left as they are and named in the result.
         2. Every sharded parameter in this rank's piece shape (``state_dict()`` of a
            wrapped model at the same world size, on the same rank): loaded as
            ``nn.Module.load_state_dict`` does. So are the pieces DCP loaded into
@@ -442,13 +443,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         if shard:
             self._check_own_shards(state_dict)
         if full:
-            if not strict:
-                raise ValueError(
-                    "load_state_dict(strict=False) of a full state dict is not supported; "
-                    "pass every key (strict=True) or use load_full_state_dict."
-                )
-            self.load_full_state_dict(state_dict)
-            return nn.modules.module._IncompatibleKeys([], [])
+            return self.load_full_state_dict(state_dict, strict=strict)
         return nn.Module.load_state_dict(self, state_dict, strict=strict)
 
     def _check_own_shards(self, state_dict: Mapping[str, Any]) -> None:
@@ -464,24 +459,36 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
                 "size), or save model.full_state_dict() and load it with load_state_dict."
             )
 
-    def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
-        """Load a plain (unsharded) state dict into the shards and buffers.
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> Any:
+        """Load a plain (unsharded) state dict into the shards and buffers: each rank copies
+        its pieces, with no communication.
+
+        Args:
+            state_dict: the unwrapped model's ``state_dict()``, or ``full_state_dict()``.
+            strict: every key of the model, and no other; with ``False`` the keys given are
+                loaded and the rest keep their values, as ``nn.Module.load_state_dict`` does.
+
+        Returns:
+            ``(missing_keys, unexpected_keys)``, as ``nn.Module.load_state_dict`` returns them.
 
         Raises:
-            KeyError: naming every missing and unexpected key.
-            ValueError: naming every parameter or buffer whose shape differs.
+            KeyError: where ``strict``, naming every missing and unexpected key.
+            ValueError: naming every parameter or buffer whose shape differs (with ``strict``
+                or not, as torch does); nothing is loaded then.
         """
         root = self._shardwrap_root
         root.check_state()
         own = nn.Module.state_dict(self, keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
-        if missing or unexpected:
+        if strict and (missing or unexpected):
             raise KeyError(
                 f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}. "
                 "Pass the state dict of the same model class and configuration "
-                "(model.full_state_dict() or the unwrapped model's state_dict())."
+                "(model.full_state_dict() or the unwrapped model's state_dict()), or "
+                "strict=False to load only the keys given."
             )
+        own = {k: v for k, v in own.items() if k in state_dict}
         index = root.param_of
         wrong = []
         for k, v in own.items():
@@ -502,6 +509,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
                     v.copy_(param.group.piece_of(param.index, value))
                 else:
                     v.copy_(value)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 # construction ------------------------------------------------------------------------
