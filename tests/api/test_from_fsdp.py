@@ -15,8 +15,10 @@ counterpart are refused, naming the line to write.
 Torch's ``apply_activation_checkpointing`` applied before wrapping trains like the plain model;
 applied after, in FSDP's order, it is refused before it swaps anything, naming both fixes.
 FSDP2's gradient accumulation switch, ``model.set_requires_gradient_sync(False)``, accumulates
-without communication and ends in parity with the plain model. FSDP's own arguments
-(``sharding_strategy``, ``device_id``, ``mp_policy``, ...) are refused naming shardwrap's.
+without communication and ends in parity with the plain model; FSDP2's other methods
+(``unshard()``, ``set_reshard_after_forward``, ...) raise naming what to do instead. FSDP's own
+arguments (``sharding_strategy``, ``device_id``, ``mp_policy``, ...) are refused naming
+shardwrap's.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_from_fsdp.py -q``
 """
@@ -43,7 +45,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from shardwrap import MixedPrecision, Offload, ShardedModule
-from tests.support.models import Block, CausalSelfAttention
+from tests.support.models import GPT, Block, CausalSelfAttention
 from tests.support.parity import (
     GPT_BATCHES,
     adamw,
@@ -302,3 +304,27 @@ def test_an_argument_of_fsdps_is_refused_naming_the_one_to_write(name: str) -> N
         ShardedModule(build_gpt(False), auto_wrap=Block, **arguments)
     assert said in str(error.value)
     assert "Its arguments: auto_wrap, process_group, device, stage," in str(error.value)
+
+
+def test_every_other_fsdp2_method_raises_naming_what_to_do_instead() -> None:
+    """Each public method of FSDP2's ``FSDPModule`` (read from the installed torch) but
+    ``set_requires_gradient_sync`` called on a sharded model raises an ``AttributeError``
+    naming shardwrap's counterpart or that there is none (before: "'GPT' object has no
+    attribute 'unshard'"); ``hasattr`` stays ``False``, and the model's own attributes and
+    submodules are found as before."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = sorted(n for n, v in vars(FSDPModule).items() if not n.startswith("_") and callable(v))
+    assert "unshard" in names and "set_modules_to_forward_prefetch" in names
+    model = ShardedModule(GPT(), auto_wrap=Block)
+    for name in names:
+        if name == "set_requires_gradient_sync":
+            assert callable(getattr(model, name))
+            continue
+        assert not hasattr(model, name), name
+        said = f"GPT.{name}: FSDP2's {name}\\(\\) has no namesake"
+        with pytest.raises(AttributeError, match=said):
+            getattr(model, name)
+    assert model.blocks[0] is model.get_submodule("blocks.0")
+    with pytest.raises(AttributeError, match="'GPT' object has no attribute 'nothing'"):
+        model.nothing  # noqa: B018

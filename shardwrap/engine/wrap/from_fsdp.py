@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -143,10 +143,74 @@ def _shown(own: object) -> str:
     return f"shardwrap.MixedPrecision({', '.join(f'{n}={getattr(own, n)}' for n in names)})"
 
 
+_PREFETCH = "drop it: each unit's start issues the next unit's gather, in the last step's order"
+_DIVIDE = (
+    "no counterpart: gradients are averaged over the ranks, as under DDP; scale the loss to "
+    "scale them"
+)
+_COMMS = (
+    "no counterpart: shardwrap's gathers and reductions are its own (compression= quantizes "
+    "them, bucket_mb= groups small ones)"
+)
+# FSDP2's methods (FSDPModule's) that have no namesake on a sharded model: what to do instead.
+_FSDP2_METHODS = {
+    "unshard": (
+        "units are gathered just in time and the next one prefetched; to read or edit the full "
+        "parameters outside forward use `with model.gathered():`, to keep them gathered from "
+        "forward to backward pass reshard_after_forward=False, across forwards without a graph "
+        "`with model.keep_gathered():`"
+    ),
+    "reshard": "drop it: each unit is released after its forward and backward as its stage says",
+    "set_reshard_after_forward": "pass reshard_after_forward= to ShardedModule",
+    "set_reshard_after_backward": (
+        "pass stage=2 to ShardedModule (full parameters kept between steps), or use "
+        "`with model.keep_gathered():` around forwards without a graph"
+    ),
+    "set_is_last_backward": (
+        "set model.require_backward_grad_sync (or model.set_requires_gradient_sync): the "
+        "backward where it is True reduces everything accumulated"
+    ),
+    "set_requires_all_reduce": (
+        "set model.require_backward_grad_sync (or model.set_requires_gradient_sync): hybrid "
+        "sharding's all-reduce follows the reduce-scatter"
+    ),
+    "reset_iter_state": "drop it: a backward that raised leaves nothing behind",
+    "set_modules_to_forward_prefetch": _PREFETCH,
+    "set_modules_to_backward_prefetch": _PREFETCH,
+    "set_gradient_divide_factor": _DIVIDE,
+    "set_reduce_scatter_divide_factor": _DIVIDE,
+    "set_force_sum_reduction_for_comms": _COMMS,
+    "set_custom_all_gather": _COMMS,
+    "set_custom_reduce_scatter": _COMMS,
+    "set_all_reduce_hook": _COMMS,
+    "set_post_optim_event": _COMMS,
+    "set_unshard_in_backward": _COMMS,
+    "set_reduce_scatter_unused_params": _COMMS,
+    "set_reduce_scatter_max_input_buffers": _COMMS,
+    "set_separate_reduce_scatter_group": _COMMS,
+    "set_allocate_memory_from_process_group_for_comm": _COMMS,
+    "set_symm_mem_for_comm": _COMMS,
+}
+
+
 class FSDPHabits:
-    """FSDP2's gradient-sync switch on a sharded model (mixed into :class:`ShardedModule`)."""
+    """FSDP2's gradient-sync switch on a sharded model (mixed into :class:`ShardedModule`), and
+    its other methods' names answered with what to do instead."""
 
     require_backward_grad_sync: bool
+
+    def __getattr__(self, name: str) -> Any:
+        """As the model's own lookup; an FSDP2 method it lacks raises naming the counterpart
+        (an ``AttributeError`` still, so ``hasattr`` says ``False``)."""
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            if name not in _FSDP2_METHODS:
+                raise
+            raise AttributeError(
+                f"{type(self).__name__}.{name}: FSDP2's {name}() has no namesake on a model "
+                f"wrapped by ShardedModule; {_FSDP2_METHODS[name]}."
+            ) from None
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
