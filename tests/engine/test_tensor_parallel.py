@@ -84,13 +84,16 @@ def _hf_loss(model: nn.Module, x: Tensor, y: Tensor, mesh: Any) -> Tensor:
 MODEL = tp_gpt()
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recomputed"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_gpt_trains_like_the_plain_model(stage: int) -> None:
+def test_gpt_trains_like_the_plain_model(stage: int, recompute: bool) -> None:
+    """Also with each block recomputed in backward (``checkpoint_activations=True``) over the
+    tp-split blocks."""
     want = train_plain(MODEL, sgd, GPT_BATCHES, _gpt_loss, clip=CLIP)
     assert all(n > CLIP for n in want.norms)
     runs = train_tp(
         MODEL, parallelize_gpt, *DP_TP, sgd, GPT_BATCHES, _gpt_loss, clip=CLIP,
-        auto_wrap=Block, stage=stage, bucket_mb=0,
+        auto_wrap=Block, stage=stage, bucket_mb=0, checkpoint_activations=recompute,
     )  # fmt: skip
     for rank, run in enumerate(runs):
         msg = f"rank {rank}"
