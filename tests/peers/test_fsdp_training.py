@@ -727,9 +727,11 @@ def test_micro_batches_with_units_kept_gathered(stage: int) -> None:
 
 
 @stages
-def test_hybrid_sharding_2x2_trains_like_plain(stage: int) -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recomputed"])
+def test_hybrid_sharding_2x2_trains_like_plain(stage: int, recompute: bool) -> None:
     """Mirrors test_fully_shard_training.py::test_train_parity_hsdp: 4 ranks as 2 replicas of
-    2 shards each, with gradient accumulation whose earlier micro-batches are not synced."""
+    2 shards each, with gradient accumulation whose earlier micro-batches are not synced; also
+    with each MLP recomputed in backward, as its activation-checkpointing case."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(9, bias=False), MLP(), MLP(), MLP())
     batches = make_batches(3, (12, 9), (12, 9))
@@ -747,4 +749,5 @@ def test_hybrid_sharding_2x2_trains_like_plain(stage: int) -> None:
         world_size=4,
         group=hybrid_mesh,
         auto_wrap=MLP,
+        checkpoint_activations=recompute,
     )
