@@ -368,11 +368,12 @@ def test_frozen_and_trainable_parameters_in_one_unit(stage: int, recompute: bool
 
 
 @stages
-def test_parameters_frozen_after_wrapping(stage: int) -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recomputed"])
+def test_parameters_frozen_after_wrapping(stage: int, recompute: bool) -> None:
     """Mirrors test_fully_shard_frozen.py::test_train_mixed_requires_grad_per_group
-    (``freeze_after_init=True``): weights frozen with ``requires_grad_(False)`` on the wrapped
-    model's parameters, after wrapping; from then on they get no gradient and never change,
-    as on the plain model frozen alike."""
+    (``freeze_after_init=True``, with and without activation checkpointing): weights frozen
+    with ``requires_grad_(False)`` on the wrapped model's parameters, after wrapping; from then
+    on they get no gradient and never change, as on the plain model frozen alike."""
     torch.manual_seed(0)
     model = nn.Sequential(MLP(11), MLP(11), MLP(11))
     shapes = shapes_of(model)
@@ -387,7 +388,14 @@ def test_parameters_frozen_after_wrapping(stage: int) -> None:
         opt.zero_grad()
         return loss
 
-    ref, runs = assert_peer_parity(model, stage=stage, batches=BATCHES, step=step, auto_wrap=MLP)
+    ref, runs = assert_peer_parity(
+        model,
+        stage=stage,
+        batches=BATCHES,
+        step=step,
+        auto_wrap=MLP,
+        checkpoint_activations=recompute,
+    )
     for run in runs:
         assert torch.equal(run.state["0.in_proj.weight"], model[0].in_proj.weight)
 
