@@ -1,10 +1,12 @@
 """Modules that are unusual in what they hold, take or return: units whose parameters are all
 empty, an embedding with sparse gradients, a frozen float8 parameter, a dataclass of tensors as
-input under mixed precision, a unit that returns its own parameter (in a tuple or a plain
-object), and a parameter read outside its unit's forward.
+input under mixed precision (and moved to the compute device), a unit that returns its own
+parameter (in a tuple or a plain object), a parameter read outside its unit's forward, and
+complex parameters (clipped, compressed, checkpointed).
 
 Each trains or runs a sharded model (2 ranks as threads) beside a deep-copied plain model on the
-whole batch and compares them; the last case checks the error names the parameter and the fix.
+whole batch and compares them; the case of a parameter read outside its unit checks the error
+names the parameter and the fix.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/engine/test_unusual_modules.py -q``
 """
@@ -25,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 import shardwrap
 from shardwrap import Compression, MixedPrecision, ShardedModule
+from shardwrap.engine.step.trees import to_device
 from tests.support.hybrid import hybrid_mesh
 from tests.support.models import ComplexLayer, WithComplex
 from tests.support.parity import CLIP_NORM, train_clipped, train_reference, train_sharded
@@ -198,6 +201,25 @@ def test_mixed_precision_casts_tensors_inside_a_dataclass_input(stage: int) -> N
 
     got = torch.cat(run_ranks(WORLD, fn, timeout=30))
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+META = torch.device("meta")
+
+
+def test_inputs_moved_to_the_compute_device_reach_nested_tensors_and_spare_the_callers() -> None:
+    """What the root does to a model's inputs on a GPU (there on every forward; here with the
+    ``meta`` device, the CPU being the compute device of this suite): every CPU tensor, in a
+    tuple, a dict or a dataclass, is moved; the caller's dataclass is left as it was; what is
+    not a CPU tensor is left alone."""
+    features, mask = torch.randn(2, 8), torch.ones(2, 8, dtype=torch.bool)
+    batch = Batch(features, mask, 2.0)
+    already = torch.empty(3, device="meta")
+    args, kwargs = to_device(((features, batch, already), {"ids": [mask], "n": 4}), META)
+    moved, got_batch, kept = args
+    assert moved.device == META and kept is already and kwargs["n"] == 4
+    assert got_batch.features.device == got_batch.mask.device == kwargs["ids"][0].device == META
+    assert got_batch.weight == 2.0 and got_batch is not batch
+    assert batch.features is features and batch.mask is mask
 
 
 class Box:

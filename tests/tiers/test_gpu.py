@@ -29,7 +29,8 @@ model on the same GPU over the whole global batch:
   step is the working set of a few units, while without offload it holds all of them;
 - the disk tier with a CUDA device is refused by name;
 - a non-blocking save, from shards on the GPU (a pinned snapshot filled on a side stream) and
-  from the host tier's pinned shards, holds the state at the call while the model trains on.
+  from the host tier's pinned shards, holds the state at the call while the model trains on;
+- inputs given on the CPU are moved to the GPU by the root, as DDP and FSDP2 move them.
 
 Run: ``.venv/bin/python -m pytest -m gpu tests/tiers/test_gpu.py -q -ra``
 """
@@ -413,3 +414,17 @@ def test_a_nonblocking_save_from_the_host_tiers_pinned_shards_holds_the_state_at
     fresh = wrapped()
     assert load_checkpoint(tmp_path / "ckpt", fresh, adamw(fresh.parameters())) == {"step": STEPS}
     torch.testing.assert_close(fresh.full_state_dict(), at_call, atol=0, rtol=0)
+
+
+def test_cpu_inputs_are_moved_to_the_gpu_as_ddp_and_fsdp2_move_them() -> None:
+    """A batch left on the CPU (the token ids in a tuple, the targets as a keyword) reaches a
+    model computing on the GPU: the root moves every CPU tensor of its inputs to the compute
+    device before its forward, and the loss equals the one of the batch given on the GPU."""
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(), auto_wrap=Block, device=gpu())
+    idx, targets = make_batch(0, GLOBAL_BATCH)
+    with torch.no_grad():
+        on_gpu = model(idx.to(gpu()), targets=targets.to(gpu()))
+        on_cpu = model(idx, targets=targets)
+    assert on_cpu.device == gpu()
+    torch.testing.assert_close(on_cpu, on_gpu, atol=0, rtol=0)

@@ -59,7 +59,7 @@ from .recompute import apart_from_replay
 from .reduce import Reductions, reduction_order
 from .schedule import Schedule
 from .strategy import Strategy
-from .trees import cast_floating, map_outputs
+from .trees import cast_floating, map_outputs, to_device
 
 __all__ = ["Phase", "Root"]
 
@@ -198,6 +198,8 @@ class Root:
                 if next(reversed(hooks)) != post:
                     hooks.move_to_end(post)
                 self._pre_forward(unit)
+                if unit is self.root and self.mesh.device.type != "cpu":
+                    args, kwargs = to_device((args, kwargs), self.mesh.device)
                 if self.input_dtype is not None:
                     args, kwargs = cast_floating((args, kwargs), self.input_dtype)
                 if unit.frozen and torch.is_grad_enabled() and self.phase is Phase.FORWARD:

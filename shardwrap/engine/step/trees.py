@@ -1,7 +1,8 @@
 """Tensors inside what a module takes and returns: nested containers, dataclasses, plain objects.
 
-Design note. Mixed precision casts a unit's floating-point inputs, and the root hooks a unit's
-outputs for backward and keeps them from aliasing buffers it releases. Inputs and outputs come
+Design note. Mixed precision casts a unit's floating-point inputs, the root moves the model's
+CPU inputs to the compute device, and the root hooks a unit's outputs for backward and keeps
+them from aliasing buffers it releases. Inputs and outputs come
 as torch's pytrees (tuples, lists, dicts, named tuples, Hugging Face's ``ModelOutput``), as
 dataclasses (a batch of several tensors), and as plain objects holding tensors in attributes.
 Inputs are the caller's: a dataclass is copied, never changed. Outputs are this call's own: a
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["cast_floating", "map_inputs", "map_outputs"]
+__all__ = ["cast_floating", "map_inputs", "map_outputs", "to_device"]
 
 # How deep dataclasses and objects inside each other are searched: a model's outputs rarely
 # nest more, and an object graph (a cache, a config) must not be walked whole.
@@ -43,6 +44,12 @@ def map_outputs(tree: Any, fn: TensorFn) -> Any:
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with every floating-point tensor in it cast to ``dtype`` (differentiably)."""
     return map_inputs(tree, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every CPU tensor in it moved to ``device`` (differentiably): the model's
+    inputs, as DDP and FSDP2 move them to the compute device."""
+    return map_inputs(tree, lambda t: t.to(device) if t.device.type == "cpu" else t)
 
 
 def _map(tree: Any, fn: TensorFn, objects: bool, depth: int) -> Any:
