@@ -18,7 +18,8 @@ model on the same GPU over the whole global batch:
   GPU, and two over NCCL);
 - staging: every gather reads a device copy of its shard made on the side stream (an event
   recorded there), never the shard; after the first step each is staged ahead, but the
-  root's first gather of the step;
+  root's first gather of the step; with the GPU held busy after forward, before the optimizer
+  step or before the next forward, training ends where it ends without the lag (1e-5);
 - the host tier at world size 2 over NCCL (two GPUs, one process each): the same parity, and
   Muon's whole matrices exchanged over NCCL on the GPU, though their pieces live on the host;
 - over NCCL on two GPUs: weights that differ across ranks, built in host memory, become rank
@@ -428,3 +429,39 @@ def test_cpu_inputs_are_moved_to_the_gpu_as_ddp_and_fsdp2_move_them() -> None:
         on_cpu = model(idx, targets=targets)
     assert on_cpu.device == gpu()
     torch.testing.assert_close(on_cpu, on_gpu, atol=0, rtol=0)
+
+
+LAG_CYCLES = 200_000_000  # ~0.1 s of GPU clock: the GPU still busy when the CPU moves on
+
+
+@pytest.mark.parametrize("where", ["after_forward", "before_step", "before_forward"])
+def test_host_tier_trains_alike_with_the_gpu_lagging_behind_the_cpu(where: str) -> None:
+    """The host tier's copies (shards staged to the GPU on a side stream, gradients landed in
+    pinned host memory) and its CPU optimizer step must each wait for what they read: with the
+    compute stream held busy (``torch.cuda._sleep``) after forward, before the optimizer step
+    or before the next forward, three AdamW steps end within 1e-5 of where they end without the
+    lag (a copy or step that did not wait would read stale or half-written values, far off)."""
+    torch.manual_seed(0)
+    model = GPT()
+    device = gpu()
+
+    def run(lag: bool) -> dict[str, torch.Tensor]:
+        m = ShardedModule(
+            copy.deepcopy(model), auto_wrap=Block, device=device, offload=Offload(device="cpu")
+        )
+        opt = adamw(m.parameters())
+        for step in range(STEPS):
+            x, y = (t.to(device) for t in make_batch(step, GLOBAL_BATCH))
+            if lag and where == "before_forward":
+                torch.cuda._sleep(LAG_CYCLES)
+            loss = m(x, y)
+            if lag and where == "after_forward":
+                torch.cuda._sleep(LAG_CYCLES)
+            loss.backward()
+            if lag and where == "before_step":
+                torch.cuda._sleep(LAG_CYCLES)
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    torch.testing.assert_close(run(lag=True), run(lag=False), atol=1e-5, rtol=0)
