@@ -22,7 +22,8 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
 - ``model.require_backward_grad_sync = False`` keeps gradients local, reduced once at the last
   micro-batch, in parity with the unwrapped model at every stage; it reads ``False`` inside
   ``no_sync()``; ranks that set it differently raise on every rank (before: they waited on each
-  other until the timeout);
+  other until the timeout); an optimizer step before the synced backward is refused, changing
+  nothing;
 - ``model.num_parameters()`` counts the whole model where ``p.numel()`` counts pieces;
 - weights drawn with a seed per rank are replaced by rank 0's, with a warning, and training
   then matches the unwrapped model built with rank 0's seed, as under DDP;
@@ -545,6 +546,46 @@ def test_require_backward_grad_sync_accumulates_and_reduces_once(stage: int) -> 
         for step in range(STEPS):
             *accumulated, last = reduced[step * MICRO : (step + 1) * MICRO]
             assert accumulated == [0] * (MICRO - 1) and last > 0, reduced
+        torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_before_the_synced_backward_is_refused_changing_nothing(stage: int) -> None:
+    """``opt.step()`` after a backward under ``no_sync()`` (or
+    ``require_backward_grad_sync=False``), before the synced one: the accumulated gradients are
+    unreduced and outside ``.grad``, so the step would apply weight decay alone (before: SGD
+    moved every weight by its decay, without a word, and ``zero_grad()`` then dropped the
+    gradients). It raises on every rank, naming ``no_sync``, and changes neither the weights nor
+    the optimizer; the step after the synced backward then matches the plain model's."""
+    torch.manual_seed(0)
+    model = GPT()
+    micro = [make_batch(i, 4) for i in range(2)]
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    for x, y in micro:
+        (ref(x, y) / 2).backward()
+    ref_opt.step()
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        before = m.full_state_dict()
+        (x, y), (x2, y2) = micro
+        with m.no_sync():
+            (m(x.chunk(2)[rank], y.chunk(2)[rank]) / 2).backward()
+            with pytest.raises(RuntimeError, match=r"SGD.step\(\) after a backward under"):
+                opt.step()
+        m.require_backward_grad_sync = False
+        with pytest.raises(RuntimeError, match="Step after the synced backward"):
+            opt.step()
+        m.require_backward_grad_sync = True
+        assert opt.state == {}
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        (m(x2.chunk(2)[rank], y2.chunk(2)[rank]) / 2).backward()
+        opt.step()
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn, timeout=60.0):
         torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
 
 

@@ -66,6 +66,7 @@ from ...tiers.shard_param import raw_data, set_raw_data
 from .loaded_state import check_held_state, watch
 from .pieces import PIECE_ATTR, adopt_optimizer
 from .shard_grad import as_shard_grad, shard_grad_owner
+from .unreduced import refuse_unreduced
 
 __all__ = [
     "PIECE_ATTR",
@@ -229,6 +230,7 @@ def _pieces(optimizer: Optimizer) -> Iterator[nn.Parameter]:
 
 
 def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    refuse_unreduced(optimizer)
     whole = stepped_whole(optimizer)
     if whole is not None:
         whole.before(args, kwargs)

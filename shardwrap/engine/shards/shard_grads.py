@@ -199,6 +199,16 @@ class ShardGrads:
             self._marks = None
         return out
 
+    def stands_in(self, index: int) -> bool:
+        """Whether shard param ``index``'s ``.grad`` is still the one :meth:`stand_in` gave it:
+        a backward under ``no_sync`` left this rank's gradient of it unreduced, outside
+        ``.grad``, which holds zeros (or what it held before) until the synced backward."""
+        marks = self._marks
+        if marks is None or marks[index] is None:
+            return False
+        grad = self.params[index].grad
+        return grad is not None and grad is marks[index][0]()
+
     def forget(self) -> None:
         """The unreduced gradients are gone (reduced, or dropped with a backward that raised):
         note nothing more."""
