@@ -617,6 +617,48 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
         _assert_close(got, ref.state_dict())
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_transform_that_refuses_saved_tensor_hooks_is_refused_and_training_goes_on(
+    world_size: int,
+) -> None:
+    """``torch.func.grad`` (and ``vmap`` over it) and a forward under
+    ``disable_saved_tensors_hooks`` refuse the saved-tensor hooks a sharded model keeps its
+    gathered parameters' saved views with: each raises shardwrap's error naming the ways to
+    take gradients, and the model is left as it was, so the plain steps that follow train as
+    the plain model (before: torch's error, then an internal assert failure at every later
+    forward, the hooks of the failed call left half registered)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    for _ in range(2):
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    fix = r"refused .*Take gradients with loss\.backward\(\), or torch\.autograd\.grad"
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=nn.Linear)
+        xs, ys = _slice(x, rank, world_size), _slice(y, rank, world_size)
+        opt = _sgd(m)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=fix):
+                torch.func.grad(lambda inp: m(inp).sum())(xs)
+            with pytest.raises(RuntimeError, match=fix):
+                torch.func.vmap(torch.func.grad(lambda row: m(row).sum()))(xs)
+            with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
+                with pytest.raises(RuntimeError, match=r"refused \(not here\)"):
+                    m(xs)
+            F.mse_loss(m(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    for got in run_ranks(world_size, fn):
+        _assert_close(got, ref.state_dict())
+
+
 # torch.func.functional_call -------------------------------------------------------------
 
 

@@ -48,6 +48,18 @@ class _SavedDTensor(NamedTuple):
     stride: tuple[int, ...]
 
 
+_REFUSED = (
+    "shardwrap: a forward with gradients of a sharded model where saved-tensor hooks are "
+    "refused ({said}): between a unit's forward and its backward its gathered parameters go "
+    "back to a pool, and the model keeps what autograd saves of them through such hooks. "
+    "torch.func's transforms (grad, vjp, jacrev, vmap over a gradient) and "
+    "torch.autograd.graph.disable_saved_tensors_hooks refuse them. Take gradients with "
+    "loss.backward(), or torch.autograd.grad(loss, inputs) for inputs' (a gradient penalty "
+    "with create_graph=True works); run a forward without gradients under torch.no_grad(). "
+    "The model is left as it was: training goes on."
+)
+
+
 class SavedViews:
     """The saved-tensor hooks of one root, entered for the outermost call that owns them.
 
@@ -80,14 +92,17 @@ class SavedViews:
                     raise RuntimeError("backward through a sharded model that has been deleted")
                 return saved if live is None else live._unpack(saved)
 
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-            self._hooks.__enter__()
-            self.owner = owner
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            try:
+                hooks.__enter__()
+            except RuntimeError as e:  # torch.func's transforms, disable_saved_tensors_hooks
+                raise RuntimeError(_REFUSED.format(said=e)) from e
+            self._hooks, self.owner = hooks, owner
 
     def stop(self) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(None, None, None)
-        self._hooks, self.owner = None, None
+        hooks, self._hooks, self.owner = self._hooks, None, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
 
     def _pack(self, t: Tensor) -> Any:
         if is_dtensor(t):
