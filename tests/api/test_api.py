@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -183,6 +184,41 @@ def test_wrapped_model_keeps_class_attributes_and_names(world_size: int) -> None
         assert _rank_mean(loss, pg) == pytest.approx(ref_loss, abs=1e-5)
 
     run_ranks(world_size, fn)
+
+
+class WithOwnSummary(GPT):
+    """A model with a ``summary()`` of its own, a clipping method, an attribute ``comm_stats``
+    and an ``id``: names of which the first three are shardwrap's on a sharded model."""
+
+    def summary(self) -> str:
+        return "the model's own summary"
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        raise AssertionError("the model's own clipping ran")
+
+
+def test_names_the_sharded_model_answers_with_shardwraps_own_are_warned_at_wrapping() -> None:
+    """A model whose class or instance holds ``summary``, ``clip_grad_norm_`` or ``comm_stats``
+    is warned at wrapping, naming each and how to reach the model's own (before: each was
+    replaced by shardwrap's without a word); names shardwrap leaves alone (``id``) stay the
+    model's, and a model without such names wraps without the warning."""
+    torch.manual_seed(0)
+    model = WithOwnSummary()
+    model.comm_stats = ["the model's own"]
+    model.id = 3
+    with pytest.warns(UserWarning, match="answers with shardwrap's own") as caught:
+        m = ShardedModule(model, auto_wrap=Block)
+    (said,) = [str(w.message) for w in caught if "shardwrap's own" in str(w.message)]
+    assert "summary (WithOwnSummary's: call WithOwnSummary.summary(model))" in said
+    assert "clip_grad_norm_ (WithOwnSummary's" in said
+    assert "comm_stats (an attribute: read it as vars(model)['comm_stats'])" in said
+    assert "'id'" not in said and "module" not in said
+    assert WithOwnSummary.summary(m) == "the model's own summary"
+    assert vars(m)["comm_stats"] == ["the model's own"] and m.id == 3
+    assert "unit" in m.summary()  # shardwrap's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardedModule(GPT(), auto_wrap=Block)
 
 
 class TinyHead(nn.Module):

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
@@ -36,11 +37,40 @@ __all__ = [
     "describe",
     "resolve_compile",
     "unit_plan",
+    "warn_shadowed",
 ]
 
 ROOT_ATTR = "_shardwrap_root"
 UNIT_ATTR = "_shardwrap_unit"
 SHARD_ATTR = "_shardwrap_shard"
+
+
+# Packages whose classes shardwrap's integrations answer for on purpose (transformers'
+# num_parameters counts the whole model on a sharded one).
+_INTEGRATED = ("transformers.", "peft.")
+
+
+def warn_shadowed(module: nn.Module, names: list[str]) -> None:
+    """Warn where the model's class or the model itself holds one of ``names``, which the
+    sharded model answers with shardwrap's own (a ``summary()`` method, a ``comm_stats``
+    attribute): after wrapping, ``model.<name>`` is shardwrap's."""
+    clashes = []
+    for name in names:
+        if name in module._modules or name in module._parameters or name in module._buffers:
+            continue  # found by shardwrap's lookup too (``module``)
+        if name in vars(module):
+            clashes.append(f"{name} (an attribute: read it as vars(model)[{name!r}])")
+            continue
+        owner = next((c for c in type(module).__mro__ if name in vars(c)), None)
+        if owner not in (None, nn.Module) and not owner.__module__.startswith(_INTEGRATED):
+            clashes.append(f"{name} ({owner.__name__}'s: call {owner.__name__}.{name}(model))")
+    if clashes:
+        warnings.warn(
+            f"ShardedModule: {type(module).__name__} has names that the sharded model answers "
+            f"with shardwrap's own: {', '.join(clashes)}. After wrapping, model.<name> is "
+            "shardwrap's (see docs/api.md); the model's own stays reachable as said.",
+            stacklevel=3,
+        )
 
 
 def check_wrappable(module: nn.Module) -> None:

@@ -45,6 +45,7 @@ from .checks import (
     describe,
     resolve_compile,
     unit_plan,
+    warn_shadowed,
 )
 from .ddp_habits import DDPHabits
 from .extensions import check_prepare, checkpoint_unit, class_habits
@@ -176,6 +177,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
         check_wrappable(module)
+        warn_shadowed(module, [n for n in dir(ShardedModule) if n not in _MODULE_NAMES])
         policy = resolve_policy(module, auto_wrap)
         check_selects_something(module, policy, auto_wrap)
         device = check_device(module, device)
@@ -518,6 +520,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
 SHARDS_OF = "shardwrap_shards_of"
 
 _CLASSES: dict[type, type] = {}
+_MODULE_NAMES = set(dir(nn.Module)) | {n for n in dir(ShardedModule) if n.startswith("_")}
 
 
 def _sharded_class(cls: type) -> type:
