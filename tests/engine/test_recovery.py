@@ -1,7 +1,8 @@
 """A backward that raises, caught by the training loop, leaves the model able to train on.
 
-An exception in backward (here from a hook on an activation, as an injected fault or a bad
-loss would raise) stops autograd before shardwrap's end of backward. The next forward must start
+An exception in backward (here from a hook on the loss or on the first block's output, midway
+through backward, as an injected fault or a bad loss would raise) stops autograd before
+shardwrap's end of backward. The next forward must start
 clean on every rank: the run then trains exactly like the plain model trained on the steps that
 completed, gradients are never silently missing, and saving works. World sizes 1 and 2, every
 stage; both ranks raise alike.
@@ -35,10 +36,19 @@ def _raise(grad: Tensor) -> Tensor:
     raise InjectedError("injected in backward")
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, fail: bool) -> None:
+def _raise_at_first_block(module: nn.Module, args: object, output: Tensor) -> None:
+    output.register_hook(_raise)
+
+
+def _step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, fail: str | None
+) -> None:
     opt.zero_grad()
+    hook = model.blocks[0].register_forward_hook(_raise_at_first_block) if fail == "mid" else None
     loss = model(x, y)
-    if fail:
+    if hook is not None:
+        hook.remove()
+    if fail == "loss":
         loss.register_hook(_raise)
     try:
         loss.backward()
@@ -49,9 +59,12 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, fa
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("where", ["loss", "mid"])
 def test_training_goes_on_after_a_backward_that_raised(
-    tmp_path: Path, world_size: int, stage: int
+    tmp_path: Path, world_size: int, stage: int, where: str
 ) -> None:
+    """``where``: the first gradient of backward raises (a hook on the loss), or one midway,
+    at the first block's output, after the later blocks' gradients were reduced (or issued)."""
     torch.manual_seed(0)
     model = GPT()
     batches = [make_batch(seed=s, batch=GLOBAL_BATCH) for s in range(STEPS)]
@@ -59,7 +72,7 @@ def test_training_goes_on_after_a_backward_that_raised(
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step, (x, y) in enumerate(batches):
         if step != FAILING:
-            _step(ref, ref_opt, x, y, fail=False)
+            _step(ref, ref_opt, x, y, fail=None)
 
     def fn(rank: int, pg: ProcessGroup | None) -> dict[str, Tensor]:
         m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
@@ -67,7 +80,7 @@ def test_training_goes_on_after_a_backward_that_raised(
         for step, (x, y) in enumerate(batches):
             n = GLOBAL_BATCH // world_size
             local = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
-            _step(m, opt, *local, fail=step == FAILING)
+            _step(m, opt, *local, fail=where if step == FAILING else None)
             if step == FAILING:
                 save_checkpoint(tmp_path / "after-failure", m, opt)
             else:
