@@ -550,13 +550,17 @@ def test_require_backward_grad_sync_accumulates_and_reduces_once(stage: int) -> 
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_step_before_the_synced_backward_is_refused_changing_nothing(stage: int) -> None:
+@pytest.mark.parametrize("closure", [False, True], ids=["", "closure"])
+def test_a_step_before_the_synced_backward_is_refused_changing_nothing(
+    stage: int, closure: bool
+) -> None:
     """``opt.step()`` after a backward under ``no_sync()`` (or
     ``require_backward_grad_sync=False``), before the synced one: the accumulated gradients are
     unreduced and outside ``.grad``, so the step would apply weight decay alone (before: SGD
     moved every weight by its decay, without a word, and ``zero_grad()`` then dropped the
     gradients). It raises on every rank, naming ``no_sync``, and changes neither the weights nor
-    the optimizer; the step after the synced backward then matches the plain model's."""
+    the optimizer; the step after the synced backward then matches the plain model's, also
+    where that backward runs in a closure given to the step (as Lightning runs it)."""
     torch.manual_seed(0)
     model = GPT()
     micro = [make_batch(i, 4) for i in range(2)]
@@ -581,8 +585,17 @@ def test_a_step_before_the_synced_backward_is_refused_changing_nothing(stage: in
         m.require_backward_grad_sync = True
         assert opt.state == {}
         torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
-        (m(x2.chunk(2)[rank], y2.chunk(2)[rank]) / 2).backward()
-        opt.step()
+
+        def synced() -> Tensor:
+            loss = m(x2.chunk(2)[rank], y2.chunk(2)[rank]) / 2
+            loss.backward()
+            return loss
+
+        if closure:
+            opt.step(synced)
+        else:
+            synced()
+            opt.step()
         return m.full_state_dict()
 
     for state in run_ranks(2, fn, timeout=60.0):

@@ -7,10 +7,14 @@ gradient, not in ``.grad``, which holds zeros (or what it held before) meanwhile
 weight decay and momentum alone, without a word; on a plain model or under DDP it would step on
 local gradients. So the step is refused, on every rank alike (every rank steps where the others
 do), before it changes anything. Checked from the process-wide step pre-hook
-(``whole_params.py``): one look per shard parameter, a few microseconds for a model's.
+(``whole_params.py``): one look per shard parameter, a few microseconds for a model's. A step
+given a closure is not checked: the closure computes the gradients inside the step (Lightning
+runs the synced backward of a step with gradient accumulation so), after the hook.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch.optim import Optimizer
 
@@ -19,13 +23,16 @@ from .pieces import PIECE_ATTR
 __all__ = ["refuse_unreduced"]
 
 
-def refuse_unreduced(optimizer: Optimizer) -> None:
-    """Refuse a step of ``optimizer`` over shard parameters whose gradients a backward under
-    ``no_sync`` left unreduced.
+def refuse_unreduced(optimizer: Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Refuse a step of ``optimizer`` (``optimizer.step(*args[1:], **kwargs)``) over shard
+    parameters whose gradients a backward under ``no_sync`` left unreduced, unless the step is
+    given a closure, which computes them.
 
     Raises:
         RuntimeError: naming the optimizer, a parameter and the fix; nothing is changed.
     """
+    if args[1:] or kwargs.get("closure") is not None:  # args[0]: the optimizer itself
+        return
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             piece = getattr(p, PIECE_ATTR, None)

@@ -230,7 +230,7 @@ def _pieces(optimizer: Optimizer) -> Iterator[nn.Parameter]:
 
 
 def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    refuse_unreduced(optimizer)
+    refuse_unreduced(optimizer, args, kwargs)
     whole = stepped_whole(optimizer)
     if whole is not None:
         whole.before(args, kwargs)
