@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ...tiers.shard_param import arguments, is_collective
+from ...tiers.shard_param import first_among, is_collective
 from .dcp_pieces import (
     DCPPiece,
     dcp_call,
@@ -102,7 +102,7 @@ class ShardPiece(Tensor):
         """As any tensor, but refusing to be copied into a plain tensor by DCP's staging (the
         copy would be written as the whole tensor), and to be sent by ``torch.distributed``."""
         if is_collective(func):
-            piece = next(a for a in arguments(args, kwargs) if isinstance(a, ShardPiece))
+            piece = first_among(ShardPiece, args, kwargs)
             raise TypeError(
                 f"shardwrap: torch.distributed.{func.__name__} of {piece._held()}: each rank's "
                 "state dict holds other elements under the same names, so a collective over "

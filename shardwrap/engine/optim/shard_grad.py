@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ...comm.collectives import CommStats, Group, all_reduce
 from ...tiers.offload import count_fused_write
-from ...tiers.shard_param import arguments, is_collective
+from ...tiers.shard_param import first_among, is_collective
 
 if TYPE_CHECKING:
     from ...tiers.home import Home
@@ -155,8 +155,7 @@ class ShardGrad(Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         if is_collective(func):
-            grad = next(a for a in arguments(args, kwargs) if isinstance(a, ShardGrad))
-            raise TypeError(_sent_grad(func, grad))
+            raise TypeError(_sent_grad(func, first_among(ShardGrad, args, kwargs)))
         order = _norm_order(func, args, kwargs)
         if order is not None:
             return _local_norms(func, order, args, kwargs)

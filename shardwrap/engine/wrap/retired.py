@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...tiers.shard_param import first_among
 from ..shards.tensor_parallel import is_dtensor
 
 __all__ = ["retire"]
@@ -36,7 +37,7 @@ class _StaleGrad(Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        trap = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _StaleGrad))
+        trap = first_among(_StaleGrad, args, kwargs)
         raise RuntimeError(
             f"shardwrap: this optimizer holds parameter '{trap._shardwrap_name}' from before "
             "the model was wrapped; those parameters no longer train the model. Build the "

@@ -177,7 +177,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedModule wraps an nn.Module, got {type(module).__name__}")
         check_wrappable(module)
-        warn_shadowed(module, [n for n in dir(ShardedModule) if n not in _MODULE_NAMES])
+        warn_shadowed(module, _OWN_NAMES)
         policy = resolve_policy(module, auto_wrap)
         check_selects_something(module, policy, auto_wrap)
         device = check_device(module, device)
@@ -520,7 +520,8 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
 SHARDS_OF = "shardwrap_shards_of"
 
 _CLASSES: dict[type, type] = {}
-_MODULE_NAMES = set(dir(nn.Module)) | {n for n in dir(ShardedModule) if n.startswith("_")}
+# the public names a sharded model answers with shardwrap's own, not nn.Module's
+_OWN_NAMES = [n for n in dir(ShardedModule) if not n.startswith("_") and n not in dir(nn.Module)]
 
 
 def _sharded_class(cls: type) -> type:
