@@ -734,3 +734,28 @@ def test_in_place_and_foreach_operations_on_gradients(stage: int) -> None:
         return loss
 
     assert_peer_parity(model, stage=stage, batches=batches, step=step, auto_wrap=MLP)
+
+
+@stages
+def test_a_state_dict_loaded_one_key_at_a_time(stage: int) -> None:
+    """Mirrors test_fully_shard_state_dict.py::test_dp_state_dict_cpu_offload, which loads a
+    state dict split into one-key dicts with ``strict=False``: before the first step both sides
+    load another model's weights so, each call reporting the keys it lacks as the plain model
+    does, and training from them is the plain model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(6), MLP(6))
+    torch.manual_seed(1)
+    other = nn.Sequential(MLP(6), MLP(6)).state_dict()
+
+    def prepare(side: Side) -> None:
+        for key, value in other.items():
+            result = side.model.load_state_dict({key: value}, strict=False)
+            side.notes.append((f"missing after {key}", len(result.missing_keys)))
+            assert result.unexpected_keys == []
+
+    own = model.state_dict()
+    assert all((other[k] - own[k]).abs().max() > 0.01 for k in other), "nothing to load"
+    batches = make_batches(3, (8, 6), (8, 6))
+    assert_peer_parity(
+        model, stage=stage, batches=batches, step=plain_step(_mse), prepare=prepare, auto_wrap=MLP
+    )

@@ -7,8 +7,9 @@ Upstream (``deepspeedai/DeepSpeed``, ``tests/unit``): ``runtime/zero/test_zero_c
 (``GatheredParameters``), ``runtime/zero/test_zero_context_return.py``,
 ``v1/zero/test_zero_autocast.py``, ``runtime/zero/test_zero_autocast_mixed_dtype.py``,
 ``v1/zero/test_zero_user_backward.py``, ``v1/zero/test_zero2_offload_multi_backward.py``,
-``runtime/zero/test_unwrap_model.py``, ``runtime/zero/test_zero_linear_direct_init.py`` and
-``runtime/zero/test_zero_shared_loss_gradient.py``.
+``runtime/zero/test_unwrap_model.py``, ``runtime/zero/test_zero_linear_direct_init.py``,
+``runtime/zero/test_zero_shared_loss_gradient.py``, ``v1/zero/test_zero_coalesce_grad_reduction.py``
+and ``v1/zero/test_zero_torch_func.py``.
 Each test names the upstream test it mirrors and trains a plain deep copy of its model on the
 whole global batch beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and
 3, over several steps (``tests/support/peers.py``): SGD with momentum, parameters equal within
@@ -685,3 +686,54 @@ def test_frozen_unit_input_without_grad_accumulating(stage: int) -> None:
         auto_wrap=nn.Linear,
         checkpoint_activations=True,
     )
+
+
+@stages
+def test_a_step_inside_no_sync_raises_and_changes_nothing(stage: int) -> None:
+    """Mirrors v1/zero/test_zero_coalesce_grad_reduction.py::TestCoalesceFailureModes::
+    test_step_inside_context_raises: an optimizer step after a backward inside ``no_sync()``,
+    before the synced one, raises (here on every rank, naming ``no_sync``) and changes nothing;
+    the step after the synced backward trains as the plain model accumulating both halves."""
+    torch.manual_seed(0)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        m, total = side.model, torch.zeros(())
+        for i, (x, y) in enumerate(zip(side.micro(batch[0], 2), side.micro(batch[1], 2))):
+            skip = m.no_sync() if side.sharded and i == 0 else contextlib.nullcontext()
+            with skip:
+                loss = _pair_loss(m, x, y) / 2
+                loss.backward()
+                if side.sharded and i == 0:
+                    with pytest.raises(RuntimeError, match=r"step\(\) after a backward under"):
+                        opt.step()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    batches = make_batches(3, (16, HIDDEN), (16, HIDDEN), seed=4)
+    assert_peer_parity(Pair(), stage=stage, batches=batches, step=step, auto_wrap=nn.Linear)
+
+
+@stages
+def test_torch_func_grad_through_the_model_is_refused_and_training_goes_on(stage: int) -> None:
+    """Mirrors v1/zero/test_zero_torch_func.py::TestEngineTorchFunc::test_grad_through_engine,
+    where ``torch.func.grad`` through the engine gives the plain model's input gradient.
+    shardwrap differs: it keeps what autograd saves of gathered parameters through saved-tensor
+    hooks, which ``torch.func``'s transforms refuse, so the call is refused naming
+    ``torch.autograd.grad(loss, inputs)``, which gives that gradient; the model is left as it
+    was, and training after it is the plain model's."""
+    torch.manual_seed(0)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        x = side.local(batch[0])
+        if side.sharded:
+            with pytest.raises(RuntimeError, match=r"torch\.autograd\.grad\(loss, inputs\)"):
+                torch.func.grad(lambda inp: side.model(inp).sum())(x)
+        inp = x.clone().requires_grad_(True)
+        (of_input,) = torch.autograd.grad(side.model(inp).sum(), inp)
+        # its rows summed over the ranks: the whole batch's, as the reference's
+        side.notes.append(("input gradient", side.mean(of_input.abs().sum()) * side.world_size))
+        return plain_step(_pair_loss)(side, opt, batch)
+
+    assert_peer_parity(Pair(), stage=stage, batches=REGRESSION, step=step, auto_wrap=nn.Linear)
