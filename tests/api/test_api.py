@@ -221,6 +221,50 @@ def test_names_the_sharded_model_answers_with_shardwraps_own_are_warned_at_wrapp
         ShardedModule(GPT(), auto_wrap=Block)
 
 
+_REGISTERED: dict[str, type] = {}
+
+
+class Registered(nn.Module):
+    """A base class whose ``__init_subclass__`` takes a required class argument and records
+    each subclass under it, as model registries do."""
+
+    def __init_subclass__(cls, *, key: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _REGISTERED[key] = cls
+
+
+class RegisteredGPT(Registered, key="gpt"):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT()
+
+    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
+        return self.gpt(idx, targets)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_model_class_with_an_init_subclass_hook_wraps_and_trains(world_size: int) -> None:
+    """The class a wrapped model takes runs none of its class's ``__init_subclass__`` hooks
+    (before: wrapping raised the hook's TypeError for its missing required argument; a
+    registry would have recorded shardwrap's class); the wrapped model's loss is the plain
+    model's."""
+    torch.manual_seed(0)
+    model = RegisteredGPT()
+    idx, targets = make_batch(0, GLOBAL_BATCH)
+    want = model(idx, targets).item()
+
+    def fn(rank: int, pg: ProcessGroup) -> float:
+        m = _wrap(model, pg)
+        assert isinstance(m, RegisteredGPT) and isinstance(m, ShardedModule)
+        loss = m(_local(idx, pg), _local(targets, pg))
+        loss.backward()
+        return _rank_mean(loss, pg)
+
+    for got in run_ranks(world_size, fn):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert _REGISTERED == {"gpt": RegisteredGPT}
+
+
 class TinyHead(nn.Module):
     """A layer and a one-output head, whose bias (one element) fits on a single rank."""
 

@@ -153,6 +153,13 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
 
     _shardwrap_root: Root
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The class a wrapped model takes (made by ``_sharded_class``) runs none of its model
+        class's ``__init_subclass__`` hooks: they are for the user's own subclasses (a registry
+        would record shardwrap's class; required class arguments would be missing)."""
+        if "_shardwrap_made" not in cls.__dict__:
+            super().__init_subclass__(**kwargs)
+
     def __new__(
         cls,
         module: nn.Module,
@@ -533,7 +540,7 @@ def _sharded_class(cls: type) -> type:
             return cls(*args, **kwargs)
 
         bases = (ShardedModule, *class_habits(cls), cls)
-        namespace = {"__module__": cls.__module__, "__new__": plain}
+        namespace = {"__module__": cls.__module__, "__new__": plain, "_shardwrap_made": True}
         _CLASSES[cls] = type(cls.__name__, bases, namespace)
     return _CLASSES[cls]
 
