@@ -14,6 +14,12 @@ tensor cannot become. A ``t`` of another shape, dtype or device is refused, nami
 parameter. The engine's own swaps (whole-parameter steps, the planner's) use :func:`raw_data`
 and :func:`set_raw_data`, torch's own accessors.
 
+``p.data`` is a :class:`ShardData`, so that what is refused on the piece is refused through it
+too: a random draw (an initialiser written ``self.weight.data.normal_()``), a collective (a DDP
+script's ``dist.broadcast(p.data, 0)``) and pickling (``torch.save({n: p.data ...})`` on rank
+0 would write this rank's piece as the whole parameter). What is computed from it is a plain
+tensor, as from the piece itself.
+
 A random draw on the piece itself (``nn.init``'s initialisers, ``p.normal_()``) is refused:
 see :class:`ShardParam`. Its ``__torch_function__`` costs a Python call per torch call on a
 piece: a for-loop AdamW step over 150 pieces of 50,000 elements took 18.4 ms instead of
@@ -29,7 +35,15 @@ import torch.distributed.distributed_c10d as dist_c10d
 from torch import Tensor, nn
 from torch._C import TensorBase
 
-__all__ = ["NAME_ATTR", "ShardParam", "first_among", "is_collective", "raw_data", "set_raw_data"]
+__all__ = [
+    "NAME_ATTR",
+    "ShardData",
+    "ShardParam",
+    "first_among",
+    "is_collective",
+    "raw_data",
+    "set_raw_data",
+]
 
 T = TypeVar("T")
 
@@ -89,10 +103,7 @@ class ShardParam(nn.Parameter):
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _DRAWS:
-            raise ValueError(_drawn_on_piece(func, first_among(ShardParam, args, kwargs)))
-        if is_collective(func):
-            raise TypeError(_sent_piece(func, first_among(ShardParam, args, kwargs)))
+        _refuse_on_piece(ShardParam, func, args, kwargs)
         if func is torch.autograd.backward:  # would leave every piece's .grad as it was
             raise RuntimeError(_differentiated(func, first_among(ShardParam, args, kwargs)))
         if func is torch.autograd.grad:  # fine where a piece is in the graph (a penalty on it)
@@ -107,8 +118,11 @@ class ShardParam(nn.Parameter):
 
     @property
     def data(self) -> Tensor:  # type: ignore[override]
-        """The piece's values outside autograd, under its version counter."""
-        return self.detach()
+        """The piece's values outside autograd, under its version counter (a
+        :class:`ShardData`)."""
+        data = self.detach().as_subclass(ShardData)
+        setattr(data, NAME_ATTR, getattr(self, NAME_ATTR, "a shard parameter"))
+        return data
 
     @data.setter
     def data(self, value: Tensor) -> None:
@@ -127,6 +141,36 @@ class ShardParam(nn.Parameter):
         if value.data_ptr() == self.data_ptr() and value.stride() == self.stride():
             return  # the piece itself (Module._apply's no-op conversions assign it back)
         self.detach().copy_(value)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: see :func:`_pickled_piece`."""
+        raise TypeError(_pickled_piece(self))
+
+
+class ShardData(Tensor):
+    """A shard parameter's ``data``: the piece's memory under its version counter, refusing
+    what the parameter refuses (random draws, collectives) and pickling. What is computed from
+    it is a plain tensor."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        _refuse_on_piece(ShardData, func, args, kwargs)
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: see :func:`_pickled_piece`."""
+        raise TypeError(_pickled_piece(self))
+
+
+def _refuse_on_piece(cls: type, func: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse a random draw or a collective on a piece (an instance of ``cls``)."""
+    if func in _DRAWS:
+        raise ValueError(_drawn_on_piece(func, first_among(cls, args, kwargs)))
+    if is_collective(func):
+        raise TypeError(_sent_piece(func, first_among(cls, args, kwargs)))
 
 
 def is_collective(func: Any) -> bool:
@@ -170,6 +214,18 @@ def _sent_piece(func: Any, piece: Tensor) -> str:
         "(copied when wrapping, as DDP copies them) and ends each step alike: drop the call. "
         "To change the whole parameter on every rank, write it inside "
         "`with model.gathered(modifier_rank=0):` (rank 0's edits reach every rank)."
+    )
+
+
+def _pickled_piece(piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"pickling {name} (torch.save), this rank's piece of it (shape {tuple(piece.shape)}): a "
+        "file would hold it as if it were the whole parameter, and the other ranks' pieces "
+        "would be lost. On every rank, call model.full_state_dict(rank0_only=True) and "
+        "torch.save it on rank 0 (it loads into the unwrapped model), or call "
+        "shardwrap.save_checkpoint(path, model, optimizer) (each rank writes its pieces). A "
+        "copy of the piece for yourself (an EMA) is p.detach().clone()."
     )
 
 

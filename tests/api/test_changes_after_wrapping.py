@@ -361,14 +361,17 @@ INITIALISERS = {
 }
 
 
+@pytest.mark.parametrize("through_data", [False, True], ids=["param", "param.data"])
 @pytest.mark.parametrize("init", INITIALISERS)
 def test_a_random_initialiser_on_a_piece_is_refused_and_inside_gathered_initialises_the_whole(
-    init: str,
+    init: str, through_data: bool
 ) -> None:
     """On a piece, shape ``(1, n)``, ``nn.init``'s fan-based initialisers would scale by ``n``
     and every rank's piece would draw the same numbers: refused before it writes, naming the
-    parameter and the fix. On the full parameter inside ``gathered(modifier_rank=0)`` the same
-    call initialises it as on the plain model (rank 0's draws on every rank)."""
+    parameter and the fix, also through ``.data`` (an initialiser written
+    ``self.weight.data.normal_()``, which drew on the pieces without a word). On the full
+    parameter inside ``gathered(modifier_rank=0)`` the same call initialises it as on the plain
+    model (rank 0's draws on every rank)."""
     initialise = INITIALISERS[init]
     plain = copy.deepcopy(_net())
     with torch.no_grad():
@@ -378,13 +381,15 @@ def test_a_random_initialiser_on_a_piece_is_refused_and_inside_gathered_initiali
         m = _wrap(pg)
         before = m.full_state_dict()
         with pytest.raises(ValueError) as error, torch.no_grad():
-            initialise(m.b1.a.weight, torch.Generator().manual_seed(7))
+            w = m.b1.a.weight
+            initialise(w.data if through_data else w, torch.Generator().manual_seed(7))
         message = str(error.value)
         assert "on b1.a.weight, this rank's piece of it" in message
         assert "with model.gathered(modifier_rank=0):" in message
         torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
         with m.gathered(modifier_rank=0), torch.no_grad():
-            initialise(m.b1.a.weight, torch.Generator().manual_seed(7 + rank))
+            w = m.b1.a.weight
+            initialise(w.data if through_data else w, torch.Generator().manual_seed(7 + rank))
         return m.full_state_dict()
 
     for state in run_ranks(WORLD, fn, timeout=30):

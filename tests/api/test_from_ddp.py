@@ -46,6 +46,7 @@ import contextlib
 import copy
 import io
 import pickle
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -355,6 +356,43 @@ def test_saving_the_model_object_is_refused_before_the_file_is_opened(
     _run(world_size, fn)
 
 
+def test_parameters_and_their_data_refuse_to_be_saved_before_the_file_is_opened(
+    tmp_path: Path,
+) -> None:
+    """``torch.save({n: p.data for n, p in model.named_parameters()}, path)`` on rank 0 (and
+    the parameters themselves) would write rank 0's pieces under the whole parameters' names:
+    refused on every rank, naming ``full_state_dict`` and ``save_checkpoint``, before the file
+    it would replace is opened (before: ``.data`` was saved as if whole without a word, and the
+    parameters raised pickling's "cannot pickle 'weakref.ReferenceType' object" after the file
+    was emptied). A copy of a piece (an EMA) is a plain tensor and saves."""
+    torch.manual_seed(0)
+    model = GPT()
+
+    def fn(rank: int, pg: ProcessGroup | None) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        path = tmp_path / f"weights-{rank}.pt"
+        path.write_bytes(b"the last good save")
+        for held in (
+            {n: p.data for n, p in m.named_parameters()},
+            dict(m.named_parameters()),
+            [m.wte.weight.data],
+        ):
+            with pytest.raises(TypeError) as raised:
+                torch.save(held, path)
+            message = str(raised.value)
+            assert re.match(r"pickling [\w.]+ \(torch.save\), this rank's piece of it", message)
+            assert "model.full_state_dict(rank0_only=True)" in message
+            assert "shardwrap.save_checkpoint(path, model, optimizer)" in message
+            assert path.read_bytes() == b"the last good save"
+        with pytest.raises(TypeError, match="pickling wte.weight"):
+            pickle.dumps(m.wte.weight.data)
+        ema = [p.detach().clone() for p in m.parameters()]
+        torch.save(ema, path)
+        torch.testing.assert_close(torch.load(path), ema, atol=0, rtol=0)
+
+    _run(2, fn)
+
+
 def _decay_groups(m: nn.Module) -> list[dict[str, Any]]:
     """Weight-decay groups built from a tag on the parameters, as Mamba's training scripts
     do."""
@@ -475,7 +513,7 @@ def test_a_penalty_summed_over_the_parameters_trains_as_on_the_plain_model(stage
 def test_collectives_on_pieces_and_their_gradients_are_refused_before_sending(stage: int) -> None:
     """Lines of a script that synchronises by hand, left in: the ``average_gradients`` loop
     (``dist.all_reduce(p.grad.data)``, then a division by the world size) and a broadcast of
-    every parameter, or of every value of ``model.state_dict()`` (Horovod's
+    every parameter (or its ``data``), or of every value of ``model.state_dict()`` (Horovod's
     ``broadcast_parameters``), from rank 0. Each rank's ``.grad``, parameter and state dict value
     are its pieces, so they
     would add or copy different elements, or wait forever where the pieces' sizes differ
@@ -495,8 +533,9 @@ def test_collectives_on_pieces_and_their_gradients_are_refused_before_sending(st
             for p in m.parameters():
                 with pytest.raises(TypeError, match="average_gradients loop"):
                     dist.all_reduce(p.grad.data, group=pg)
-                with pytest.raises(TypeError, match=r"gathered\(modifier_rank=0\)"):
-                    dist.broadcast(p, 0, group=pg)
+                for sent in (p, p.data):
+                    with pytest.raises(TypeError, match=r"gathered\(modifier_rank=0\)"):
+                        dist.broadcast(sent, 0, group=pg)
             opt.step()
             opt.zero_grad()
         for value in m.state_dict().values():

@@ -1,9 +1,9 @@
 """``torch.save`` refuses an object holding a rank's pieces before it opens the file.
 
-Design note. A rank's pieces (:class:`~shardwrap.engine.optim.pieces.ShardPiece`, and
-:class:`~shardwrap.engine.optim.dcp_pieces.DCPPiece`) and the sharded model itself
-(``torch.save(model)``) refuse to be pickled, but ``torch.save``
-opens (and so truncates) its file before it pickles anything: a DDP script's
+Design note. A rank's pieces (:class:`~shardwrap.engine.optim.pieces.ShardPiece`,
+:class:`~shardwrap.engine.optim.dcp_pieces.DCPPiece`, the shard parameters themselves and their
+``data``) and the sharded model itself (``torch.save(model)``) refuse to be pickled, but
+``torch.save`` opens (and so truncates) its file before it pickles anything: a DDP script's
 ``torch.save(model.state_dict(), "ckpt.pt")`` would raise, and the ``ckpt.pt`` it was replacing
 would be gone. So the first piece of each kind made registers its class here, and the first
 registration wraps ``torch.save`` (``torch.save`` and ``torch.serialization.save``, the same
@@ -25,11 +25,12 @@ __all__ = ["guard_torch_save"]
 _refused: tuple[type, ...] = ()  # the classes whose instances torch.save refuses
 
 
-def guard_torch_save(cls: type) -> None:
-    """Make ``torch.save`` refuse any object holding an instance of ``cls`` (whose
+def guard_torch_save(*classes: type) -> None:
+    """Make ``torch.save`` refuse any object holding an instance of one of ``classes`` (whose
     ``__reduce_ex__`` raises) before it opens the file; wraps ``torch.save`` the first time."""
     global _refused
-    if cls in _refused:
+    new = tuple(cls for cls in classes if cls not in _refused)
+    if not new:
         return
     if not _refused:
         save = torch.serialization.save
@@ -42,7 +43,7 @@ def guard_torch_save(cls: type) -> None:
             return save(obj, f, *args, **kwargs)
 
         torch.save = torch.serialization.save = guarded
-    _refused = (*_refused, cls)
+    _refused = (*_refused, *new)
 
 
 def _find(obj: object) -> Any:

@@ -21,6 +21,7 @@ from ...comm.failures import CollectiveFailed
 from ...comm.mesh import resolve_mesh
 from ...options import Compression
 from ...tiers.home import make_home
+from ...tiers.shard_param import ShardData, ShardParam
 from ..optim.dcp_pieces import DCPPiece, dcp_call, local_pieces, refuse_tensor_parallel
 from ..optim.pieces import as_piece
 from ..optim.save_guard import guard_torch_save
@@ -240,7 +241,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
             bucket,
         )
         _make_sharded(module, root)
-        guard_torch_save(ShardedModule)  # torch.save(model) refused before the file is opened
+        guard_torch_save(ShardedModule, ShardParam, ShardData)  # refused before opening the file
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
             inner = (m for m in unit.module.modules() if m is not unit.module)
