@@ -739,6 +739,51 @@ def test_evaluation_on_rank_0_alone_raises_at_that_forward(stage: int) -> None:
         assert "if master_process:" in message and "docs/ddp.md" in message
 
 
+@pytest.mark.parametrize(
+    "name, fix",
+    [
+        ("join", "DistributedSampler(dataset, drop_last=True)"),
+        ("join_hook", "every rank runs as many passes"),
+        ("register_comm_hook", "MixedPrecision(reduce_dtype=torch.bfloat16)"),
+        ("_set_static_graph", "drop it"),
+    ],
+)
+def test_ddp_methods_without_a_namesake_raise_naming_what_to_do(name: str, fix: str) -> None:
+    """``with model.join():`` (uneven inputs), ``model.register_comm_hook(...)``: an
+    ``AttributeError`` naming DDP's method and what to write instead (before: only that the
+    model has no such attribute), and ``hasattr`` still says ``False``."""
+    m = ShardedModule(GPT(), auto_wrap=Block)
+    with pytest.raises(AttributeError) as raised:
+        getattr(m, name)
+    message = str(raised.value)
+    assert message.startswith(f"GPT.{name}: DistributedDataParallel's {name}() has no namesake")
+    assert fix in message
+    assert not hasattr(m, name)
+
+
+def test_uneven_inputs_raise_on_every_rank_where_a_rank_out_of_batches_goes_on() -> None:
+    """What DDP's ``join()`` is for: rank 1 has one batch fewer and goes on to gather the full
+    state dict while rank 0 runs its last forward. Both ranks raise, naming where each is."""
+    torch.manual_seed(0)
+    model = GPT()
+    x, y = make_batch(0, 4)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with pytest.raises(RuntimeError, match="ranks are at different steps") as info:
+            for _ in range(3 - rank):
+                m(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+                opt.step()
+                opt.zero_grad()
+            m.full_state_dict()
+        return str(info.value)
+
+    for message in run_ranks(2, fn, timeout=30.0):
+        assert "rank 0: forward pass 3" in message
+        assert "rank 1: forward pass 2, calling full_state_dict" in message
+
+
 class ConvNet(nn.Module):
     """Two convolutions with BatchNorm (running statistics and a batch count in buffers) and a
     constant buffer no forward changes."""

@@ -32,11 +32,46 @@ from ..step.root import Root
 
 __all__ = ["DDPHabits", "refuse_ddp_outside"]
 
+_HOOKS = (
+    "pass mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16) to ShardedModule for "
+    "fp16_compress_hook's or bf16_compress_hook's reduction in 16 bits, or "
+    'compression=Compression(grads="int8") for fewer bytes still (PowerSGD\'s aim): the '
+    "gradient reduction is shardwrap's own, a reduce-scatter per unit"
+)
+# DDP's methods that have no namesake on a sharded model: what to do instead.
+_DDP_METHODS = {
+    "join": (
+        "every rank must run as many forward and backward passes as the others (a rank out "
+        "of batches that goes on to a save or another forward raises on every rank, naming "
+        "where each is): give each rank as many batches, e.g. "
+        "DistributedSampler(dataset, drop_last=True) and DataLoader(..., drop_last=True), or "
+        "stop every rank at the shortest rank's count"
+    ),
+    "join_hook": "see join: every rank runs as many passes as the others",
+    "register_comm_hook": _HOOKS,
+    "_register_builtin_comm_hook": _HOOKS,
+    "_set_static_graph": "drop it: each unit's gather and reduction follow the graph as it runs",
+}
+
 
 class DDPHabits:
-    """DDP's attributes on a sharded model (mixed into :class:`ShardedModule`)."""
+    """DDP's attributes on a sharded model (mixed into :class:`ShardedModule`), and its other
+    methods' names answered with what to do instead."""
 
     _shardwrap_root: Root
+
+    def __getattr__(self, name: str) -> Any:
+        """As the model's own lookup; a DDP method it lacks raises naming the counterpart (an
+        ``AttributeError`` still, so ``hasattr`` says ``False``)."""
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            if name not in _DDP_METHODS:
+                raise
+            raise AttributeError(
+                f"{type(self).__name__}.{name}: DistributedDataParallel's {name}() has no "
+                f"namesake on a model wrapped by ShardedModule; {_DDP_METHODS[name]}."
+            ) from None
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> Any:
