@@ -20,6 +20,10 @@ edits could not reach the others' (load whole weights with ``load_full_state_dic
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -28,12 +32,56 @@ from ...comm.collectives import CommStats, all_reduce, broadcast
 from ...comm.mesh import Mesh
 from ..shards.flat_group import FlatGroup
 
-__all__ = ["agree_edits", "broadcast_from", "check_modifier_rank", "fingerprint"]
+__all__ = [
+    "agree_edits",
+    "broadcast_from",
+    "check_modifier_rank",
+    "fingerprint",
+    "gathered_block",
+]
 
 _CHUNK = 1 << 20  # elements fingerprinted at a time: the int64 copy stays small
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NONE = 1 << 62  # an int64 larger than any rank: "not me" in a MIN
 _TP_HASH = 1 << 56  # a block's hashes are cut to this before summing: 64 tp ranks fit an int64
+
+
+@contextmanager
+def gathered_block(root: Any, writeback: bool, modifier_rank: int | None) -> Iterator[None]:
+    """``root``'s (the model's :class:`~shardwrap.engine.step.root.Root`, which imports this
+    module) every unit gathered exactly and its full parameters exposed for the block; on exit,
+    with ``writeback``, the edits the ranks agree on written back (see the note)."""
+    root.check_state()
+    root.schedule.enter("gathered")  # the gathers below are paired by this one handshake
+    for unit in root.units:
+        unit.reshard()  # a unit kept gathered holds the compute dtype; this needs the shards'
+        unit.start_gather(exact=True)
+        unit.finish_gather()
+        unit.use_full(track_grad=False)
+    root.own_calls.paused = True
+    root.keeping += 1  # a forward inside (generate()) leaves the units gathered
+    raised = True
+    try:
+        yield
+        raised = False
+    finally:
+        root.keeping -= 1
+        root.own_calls.paused = False
+        try:
+            groups = [g for u in root.units for g in u.groups]
+            if writeback and _agreed(root, groups, raised, modifier_rank):
+                for g in groups:
+                    g.write_back()
+        finally:
+            for unit in root.units:
+                unit.reshard()
+
+
+def _agreed(root: Any, groups: list[FlatGroup], raised: bool, modifier_rank: int | None) -> bool:
+    """Whether to write back the edits made inside ``gathered()``; every rank agrees."""
+    if root.mesh.world_size == 1:
+        return not raised
+    return agree_edits(groups, root.mesh, root.stats, raised, modifier_rank)
 
 
 def check_modifier_rank(modifier_rank: int | None, writeback: bool | None, mesh: Mesh) -> bool:

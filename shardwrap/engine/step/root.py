@@ -52,7 +52,7 @@ from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 from .buffers import SharedBuffers
 from .eager import eager
-from .edits import agree_edits
+from .edits import gathered_block
 from .order import ExecutionOrder, unit_index
 from .own_calls import OwnCalls
 from .recompute import apart_from_replay
@@ -521,44 +521,13 @@ class Root:
 
     # outside forward -----------------------------------------------------------------
 
-    @contextmanager
-    def gathered(self, writeback: bool, modifier_rank: int | None = None) -> Iterator[None]:
+    def gathered(self, writeback: bool, modifier_rank: int | None = None) -> Any:
         """Gather every unit, expose full parameters, optionally write edits back: those every
         rank made alike, or ``modifier_rank``'s (``engine/step/edits.py``)."""
         self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
-        self.check_state()
-        self.schedule.enter("gathered")  # the gathers below are paired by this one handshake
-        for unit in self.units:
-            unit.reshard()  # a unit kept gathered holds the compute dtype; this needs the shards'
-            unit.start_gather(exact=True)
-            unit.finish_gather()
-            unit.use_full(track_grad=False)
-        self.own_calls.paused = True
-        self.keeping += 1  # a forward inside (generate()) leaves the units gathered
-        raised = True
-        try:
-            yield
-            raised = False
-        finally:
-            self.keeping -= 1
-            self.own_calls.paused = False
-            try:
-                if writeback and self._agree_edits(raised, modifier_rank):
-                    for unit in self.units:
-                        for g in unit.groups:
-                            g.write_back()
-            finally:
-                for unit in self.units:
-                    unit.reshard()
-
-    def _agree_edits(self, raised: bool, modifier_rank: int | None) -> bool:
-        """Whether to write back the edits made inside ``gathered()``; every rank agrees."""
-        if self.mesh.world_size == 1:
-            return not raised
-        groups = [g for u in self.units for g in u.groups]
-        return agree_edits(groups, self.mesh, self.stats, raised, modifier_rank)
+        return gathered_block(self, writeback, modifier_rank)
 
     @contextmanager
     def keep_gathered(self) -> Iterator[None]:
