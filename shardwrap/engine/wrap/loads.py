@@ -1,0 +1,111 @@
+"""Loading state dicts into a sharded model: the unwrapped model's full one, or a rank's own
+pieces (``ShardedModule.load_state_dict`` and ``load_full_state_dict``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..optim.dcp_pieces import DCPPiece, local_pieces
+
+__all__ = ["SHARDS_OF", "load_full", "load_state"]
+
+# In ``state_dict()._metadata[""]``: whose shards the state dict holds, (shard rank, shard size).
+SHARDS_OF = "shardwrap_shards_of"
+
+
+def load_state(model: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
+    """``model.load_state_dict(state_dict, strict)``: see :meth:`ShardedModule.load_state_dict`."""
+    own = nn.Module.state_dict(model, keep_vars=True)
+    index = model._shardwrap_root.param_of
+    if any(isinstance(v, DCPPiece) for v in state_dict.values()):  # set_model_state_dict
+        ranges = {
+            k: (p.shape, p.group.pieces[p.index])
+            for k, v in own.items()
+            if (p := index.get(id(v))) is not None
+        }
+        state_dict = local_pieces(state_dict, ranges)
+    full, shard, neither = [], [], []
+    for key, value in state_dict.items():
+        param = index.get(id(own.get(key)))
+        if param is None or not isinstance(value, Tensor):
+            continue
+        shape = tuple(value.shape)
+        is_full, is_shard = shape == param.shape, shape == tuple(param.shard.shape)
+        if is_full and is_shard:  # a vector whole on this rank: either reading
+            continue
+        if is_full:
+            full.append(key)
+        elif is_shard:
+            shard.append(key)
+        else:
+            neither.append(f"{key}: {shape}")
+    if neither or (full and shard):
+        raise ValueError(
+            "load_state_dict: a sharded model takes either the unwrapped model's full state "
+            "dict or its own shards; got "
+            + (f"shapes of neither for {neither[:4]}" if neither else "both kinds mixed")
+            + ". Use model.load_full_state_dict(sd) for a full state dict, or "
+            "shardwrap.save_checkpoint / load_checkpoint to resume at any world size."
+        )
+    if shard:
+        _check_own_shards(model, state_dict)
+    if full:
+        return load_full(model, state_dict, strict)
+    return nn.Module.load_state_dict(model, state_dict, strict=strict)
+
+
+def _check_own_shards(model: Any, state_dict: Mapping[str, Any]) -> None:
+    metadata = getattr(state_dict, "_metadata", None) or {}
+    saved = (metadata.get("") or {}).get(SHARDS_OF)
+    mesh = model._shardwrap_root.mesh
+    here = (mesh.shard_rank, mesh.shard_size)
+    if saved is not None and tuple(saved) != here:
+        raise ValueError(
+            f"load_state_dict: the state dict holds the shards of rank {saved[0]} of "
+            f"{saved[1]}, and this is rank {here[0]} of {here[1]}: each rank loads only its "
+            "own state_dict(). Use shardwrap.save_checkpoint / load_checkpoint (any world "
+            "size), or save model.full_state_dict() and load it with load_state_dict."
+        )
+
+
+def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any:
+    """``model.load_full_state_dict(state_dict, strict)``: see
+    :meth:`ShardedModule.load_full_state_dict`."""
+    root = model._shardwrap_root
+    root.check_state()
+    own = nn.Module.state_dict(model, keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}. "
+            "Pass the state dict of the same model class and configuration "
+            "(model.full_state_dict() or the unwrapped model's state_dict()), or "
+            "strict=False to load only the keys given."
+        )
+    own = {k: v for k, v in own.items() if k in state_dict}
+    index = root.param_of
+    wrong = []
+    for k, v in own.items():
+        shape = index[id(v)].shape if id(v) in index else v.shape
+        if tuple(state_dict[k].shape) != tuple(shape):
+            wrong.append(f"{k}: expected {tuple(shape)}, got {tuple(state_dict[k].shape)}")
+    if wrong:
+        raise ValueError("load_full_state_dict: shape mismatch for " + "; ".join(wrong))
+    done: set[int] = set()
+    with torch.no_grad():
+        for k, v in own.items():
+            if id(v) in done:
+                continue
+            done.add(id(v))
+            value = state_dict[k].to(v.device)
+            if id(v) in index:
+                param = index[id(v)]
+                v.copy_(param.group.piece_of(param.index, value))
+            else:
+                v.copy_(value)
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)
