@@ -18,7 +18,9 @@ and :func:`set_raw_data`, torch's own accessors.
 too: a random draw (an initialiser written ``self.weight.data.normal_()``), a collective (a DDP
 script's ``dist.broadcast(p.data, 0)``) and pickling (``torch.save({n: p.data ...})`` on rank
 0 would write this rank's piece as the whole parameter). What is computed from it is a plain
-tensor, as from the piece itself.
+tensor, as from the piece itself. On both, a copy of a value of the whole parameter's shape
+(``p.copy_(sd[name])``, FSDP's loading loop over ``named_parameters()``) is refused naming
+``load_state_dict``, instead of torch's size mismatch.
 
 A random draw on the piece itself (``nn.init``'s initialisers, ``p.normal_()``) is refused:
 see :class:`ShardParam`. Its ``__torch_function__`` costs a Python call per torch call on a
@@ -37,6 +39,7 @@ from torch._C import TensorBase
 
 __all__ = [
     "NAME_ATTR",
+    "SHAPE_ATTR",
     "ShardData",
     "ShardParam",
     "first_among",
@@ -48,6 +51,7 @@ __all__ = [
 T = TypeVar("T")
 
 NAME_ATTR = "_shardwrap_name"  # on a shard parameter: its name in the model, for messages
+SHAPE_ATTR = "_shardwrap_shape"  # on a shard parameter: the whole parameter's shape
 
 _DATA = TensorBase.data  # torch's accessor: a fresh version counter, rebinding on assignment
 
@@ -121,7 +125,9 @@ class ShardParam(nn.Parameter):
         """The piece's values outside autograd, under its version counter (a
         :class:`ShardData`)."""
         data = self.detach().as_subclass(ShardData)
-        setattr(data, NAME_ATTR, getattr(self, NAME_ATTR, "a shard parameter"))
+        for attr in (NAME_ATTR, SHAPE_ATTR):
+            if hasattr(self, attr):
+                setattr(data, attr, getattr(self, attr))
         return data
 
     @data.setter
@@ -166,11 +172,18 @@ class ShardData(Tensor):
 
 
 def _refuse_on_piece(cls: type, func: Any, args: tuple, kwargs: dict) -> None:
-    """Refuse a random draw or a collective on a piece (an instance of ``cls``)."""
+    """Refuse a random draw or a collective on a piece (an instance of ``cls``), and a copy of
+    a whole parameter's value into it."""
     if func in _DRAWS:
         raise ValueError(_drawn_on_piece(func, first_among(cls, args, kwargs)))
     if is_collective(func):
         raise TypeError(_sent_piece(func, first_among(cls, args, kwargs)))
+    if func is Tensor.copy_ and len(args) > 1 and isinstance(args[0], cls):
+        piece, src = args[0], args[1]
+        whole = getattr(piece, SHAPE_ATTR, None)
+        if isinstance(src, Tensor) and whole is not None and src.shape != piece.shape:
+            if tuple(src.shape) == whole:
+                raise ValueError(_whole_into_piece(piece))
 
 
 def is_collective(func: Any) -> bool:
@@ -214,6 +227,20 @@ def _sent_piece(func: Any, piece: Tensor) -> str:
         "(copied when wrapping, as DDP copies them) and ends each step alike: drop the call. "
         "To change the whole parameter on every rank, write it inside "
         "`with model.gathered(modifier_rank=0):` (rank 0's edits reach every rank)."
+    )
+
+
+def _whole_into_piece(piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"{name}.copy_(value) with a value of the whole parameter's shape "
+        f"{getattr(piece, SHAPE_ATTR)} into this rank's piece of it (shape "
+        f"{tuple(piece.shape)}): model.parameters() and named_parameters() are the pieces, "
+        "also inside model.gathered(). Load whole values with "
+        "model.load_state_dict(state_dict) (strict=False for some of them, or a submodule's "
+        "own load_state_dict), which each rank cuts to its pieces; or, inside "
+        "`with model.gathered(writeback=True):`, copy into the module's attribute (the full "
+        "parameter), e.g. model.get_submodule('...').weight.copy_(value)."
     )
 
 

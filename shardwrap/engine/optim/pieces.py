@@ -100,7 +100,8 @@ class ShardPiece(Tensor):
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         """As any tensor, but refusing to be copied into a plain tensor by DCP's staging (the
-        copy would be written as the whole tensor), and to be sent by ``torch.distributed``."""
+        copy would be written as the whole tensor), to be sent by ``torch.distributed``, and a
+        copy of a whole tensor's value into it (naming ``load_state_dict``)."""
         if is_collective(func):
             piece = first_among(ShardPiece, args, kwargs)
             raise TypeError(
@@ -111,6 +112,20 @@ class ShardPiece(Tensor):
                 "give every rank a state loaded on one, load the full state dict on every rank "
                 "(model.load_state_dict(full)), or edit inside "
                 "`with model.gathered(modifier_rank=0):`."
+            )
+        if (
+            func is Tensor.copy_
+            and len(args) > 1
+            and isinstance(args[0], ShardPiece)
+            and isinstance(args[1], Tensor)
+            and args[1].shape != args[0].shape
+            and args[1].shape == getattr(args[0], "full_shape", None)
+        ):
+            raise ValueError(
+                f"shardwrap: copy_ of a value of the whole tensor's shape into "
+                f"{args[0]._held()}, from a sharded model's state_dict(): its values are this "
+                "rank's pieces. Load whole values with model.load_state_dict(state_dict) "
+                "(strict=False for some of them), which each rank cuts to its pieces."
             )
         if (
             func is Tensor.copy_

@@ -52,7 +52,7 @@ from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 from .buffers import SharedBuffers
 from .eager import eager
-from .edits import gathered_block
+from .edits import EditMark, gathered_block
 from .order import ExecutionOrder, unit_index
 from .own_calls import OwnCalls
 from .recompute import apart_from_replay
@@ -152,6 +152,8 @@ class Root:
             weakref.finalize(self, self.optimizers.close)
         self.phase = Phase.IDLE
         self.keeping = 0  # keep_gathered() blocks entered
+        self.gathered_depth = 0  # gathered() blocks entered (they nest)
+        self.edit_marks: list[EditMark] | None = None  # inside gathered(): engine/step/edits.py
         self.keep_decided: bool | None = None  # ShardedModule.keep_gathered's, while inside
         # the units the previous forward kept for backward: its final bucket's, and the unit
         # that ran last (comm/buckets.py)

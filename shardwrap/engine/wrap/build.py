@@ -20,7 +20,7 @@ from ...comm.mesh import Mesh
 from ...comm.quantize import Codec
 from ...options import Compression, MixedPrecision
 from ...tiers.home import Home
-from ...tiers.shard_param import NAME_ATTR
+from ...tiers.shard_param import NAME_ATTR, SHAPE_ATTR
 from ..optim.whole_params import PIECE_ATTR, install, release
 from ..shards.flat_group import FlatGroup
 from ..shards.pool import BufferPool
@@ -112,6 +112,7 @@ def build_root(
                 setattr(shard_param, SHARD_ATTR, True)
                 setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i, stats))
                 setattr(shard_param, NAME_ATTR, name)
+                setattr(shard_param, SHAPE_ATTR, tuple(p.shape))
                 for owner, attr in slots:
                     owner._parameters[attr] = shard_param
                 retire(p, name)

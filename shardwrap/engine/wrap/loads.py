@@ -1,8 +1,20 @@
 """Loading state dicts into a sharded model: the unwrapped model's full one, or a rank's own
-pieces (``ShardedModule.load_state_dict`` and ``load_full_state_dict``)."""
+pieces (``ShardedModule.load_state_dict`` and ``load_full_state_dict``), and a submodule's own
+``load_state_dict`` of whole values.
+
+Design note. A submodule of a sharded model is a plain module whose registered parameters are
+this rank's pieces, so torch's ``load_state_dict`` on it (``model.blocks[0].load_state_dict(sd)``,
+as on the unwrapped model) would compare each whole value's shape with the piece's and raise,
+on the ranks whose piece is not the whole parameter (a rank holding a whole vector would load
+it, and the ranks would part ways). :func:`guard_submodule_loads` gives each module holding
+pieces a load pre-hook that cuts each whole value to this rank's piece (inside ``gathered()``
+also written into the full parameter), as the model's own ``load_state_dict`` does.
+"""
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,8 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from ..optim.dcp_pieces import DCPPiece, local_pieces
+from ..step.edits import write_through
 
-__all__ = ["SHARDS_OF", "load_full", "load_state"]
+__all__ = ["SHARDS_OF", "guard_submodule_loads", "load_full", "load_state"]
 
 # In ``state_dict()._metadata[""]``: whose shards the state dict holds, (shard rank, shard size).
 SHARDS_OF = "shardwrap_shards_of"
@@ -97,6 +110,7 @@ def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any
     if wrong:
         raise ValueError("load_full_state_dict: shape mismatch for " + "; ".join(wrong))
     done: set[int] = set()
+    loaded = []
     with torch.no_grad():
         for k, v in own.items():
             if id(v) in done:
@@ -106,6 +120,40 @@ def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any
             if id(v) in index:
                 param = index[id(v)]
                 v.copy_(param.group.piece_of(param.index, value))
+                loaded.append((param.group, param.index, value))
             else:
                 v.copy_(value)
+    write_through(root, loaded)  # inside gathered(): the full parameters too
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def guard_submodule_loads(model: nn.Module, root: Any) -> None:
+    """Give each module of ``model`` that holds pieces a ``load_state_dict`` pre-hook cutting
+    whole values to this rank's pieces (see the note)."""
+    groups = [g for u in root.units for g in u.groups]
+    holders = {id(m): m for g in groups for slots in g.slots for m, _ in slots}
+    ref = weakref.ref(root)
+    for m in holders.values():
+        m.register_load_state_dict_pre_hook(functools.partial(_cut_whole_values, root=ref))
+
+
+def _cut_whole_values(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, root: Any
+) -> None:
+    live = root()
+    if live is None:
+        return
+    loaded = []
+    with torch.no_grad():
+        for attr, p in module._parameters.items():
+            param = live.param_of.get(id(p))
+            value = state_dict.get(prefix + attr)
+            if param is None or not isinstance(value, Tensor):
+                continue
+            if tuple(value.shape) != tuple(param.shape) or value is p:
+                continue  # a piece, or torch's own shape error
+            value = value.to(p.device)
+            p.copy_(param.group.piece_of(param.index, value).reshape(p.shape))
+            loaded.append((param.group, param.index, value))
+            state_dict[prefix + attr] = p  # torch copies the piece into itself
+    write_through(live, loaded)

@@ -51,7 +51,7 @@ from .checks import (
 from .ddp_habits import DDPHabits
 from .extensions import check_prepare, checkpoint_unit, class_habits
 from .from_fsdp import FSDPHabits, other_arguments, own_mixed_precision, own_offload
-from .loads import SHARDS_OF, load_full, load_state
+from .loads import SHARDS_OF, guard_submodule_loads, load_full, load_state
 from .meta_init import ParamInitFn, check_param_init_fn, is_meta
 from .moves import Moves
 from .policy import AutoWrap, check_selects_something, place_parameters, resolve_policy
@@ -242,6 +242,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
             bucket,
         )
         _make_sharded(module, root)
+        guard_submodule_loads(module, root)
         guard_torch_save(ShardedModule, ShardParam, ShardData)  # refused before opening the file
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
