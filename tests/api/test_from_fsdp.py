@@ -18,7 +18,8 @@ FSDP2's gradient accumulation switch, ``model.set_requires_gradient_sync(False)`
 without communication and ends in parity with the plain model; FSDP2's other methods
 (``unshard()``, ``set_reshard_after_forward``, ...) raise naming what to do instead. FSDP's own
 arguments (``sharding_strategy``, ``device_id``, ``mp_policy``, ...) are refused naming
-shardwrap's.
+shardwrap's. Optimizers applied in backward (``_apply_optimizer_in_backward``) step as on the
+plain model.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_from_fsdp.py -q``
 """
@@ -269,6 +270,45 @@ def test_set_requires_gradient_sync_accumulates_without_communication_as_fsdp2_d
         torch.testing.assert_close(
             state, want.state, atol=1e-5, rtol=0, msg=lambda m, r=rank: f"{r}: {m}"
         )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizers_applied_in_backward_step_as_on_the_plain_model(stage: int) -> None:
+    """``torch.distributed.optim._apply_optimizer_in_backward`` (FSDP's optimizer overlap, as
+    torchrec uses it): each parameter's own optimizer steps once its gradient is reduced, and
+    its ``.grad`` is ``None`` after, as on the plain model (before: it hooked the pieces'
+    gradient accumulators, which never run, so the model never trained). With
+    ``register_hook=False`` the caller steps them: backward leaves them alone."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    model = build_gpt(False)
+
+    def train(m: nn.Module, rank: int, world: int, hooked: bool) -> dict[str, Tensor]:
+        params = list(m.parameters())
+        _apply_optimizer_in_backward(torch.optim.SGD, params[:5], {"lr": 0.1}, register_hook=hooked)
+        _apply_optimizer_in_backward(
+            torch.optim.SGD, params[5:], {"lr": 0.1, "momentum": 0.9}, register_hook=hooked
+        )
+        for inputs, targets in GPT_BATCHES:
+            gpt_loss(m, inputs.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+            assert all((p.grad is None) == hooked for p in params)
+            if not hooked:
+                for p in params:
+                    for optimizer in p._in_backward_optimizers:
+                        optimizer.step()
+                    p.grad = None
+        return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    for hooked in (True, False):
+        want = train(copy.deepcopy(model), 0, 1, hooked)
+
+        def fn(rank: int, pg: ProcessGroup, hooked: bool = hooked) -> dict[str, Tensor]:
+            m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+            train(m, rank, 2, hooked)
+            return m.full_state_dict()
+
+        for state in run_ranks(2, fn, timeout=30):
+            torch.testing.assert_close(state, want, atol=1e-5, rtol=0)
 
 
 def test_set_requires_gradient_sync_for_part_of_the_model_is_refused() -> None:

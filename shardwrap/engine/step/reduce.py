@@ -314,9 +314,23 @@ class Reductions:
 
 
 def _post_accumulate(param: Tensor) -> None:
-    """Run ``param``'s post-accumulate-grad hooks (``register_post_accumulate_grad_hook``):
-    autograd never does for a shard parameter, which is not in its graph."""
+    """Run ``param``'s post-accumulate-grad hooks (``register_post_accumulate_grad_hook``), and
+    the optimizers ``torch.distributed.optim._apply_optimizer_in_backward`` gave it: autograd
+    never does for a shard parameter, which is not in its graph (those optimizers hook its
+    gradient accumulator, which never runs)."""
     hooks = param._post_accumulate_grad_hooks
     if hooks:
         for hook in tuple(hooks.values()):
             hook(param)
+    if "_in_backward_optimizers" in param.__dict__ and _steps_in_backward(param):
+        for optimizer in param._in_backward_optimizers:  # type: ignore[attr-defined]
+            optimizer.step()
+        param.grad = None
+
+
+def _steps_in_backward(param: Tensor) -> bool:
+    """Whether ``_apply_optimizer_in_backward`` hooked ``param`` to step in backward (with
+    ``register_hook=False`` the caller steps the optimizers itself)."""
+    from torch.distributed.optim import apply_optimizer_in_backward as in_backward
+
+    return param in in_backward.param_to_optim_hook_handle_map
