@@ -24,6 +24,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,62 @@ def _hf_dropped(model: nn.Module, state: dict[str, Tensor]) -> set[str]:
     stand_ins: dict[int, Tensor] = {}
     fake = {k: stand_ins.setdefault(id(v), torch.empty(1)) for k, v in state.items()}
     return set(state) - set(remove_tied_weights_from_state_dict(dict(fake), model))
+
+
+def _model_names(model: nn.Module, keys: list[str], own: Mapping[str, Any]) -> dict[str, str]:
+    """Each saved key's name in the model: itself, or for a ``transformers`` model the name
+    its checkpoint renamings give it (since transformers 5 some models are saved under their
+    original checkpoint names, which ``from_pretrained`` renames as it loads). A key that
+    transformers would merge with others (a mixture of experts' per-expert weights) keeps its
+    own name: see :func:`_converted_names`."""
+    names = {k: k for k in keys}
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return names
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError:  # a transformers without checkpoint conversions
+        return names
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    present = dict.fromkeys(own, True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    for k in keys:
+        if k not in own:
+            renamed, merged = rename_source_key(k, renamings, converters, prefix, present)
+            if merged is None:
+                names[k] = renamed
+    return names
+
+
+def _converted_names(model: nn.Module) -> str:
+    """Why a ``transformers`` model's own folder may still not match it: keys that
+    ``from_pretrained`` merges as it loads (a mixture of experts' per-expert weights into one
+    tensor), which ``load_pretrained`` does not. Empty for any other model."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return ""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return ""
+    if not any(isinstance(t, WeightConverter) for t in get_model_conversion_mapping(model)):
+        return ""
+    name = type(model).__name__
+    return (
+        f". transformers saves a {name} with weights that from_pretrained merges as it loads "
+        "(a mixture of experts' per-expert weights into one tensor); load_pretrained reads "
+        f"whole tensors only. Load it with {name}.from_pretrained(path) before wrapping (then "
+        "ShardedModule(model, ...)); or once so, then shardwrap.export(path, model) from the "
+        "wrapped model: export writes the model's own tensors, which load_pretrained reads"
+    )
 
 
 def _split(entries: list[Entry], limit: int) -> list[list[Entry]]:
@@ -453,7 +510,10 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
         plan: dict[str, tuple[Any, str]] = {}  # canonical name or buffer key -> (handle, key)
 
         def prepare() -> int:
-            where, handles = _weight_files(folder, stack)
+            saved_at, handles = _weight_files(folder, stack)
+            name_of = _model_names(model, list(saved_at), state)
+            where = {name_of[k]: f for k, f in saved_at.items()}
+            saved_key = {name_of[k]: k for k in saved_at}
             keys_of: dict[int, list[str]] = {}
             for k, v in state.items():
                 keys_of.setdefault(id(v), []).append(k)
@@ -465,18 +525,18 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                 if found is None:
                     missing.append(name)
                     continue
-                handle = handles[where[found]]
-                if found not in handle.keys():
+                handle, key = handles[where[found]], saved_key[found]
+                if key not in handle.keys():
                     raise ValueError(
                         f"load_pretrained: {folder / INDEX} says {folder / where[found]} holds "
-                        f"'{found}', which that file lacks: the index and the weights are of "
+                        f"'{key}', which that file lacks: the index and the weights are of "
                         "different exports. Export the model again"
                     )
-                saved = tuple(handle.get_slice(found).get_shape())
+                saved = tuple(handle.get_slice(key).get_shape())
                 if saved != shape:
-                    shapes.append(f"'{found}': file {saved}, model {shape}")
-                plan[name] = (handle, found)
-            unexpected = [k for k in where if k not in state]
+                    shapes.append(f"'{key}': file {saved}, model {shape}")
+                plan[name] = (handle, key)
+            unexpected = [saved_key[k] for k in where if k not in state]
             problems = [f"shape mismatch: {few(shapes, quote=False)}"] if shapes else []
             if strict and missing:
                 problems.append(f"missing from the files: {few(missing)}")
@@ -484,7 +544,9 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                 problems.append(f"not in the model: {few(unexpected)}")
             if problems:
                 raise ValueError(
-                    f"load_pretrained: {folder} does not match the model; " + "; ".join(problems)
+                    f"load_pretrained: {folder} does not match the model; "
+                    + "; ".join(problems)
+                    + (_converted_names(model) if missing or unexpected else "")
                 )
             return 0
 

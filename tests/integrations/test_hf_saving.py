@@ -12,7 +12,10 @@ SGD steps in parity with the unwrapped model:
 - accelerate's final line, ``save_pretrained(dir, is_main_process=..., save_function=
   accelerator.save)``, writes it too (``save_function`` is not used, as in transformers);
 - a ``state_dict`` of shards, or an option export does not offer, is refused before any
-  collective, naming the fix.
+  collective, naming the fix;
+- ``load_pretrained`` reads a folder ``transformers`` saved under a model's original
+  checkpoint names (a ViT), renaming them as ``from_pretrained`` does, and refuses weights
+  ``from_pretrained`` would merge (a Mixtral's experts), naming the fix.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_saving.py -q``
 """
@@ -28,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from shardwrap import ShardedModule
+from shardwrap import ShardedModule, load_pretrained
 from tests.support.models import hf_bert_mlm, hf_gpt2_lm, hf_ids
 from tests.support.ranks import run_ranks
 
@@ -98,3 +101,81 @@ def test_shards_and_unsupported_options_are_refused(tmp_path: Path) -> None:
 
     assert run_ranks(WORLD, fn) == [0, 0]
     assert not any(tmp_path.iterdir())
+
+
+def _vit() -> tuple[nn.Module, type]:
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_hidden_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        intermediate_size=16,
+    )
+    return transformers.ViTModel(config), transformers.models.vit.modeling_vit.ViTLayer
+
+
+def _mixtral() -> tuple[nn.Module, type]:
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    layer = transformers.models.mixtral.modeling_mixtral.MixtralDecoderLayer
+    return transformers.MixtralForCausalLM(config), layer
+
+
+def test_load_pretrained_reads_a_folder_transformers_saved_under_its_checkpoint_names(
+    tmp_path: Path,
+) -> None:
+    """transformers 5 saves a ViT under its original checkpoint names
+    (``encoder.layer.0.attention.attention.key.bias``), which ``from_pretrained`` renames as it
+    loads: ``load_pretrained`` renames them alike and loads every rank's pieces, equal to the
+    saved model (before: "does not match the model", naming every key)."""
+    torch.manual_seed(0)
+    saved, layer = _vit()
+    saved.save_pretrained(tmp_path / "vit")
+    fresh = [_vit()[0] for _ in range(2)]
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(fresh[rank], auto_wrap=layer, process_group=pg, sync_module_states=False)
+        load_pretrained(tmp_path / "vit", m)
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn):
+        torch.testing.assert_close(state, saved.state_dict(), atol=0, rtol=0)
+
+
+def test_load_pretrained_of_weights_transformers_merges_is_refused_naming_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    """A Mixtral folder holds each expert's weights apart, which ``from_pretrained`` merges into
+    one tensor as it loads: refused on every rank, naming the cause and the two ways to load
+    it, before anything is written."""
+    torch.manual_seed(0)
+    saved, layer = _mixtral()
+    saved.save_pretrained(tmp_path / "mixtral")
+    fresh = [_mixtral()[0] for _ in range(2)]
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = ShardedModule(fresh[rank], auto_wrap=layer, process_group=pg, sync_module_states=False)
+        before = m.full_state_dict()
+        with pytest.raises(ValueError) as raised:
+            load_pretrained(tmp_path / "mixtral", m)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        return str(raised.value)
+
+    for message in run_ranks(2, fn):
+        assert "missing from the files: 'model.layers.0.mlp.experts.gate_up_proj'" in message
+        assert "model.layers.0.mlp.gate.weight" not in message  # renamed, found
+        assert "from_pretrained merges as it loads" in message
+        assert "MixtralForCausalLM.from_pretrained(path) before wrapping" in message
