@@ -40,6 +40,7 @@ from .files import (
     Entry,
     SafetensorsWriter,
     agree,
+    agree_path,
     begin_folder,
     commit_folder,
     few,
@@ -503,6 +504,7 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
     """
     root = wrapped_root(model, "load_pretrained")
     folder = Path(path)
+    agree_path(root.mesh.control, root.mesh.control_device, "load_pretrained", folder)
     params = root.params
     buffers = persistent_buffers(model, params)
     state = nn.Module.state_dict(model, keep_vars=True)

@@ -26,6 +26,7 @@ shard) need no copy.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -50,6 +51,7 @@ __all__ = [
     "PeerFailed",
     "SafetensorsWriter",
     "agree",
+    "agree_path",
     "begin_folder",
     "commit_folder",
     "fsync_path",
@@ -306,6 +308,21 @@ def agree(
         except Exception as e:
             raised.add_note(f"and its cleanup failed: {e}")
     raise raised
+
+
+def agree_path(group: Group, device: torch.device, what: str, path: Path) -> None:
+    """Raise on every rank unless every rank passed the same ``path`` (as written, not
+    resolved), in one small exchange: ranks given different paths would each write or read a
+    different checkpoint."""
+    digest = int.from_bytes(hashlib.blake2b(str(path).encode(), digest_size=7).digest(), "big")
+    seen = agree(group, device, what, lambda: digest)
+    if len(set(seen)) > 1:
+        raise ValueError(
+            f"{what}: the ranks passed different paths ({len(set(seen))} over {len(seen)} "
+            f"ranks; this rank's: '{path}'). Every rank passes the same path, and each writes "
+            "or reads its own files inside it: build the path from what every rank shares (the "
+            "step), not from the rank."
+        )
 
 
 def _exchange(group: Group, device: torch.device, value: int, error: Exception | None) -> list[int]:

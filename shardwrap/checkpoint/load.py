@@ -33,7 +33,7 @@ from ..engine.shards.split import Split, overlaps
 from ..engine.step.root import Root
 from .checksum import buffer_checksum, tensor_checksum
 from .entry import wrapped_root
-from .files import DTYPES, agree, few
+from .files import DTYPES, agree, agree_path, few
 from .format import (
     BUFFERS,
     METADATA,
@@ -95,6 +95,7 @@ def load_checkpoint(
             elementwise, or the reverse.
     """
     root = wrapped_root(model, "load_checkpoint")
+    agree_path(root.mesh.control, root.mesh.control_device, "load_checkpoint", Path(path))
     optimizers = as_list(optimizer, "load_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now

@@ -118,6 +118,36 @@ def test_refused_extra_raises_on_every_rank_before_writing(tmp_path: Path) -> No
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_path_that_differs_across_ranks_is_refused_on_every_rank(
+    tmp_path: Path, blocking: bool
+) -> None:
+    """A save (blocking or not), a load and a ``load_pretrained`` given a path built from the
+    rank: every rank raises naming it, before anything is written or read (before: a
+    ``FileNotFoundError`` for another rank's temporary file on one rank and ``PeerFailed`` on
+    the others, and a ``load_pretrained`` would have loaded each rank's own weights); nothing is
+    left behind, and a save to one path then works."""
+    torch.manual_seed(0)
+    model = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        for call in (
+            lambda: save_checkpoint(tmp_path / f"tag-{rank}", m, blocking=blocking),
+            lambda: load_checkpoint(tmp_path / f"tag-{rank}", m),
+            lambda: load_pretrained(tmp_path / f"export-{rank}", m),
+        ):
+            with pytest.raises(ValueError, match="the ranks passed different paths") as info:
+                call()
+            assert f"-{rank}'" in str(info.value) and "not from the rank" in str(info.value)
+        handle = save_checkpoint(tmp_path / "tag", m, blocking=blocking)
+        if not blocking:
+            handle.wait()
+
+    run_ranks(2, fn, timeout=30.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "tag"]
+
+
 # options ----------------------------------------------------------------------------------
 
 OPTIONS = {
