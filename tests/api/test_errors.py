@@ -205,6 +205,23 @@ def test_auto_wrap_of_the_wrong_type(world_size: int, auto_wrap: object) -> None
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("value", ["yes", 8, 1])
+def test_reshard_after_forward_of_another_type(world_size: int, value: object) -> None:
+    """A string or an int (FSDP2's reshard to a smaller group) is refused before any collective
+    (before: taken as true)."""
+    message = _error_on_rank0(
+        world_size,
+        TypeError,
+        lambda m, group: ShardedModule(
+            m, auto_wrap=Block, process_group=group, reshard_after_forward=value
+        ),
+        _copy_of(_gpt()),
+    )
+    assert f"reshard_after_forward={value!r}: True, False or None" in message
+    assert "no counterpart" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("auto_wrap", [0, -3])
 def test_auto_wrap_parameter_count_below_one(world_size: int, auto_wrap: int) -> None:
     message = _error_on_rank0(

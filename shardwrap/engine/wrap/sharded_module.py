@@ -504,6 +504,11 @@ def _make_sharded(module: nn.Module, root: Root) -> None:
 
 
 def _strategy(stage: int, reshard_after_forward: bool | None) -> Strategy:
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward={reshard_after_forward!r}: True, False or None; an int "
+            "(FSDP2's reshard to a smaller group of ranks) has no counterpart in shardwrap."
+        )
     if reshard_after_forward is not None and stage in (1, 2):
         raise ValueError(
             f"reshard_after_forward is a stage-3 option; stage {stage} keeps the full "
