@@ -20,7 +20,9 @@ script's ``dist.broadcast(p.data, 0)``) and pickling (``torch.save({n: p.data ..
 0 would write this rank's piece as the whole parameter). What is computed from it is a plain
 tensor, as from the piece itself. On both, a copy of a value of the whole parameter's shape
 (``p.copy_(sd[name])``, FSDP's loading loop over ``named_parameters()``) is refused naming
-``load_state_dict``, instead of torch's size mismatch.
+``load_state_dict``, instead of torch's size mismatch, and so is indexing by position
+(``m.weight[0].zero_()``): a position in the piece is not the parameter's. Every element and a
+boolean mask of the piece's shape are allowed.
 
 A random draw on the piece itself (``nn.init``'s initialisers, ``p.normal_()``) is refused:
 see :class:`ShardParam`. Its ``__torch_function__`` costs a Python call per torch call on a
@@ -178,12 +180,26 @@ def _refuse_on_piece(cls: type, func: Any, args: tuple, kwargs: dict) -> None:
         raise ValueError(_drawn_on_piece(func, first_among(cls, args, kwargs)))
     if is_collective(func):
         raise TypeError(_sent_piece(func, first_among(cls, args, kwargs)))
+    if func in _INDEXING and isinstance(args[0], cls) and not _elementwise(args[0], args[1]):
+        raise IndexError(_indexed_piece(args[0]))
     if func is Tensor.copy_ and len(args) > 1 and isinstance(args[0], cls):
         piece, src = args[0], args[1]
         whole = getattr(piece, SHAPE_ATTR, None)
         if isinstance(src, Tensor) and whole is not None and src.shape != piece.shape:
             if tuple(src.shape) == whole:
                 raise ValueError(_whole_into_piece(piece))
+
+
+_INDEXING = frozenset({Tensor.__getitem__, Tensor.__setitem__})
+
+
+def _elementwise(piece: Tensor, index: Any) -> bool:
+    """Whether ``index`` selects elements of the piece by what they hold, not where they sit:
+    every element (``...``, ``:``), or a boolean mask of the piece's shape."""
+    if isinstance(index, Tensor):
+        return index.dtype == torch.bool and index.shape == piece.shape
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in parts)
 
 
 def is_collective(func: Any) -> bool:
@@ -227,6 +243,19 @@ def _sent_piece(func: Any, piece: Tensor) -> str:
         "(copied when wrapping, as DDP copies them) and ends each step alike: drop the call. "
         "To change the whole parameter on every rank, write it inside "
         "`with model.gathered(modifier_rank=0):` (rank 0's edits reach every rank)."
+    )
+
+
+def _indexed_piece(piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"indexing {name}, this rank's piece of it (shape {tuple(piece.shape)}): a position "
+        "in the piece is not that position in the parameter (the piece's row 0 is this rank's "
+        "whole range of the flattened parameter), so the rows, columns or elements it would "
+        "read or write are other ones, different on each rank. Index the full parameter: the "
+        "module's attribute inside `with model.gathered(writeback=True):` (e.g. "
+        "emb.weight[pad_id].zero_()). Elementwise writes need no position: p[p.abs() < t] = 0 "
+        "(a mask of the piece's shape) is allowed."
     )
 
 

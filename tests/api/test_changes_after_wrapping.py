@@ -396,6 +396,53 @@ def test_a_random_initialiser_on_a_piece_is_refused_and_inside_gathered_initiali
         torch.testing.assert_close(state, dict(plain.state_dict()), atol=0, rtol=0)
 
 
+def _zero_first_rows(module: nn.Module) -> None:
+    """An initialiser that writes by position, as ``model.apply(fn)`` runs it."""
+    if isinstance(module, nn.Linear):
+        with torch.no_grad():
+            module.weight[0].zero_()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_indexing_a_piece_is_refused_and_inside_gathered_indexes_the_whole(stage: int) -> None:
+    """``model.apply(fn)`` after wrapping, with ``fn`` writing by position
+    (``m.weight[0].zero_()``), and reads by position (``p[0]``, ``p.data[:, :2]``): on a piece
+    a position is not the parameter's, so each is refused before it reads or writes, naming
+    ``gathered()`` (before: row 0 of each piece, another range on each rank, was zeroed without
+    a word). Inside ``gathered(writeback=True)`` the same ``apply`` zeroes each first row as on
+    the plain model; a mask of the piece's shape (magnitude pruning) writes elementwise, as on
+    the plain model."""
+    plain = copy.deepcopy(_net())
+    plain.apply(_zero_first_rows)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p[p.abs() < 0.1] = 0.0
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _wrap(pg, stage)
+        before = m.full_state_dict()
+        piece = m.b1.a.weight
+        for read in (
+            lambda: m.apply(_zero_first_rows),
+            lambda: piece[0],
+            lambda: piece.data[:, :2],
+        ):
+            with pytest.raises(IndexError) as raised:
+                read()
+            assert str(raised.value).startswith("indexing b1.a.weight, this rank's piece of it")
+            assert "with model.gathered(writeback=True):" in str(raised.value)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        with m.gathered(writeback=True):
+            m.apply(_zero_first_rows)
+        with torch.no_grad():
+            for p in m.parameters():
+                p[p.abs() < 0.1] = 0.0
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=0, rtol=0)
+
+
 def test_a_rank_raising_inside_gathered_writes_nothing_on_any_rank() -> None:
     def fn(rank: int, pg: ProcessGroup) -> None:
         m = _wrap(pg)
