@@ -10,9 +10,11 @@ ranks as threads, what DCP's state-dict functions and its ``async_save`` staging
 - ``get_model_state_dict`` / ``get_optimizer_state_dict`` show each piece as a ``DCPPiece`` of
   the whole tensor's shape whose rectangles, from both ranks, make up the whole model and
   optimizer state exactly (AdamW, Muon with AdamW, Adafactor: a parameter's owner alone shows
-  its state, the other rank the same names, empty); with ``full_state_dict=True`` (and
-  ``cpu_offload``) they return the whole tensors, equal to ``full_state_dict()`` and
-  ``full_optimizer_state_dict``, and ``set_*_state_dict`` loads such a whole state back;
+  its state, the other rank the same names, empty; SGD's momentum buffers, made from the
+  gradients, and Adagrad's sums, made by its constructor and shown before any step); with
+  ``full_state_dict=True`` (and ``cpu_offload``) they return the whole tensors, equal to
+  ``full_state_dict()`` and ``full_optimizer_state_dict``, and ``set_*_state_dict`` loads such
+  a whole state back;
 - ``async_save``'s stagers (``DefaultStager``, and ``BlockingAsyncStager``, which
   ``FileSystemWriter`` is) copy the pieces as pieces; staging ``model.state_dict()``'s pieces
   raises naming ``get_model_state_dict``;
@@ -78,7 +80,16 @@ def adafactor(params: Iterable[nn.Parameter]) -> Optimizers:
     return [torch.optim.Adafactor(params, lr=1e-2)]
 
 
-OPTIMIZERS = {"adamw": adamw, "muon": muon_adamw, "adafactor": adafactor}
+def sgd_momentum(params: Iterable[nn.Parameter]) -> Optimizers:
+    return [torch.optim.SGD(params, lr=0.1, momentum=0.9)]
+
+
+OPTIMIZERS = {
+    "adamw": adamw,
+    "muon": muon_adamw,
+    "adafactor": adafactor,
+    "sgd-momentum": sgd_momentum,  # its buffers start as clones of the gradients
+}
 
 
 torch.manual_seed(0)
@@ -170,6 +181,25 @@ def test_dcp_is_shown_each_rank_s_rectangles_of_the_true_tensors(kind: str) -> N
                     rebuilt[at] = box.double()
         assert results[0][2][name] == tuple(value.shape), name
         torch.testing.assert_close(rebuilt, value.double(), atol=0, rtol=0, msg=name)
+
+
+def test_state_made_before_the_first_step_is_shown_as_pieces_and_refuses_to_be_saved() -> None:
+    """Adagrad makes its ``sum`` in its constructor, so DCP takes its state without the step
+    by which it fills an empty one: each sum is still shown as a ``DCPPiece`` of the whole
+    parameter's shape (before: a plain tensor of the piece's shape, written as if whole), and
+    ``torch.save(optimizer.state_dict())`` is refused naming the calls that save the whole."""
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, tuple[int, ...]]:
+        model = wrapped(pg)
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5)
+        shown = get_optimizer_state_dict(model, optimizer)["state"]
+        assert all(isinstance(entry["sum"], DCPPiece) for entry in shown.values())
+        with pytest.raises(TypeError, match="full_optimizer_state_dict"):
+            torch.save(optimizer.state_dict(), io.BytesIO())
+        return {name: tuple(entry["sum"].shape) for name, entry in shown.items()}
+
+    want = {name: tuple(p.shape) for name, p in BASE.named_parameters()}
+    assert run_ranks(2, fn) == [want, want]
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adafactor"])

@@ -50,6 +50,7 @@ from .dcp_pieces import (
     refuse_tensor_parallel,
 )
 from .save_guard import guard_torch_save
+from .shard_grad import ShardGrad
 
 __all__ = ["PIECE_ATTR", "ShardPiece", "adopt_optimizer", "as_piece"]
 
@@ -275,10 +276,12 @@ def _scalar_keys(entries: Iterable[tuple[Tensor | None, dict[str, Any]]]) -> fro
 
 def _packed(value: Tensor) -> bool:
     """State an optimizer keeps in a tensor subclass of its own (a low-bit optimizer's
-    quantized state): only that optimizer reads it, so it is handed on as it is."""
+    quantized state): only that optimizer reads it, so it is handed on as it is. Not
+    shardwrap's own: state made from a gradient (SGD's momentum buffer, a clone of the first
+    gradient) is a :class:`ShardGrad`, a piece like any other."""
     return (
         isinstance(value, Tensor)
-        and not isinstance(value, ShardPiece | DCPPiece)
+        and not isinstance(value, ShardPiece | DCPPiece | ShardGrad)
         and (type(value) is not Tensor)
     )
 
@@ -329,6 +332,8 @@ def _marked(optimizer: Optimizer, state_dict: dict[str, Any], owns: Owns | None)
 
 def _shown(v: Tensor, full: tuple[int, ...], start: int, stop: int, dcp: bool) -> Tensor:
     """State tensor ``v`` as the piece ``[start, stop)`` of a tensor of shape ``full``."""
+    if isinstance(v, ShardGrad):
+        v = v.as_subclass(Tensor)
     return DCPPiece(v, full, start, stop) if dcp else as_piece(v, full, start, stop)
 
 

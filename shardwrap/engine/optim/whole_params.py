@@ -63,6 +63,7 @@ from torch.utils.hooks import RemovableHandle
 from ...comm.collectives import all_to_all
 from ...tiers.offload import HOME_ATTR, before_step
 from ...tiers.shard_param import raw_data, set_raw_data
+from .adoption import adopt_before_state_dicts
 from .loaded_state import check_held_state, watch
 from .pieces import PIECE_ATTR, adopt_optimizer
 from .shard_grad import as_shard_grad, shard_grad_owner
@@ -205,6 +206,7 @@ def install() -> None:
     global _models
     with _lock:
         if _models == 0:
+            adopt_before_state_dicts(stepped_whole)
             _handles.append(register_optimizer_step_pre_hook(_before_step))
             _handles.append(register_optimizer_step_post_hook(_after_step))
         _models += 1
