@@ -8,13 +8,15 @@ from torch import nn
 from ..engine.step.root import Phase, Root
 from .background import await_writes
 
-__all__ = ["wrapped_root", "writers_of"]
+__all__ = ["sharded_model", "wrapped_root", "writers_of"]
 
 
-def wrapped_root(model: nn.Module, caller: str) -> Root:
-    """``model``'s root, once it is idle and every save of its ranks still writing in the
-    background has ended; ``caller`` is entered on every rank alike."""
-    root = getattr(model, "_shardwrap_root", None)
+def wrapped_root(model: nn.Module, caller: str) -> tuple[nn.Module, Root]:
+    """The sharded model (``model``, or the model ``torch.compile(model)`` compiled) and its
+    root, once it is idle and every save of its ranks still writing in the background has
+    ended; ``caller`` is entered on every rank alike."""
+    model = sharded_model(model)
+    root = vars(model).get("_shardwrap_root")
     if not isinstance(root, Root):
         raise TypeError(
             f"{caller} takes a model wrapped with ShardedModule, got {type(model).__name__}"
@@ -25,7 +27,14 @@ def wrapped_root(model: nn.Module, caller: str) -> Root:
     root.check_state()
     await_writes(writers_of(root))
     root.schedule.enter(caller)
-    return root
+    return model, root
+
+
+def sharded_model(model: nn.Module) -> nn.Module:
+    """``model``, or for ``torch.compile(model)`` the model it compiled: its own names (the
+    compiled module's carry an ``_orig_mod.`` prefix) are the ones checkpoints hold."""
+    inner = model._modules.get("_orig_mod") if isinstance(model, nn.Module) else None
+    return inner if inner is not None and "_shardwrap_root" in vars(inner) else model
 
 
 def writers_of(root: Root) -> object:

@@ -273,7 +273,7 @@ def write_export(
     path: str | Path, model: nn.Module, max_shard_size: int | str, caller: str
 ) -> Path:
     """:func:`export`, its errors naming ``caller`` (``save_pretrained`` calls it too)."""
-    root = wrapped_root(model, "export")
+    model, root = wrapped_root(model, "export")
     limit = _parse_size(max_shard_size)
     target, tmp = Path(path), partial_path(Path(path))
     rank = root.mesh.rank
@@ -502,7 +502,7 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
         FileNotFoundError: no weights in ``path``, or a file named by the index is missing.
         ValueError: names (with ``strict``) or shapes that differ, or a corrupt file.
     """
-    root = wrapped_root(model, "load_pretrained")
+    model, root = wrapped_root(model, "load_pretrained")
     folder = Path(path)
     agree_path(root.mesh.control, root.mesh.control_device, "load_pretrained", folder)
     params = root.params

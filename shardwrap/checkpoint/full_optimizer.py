@@ -29,7 +29,7 @@ from ..engine.optim.dcp_pieces import register_full_optimizer_state
 from ..engine.optim.whole_params import stepped_whole
 from ..engine.shards.flat_group import FlatGroup
 from ..engine.step.root import Root
-from .entry import wrapped_root
+from .entry import sharded_model, wrapped_root
 from .files import agree
 from .optimizer_state import OptimizerPlan, names_by_id, plan_optimizer
 
@@ -59,7 +59,7 @@ def full_optimizer_state_dict(
             model's, state of an elementwise optimizer shaped neither like its piece nor as
             a scalar, LBFGS; or optimizer state whose keys differ across ranks (every rank).
     """
-    root = wrapped_root(model, "full_optimizer_state_dict")
+    model, root = wrapped_root(model, "full_optimizer_state_dict")
     mesh = root.mesh
     plan: OptimizerPlan | None = None
     work: Gathers = []
@@ -120,7 +120,8 @@ def load_full_optimizer_state_dict(
         ValueError: a state tensor shaped neither like its parameter nor like this rank's
             piece; groups of other sizes (as ``load_state_dict`` says).
     """
-    root = getattr(model, "_shardwrap_root", None)
+    model = sharded_model(model)
+    root = vars(model).get("_shardwrap_root")
     if not isinstance(root, Root):
         raise TypeError(
             "load_full_optimizer_state_dict takes a model wrapped with ShardedModule, got "

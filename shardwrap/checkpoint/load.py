@@ -94,7 +94,7 @@ def load_checkpoint(
             checkpoint saved without; an optimizer stepping whole parameters for state saved
             elementwise, or the reverse.
     """
-    root = wrapped_root(model, "load_checkpoint")
+    model, root = wrapped_root(model, "load_checkpoint")
     agree_path(root.mesh.control, root.mesh.control_device, "load_checkpoint", Path(path))
     optimizers = as_list(optimizer, "load_checkpoint")
     for o in optimizers if root.optimizers is not None else ():

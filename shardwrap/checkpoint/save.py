@@ -201,7 +201,7 @@ def save_checkpoint(
             (its thread, its group) raises on every rank if it fails on one. The checks above
             still raise at the call.
     """
-    root = wrapped_root(model, "save_checkpoint")
+    model, root = wrapped_root(model, "save_checkpoint")
     writers = writers_of(root)
     previous = previous_save(writers)  # waited for by wrapped_root
     control, device = root.mesh.control, root.mesh.control_device

@@ -360,7 +360,7 @@ def _dcp_entries() -> dict[CodeType, bool]:
     return _entries
 
 
-def dcp_call(depth: int = 8) -> DCPCall | None:
+def dcp_call(depth: int = 64) -> DCPCall | None:
     """Whether DCP asks for the state dict being made (a state-dict hook calls this), read from
     the ``depth`` frames above the hook's caller; ``None`` inside :func:`serving`."""
     if getattr(_serving, "on", False) or "torch.distributed.checkpoint" not in sys.modules:
@@ -426,5 +426,8 @@ def full_optimizer_state(
             "get_optimizer_state_dict(model, optimizer, options=...) or "
             "shardwrap.full_optimizer_state_dict(model, optimizer)"
         )
+    held = [m for m in model.modules() if "_shardwrap_root" in vars(m)]
+    if len(held) == 1:  # the model DCP was given holds it (or compiled it)
+        model = held[0]
     with serving():
         return _full_optimizer_state[0](model, optimizer, rank0_only)

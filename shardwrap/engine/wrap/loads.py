@@ -8,7 +8,9 @@ as on the unwrapped model) would compare each whole value's shape with the piece
 on the ranks whose piece is not the whole parameter (a rank holding a whole vector would load
 it, and the ranks would part ways). :func:`guard_submodule_loads` gives each module holding
 pieces a load pre-hook that cuts each whole value to this rank's piece (inside ``gathered()``
-also written into the full parameter), as the model's own ``load_state_dict`` does.
+also written into the full parameter), as the model's own ``load_state_dict`` does; it takes
+the pieces DCP loaded too, where DCP reached the model through another module
+(``torch.compile(model)``, a module holding it), which loads it module by module.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..optim.dcp_pieces import DCPPiece, local_pieces
+from ..optim.dcp_pieces import DCPPiece, local_piece, local_pieces
 from ..step.edits import write_through
 
-__all__ = ["SHARDS_OF", "guard_submodule_loads", "load_full", "load_state"]
+__all__ = [
+    "SHARDS_OF",
+    "StateDictKeysError",
+    "guard_submodule_loads",
+    "load_full",
+    "load_state",
+]
 
 # In ``state_dict()._metadata[""]``: whose shards the state dict holds, (shard rank, shard size).
 SHARDS_OF = "shardwrap_shards_of"
@@ -41,10 +49,13 @@ def load_state(model: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
             if (p := index.get(id(v))) is not None
         }
         state_dict = local_pieces(state_dict, ranges)
-    full, shard, neither = [], [], []
+    full, shard, neither, itself = [], [], [], []
     for key, value in state_dict.items():
         param = index.get(id(own.get(key)))
         if param is None or not isinstance(value, Tensor):
+            continue
+        if _is_itself(value, own[key]):  # DCP's stand-in for a key a full state lacks
+            itself.append(key)
             continue
         shape = tuple(value.shape)
         is_full, is_shard = shape == param.shape, shape == tuple(param.shard.shape)
@@ -66,9 +77,42 @@ def load_state(model: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
         )
     if shard:
         _check_own_shards(model, state_dict)
+    if full and itself:  # keep what DCP stood in with, as it is: the rest is a full state
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise _keys_error(model, missing, unexpected)
+        load_full(model, {k: v for k, v in state_dict.items() if k not in itself}, False)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
     if full:
         return load_full(model, state_dict, strict)
     return nn.Module.load_state_dict(model, state_dict, strict=strict)
+
+
+def _is_itself(value: Tensor, param: Tensor) -> bool:
+    """Whether ``value`` is the parameter's piece itself (its memory, its shape)."""
+    return value.shape == param.shape and value.data_ptr() == param.data_ptr()
+
+
+class StateDictKeysError(KeyError, RuntimeError):
+    """Keys missing from a full state dict, or unknown to the model, with ``strict``: a
+    ``KeyError`` naming them, and the ``RuntimeError`` torch's ``load_state_dict`` raises."""
+
+
+def _keys_error(model: Any, missing: list[str], unexpected: list[str]) -> StateDictKeysError:
+    """Named as torch names them (``Missing key(s) in state_dict: ...``), with the fix."""
+    said = [
+        f"{kind} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
+        for kind, keys in (("Unexpected", unexpected), ("Missing", missing))
+        if keys
+    ]
+    return StateDictKeysError(
+        f"load_full_state_dict: Error(s) in loading state_dict for {type(model).__name__}: "
+        + " ".join(said)
+        + " Pass the state dict of the same model class and configuration "
+        "(model.full_state_dict() or the unwrapped model's state_dict()), or "
+        "strict=False to load only the keys given."
+    )
 
 
 def _check_own_shards(model: Any, state_dict: Mapping[str, Any]) -> None:
@@ -94,12 +138,7 @@ def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
-        raise KeyError(
-            f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}. "
-            "Pass the state dict of the same model class and configuration "
-            "(model.full_state_dict() or the unwrapped model's state_dict()), or "
-            "strict=False to load only the keys given."
-        )
+        raise _keys_error(model, missing, unexpected)
     own = {k: v for k, v in own.items() if k in state_dict}
     index = root.param_of
     wrong = []
@@ -149,6 +188,11 @@ def _cut_whole_values(
             param = live.param_of.get(id(p))
             value = state_dict.get(prefix + attr)
             if param is None or not isinstance(value, Tensor):
+                continue
+            if isinstance(value, DCPPiece):  # DCP's load of a model it reached through another
+                piece = param.group.pieces[param.index]
+                shown = local_piece(value, param.shape, piece.start, piece.stop, prefix + attr)
+                state_dict[prefix + attr] = shown.reshape(p.shape)
                 continue
             if tuple(value.shape) != tuple(param.shape) or value is p:
                 continue  # a piece, or torch's own shape error

@@ -396,7 +396,11 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         if not keep:
             return {}
         return {
-            k: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
+            k: full[id(v)]
+            if id(v) in full
+            else v.detach().to("cpu", copy=True)
+            if isinstance(v, Tensor)
+            else v  # a module's get_extra_state(), as state_dict() gives it
             for k, v in nn.Module.state_dict(self, keep_vars=True).items()
         }
 
