@@ -35,7 +35,7 @@ from tests.support.launch import torchrun
 def test_dcp_saves_and_loads_exactly_at_every_stage_and_tier(tmp_path: Path) -> None:
     torchrun("tests/e2e/scripts/dcp_round_trip.py", str(tmp_path), nproc=2, timeout=400)
     result = json.loads((tmp_path / "result.json").read_text())
-    assert len(result["cases"]) == 8
+    assert len(result["cases"]) == 10
     for case, distances in result["cases"].items():
         assert distances == dict.fromkeys(distances, 0.0), case
         assert set(distances) == {"loaded", "losses", "resumed", "dcp_to_torch_save"}, case

@@ -62,6 +62,14 @@ def muon_adamw(params: list[nn.Parameter]) -> Optimizers:
     ]
 
 
+def sgd_momentum(params: list[nn.Parameter]) -> Optimizers:
+    return [torch.optim.SGD(params, lr=0.1, momentum=0.9)]  # buffers made from the gradients
+
+
+def adagrad(params: list[nn.Parameter]) -> Optimizers:
+    return [torch.optim.Adagrad(params, lr=0.1)]  # sums made by its constructor
+
+
 def adafactor(params: list[nn.Parameter]) -> Optimizers:
     return [torch.optim.Adafactor(params, lr=1e-2)]
 
@@ -135,6 +143,8 @@ CASES = [  # stage, disk tier, optimizers, save
     (2, False, adafactor, "save"),
     (3, True, adafactor, "async_save"),
     (3, False, muon_adamw, "stateful"),  # dcp.save({"model": model, ...}): the model itself
+    (2, False, sgd_momentum, "save"),
+    (3, False, adagrad, "async_save"),
 ]
 
 
