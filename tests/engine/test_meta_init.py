@@ -296,6 +296,66 @@ def test_a_grad_dtype_set_on_meta_parameters_survives_materialisation() -> None:
         torch.testing.assert_close(state, want, atol=0, rtol=0)
 
 
+def _tagged(model: nn.Module) -> nn.Module:
+    """Tags on parameters (Mamba's ``_no_weight_decay``, a per-parameter ``lr_scale``) and a
+    gradient hook halving one, set in the model's own code, before wrapping."""
+    for block in model.blocks:
+        block.ln_1.weight._no_weight_decay = True
+    model.lm_head.weight.lr_scale = 0.5
+    model.wpe.weight.register_hook(lambda g: g * 0.5)
+    return model
+
+
+def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if not getattr(p, "_no_weight_decay", False)]},
+        {"params": [p for p in params if getattr(p, "_no_weight_decay", False)], "weight_decay": 0},
+    ]
+
+
+def test_tags_and_hooks_on_meta_parameters_survive_materialisation() -> None:
+    """A model built on the meta device whose code tags parameters and hooks one: the wrapped
+    model's parameters carry the tags and the hook (before: materialisation made new
+    parameters without them, so weight-decay groups built from the tags took every parameter
+    and the hook never ran), and it trains at 2 ranks bit for bit as the same weights wrapped
+    from real tensors."""
+
+    def train(model: nn.Module, rank: int, pg: ProcessGroup | None) -> tuple:
+        start = model.full_state_dict()
+        assert sum(getattr(p, "_no_weight_decay", False) for p in model.parameters()) == 3
+        assert model.lm_head.weight.lr_scale == 0.5
+        losses = train_steps(
+            model,
+            rank,
+            2,
+            pg,
+            lambda _: torch.optim.AdamW(_decay_groups(model), lr=1e-2, weight_decay=0.5),
+            GPT_BATCHES,
+            gpt_loss,
+        )
+        return start, losses, model.full_state_dict()
+
+    meta = on_meta(GPT)
+    torch.manual_seed(SEED)
+
+    def from_meta(rank: int, pg: ProcessGroup) -> tuple:  # a deep copy drops the tags: after
+        model = _tagged(copy.deepcopy(meta))
+        return train(ShardedModule(model, process_group=pg, auto_wrap=Block), rank, pg)
+
+    runs = run_ranks(2, from_meta, timeout=TIMEOUT)
+    plain = GPT()
+    plain.load_state_dict(runs[0][0])
+
+    def from_real(rank: int, pg: ProcessGroup) -> tuple:
+        model = _tagged(copy.deepcopy(plain))
+        return train(ShardedModule(model, process_group=pg, auto_wrap=Block), rank, pg)
+
+    for (_, losses, state), (_, want_losses, want) in zip(runs, run_ranks(2, from_real)):
+        assert losses == want_losses
+        torch.testing.assert_close(state, want, atol=0, rtol=0)
+
+
 # memory ------------------------------------------------------------------------------
 
 

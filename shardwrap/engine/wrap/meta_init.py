@@ -284,9 +284,17 @@ def _stand_in(t: Tensor) -> Tensor:
 
 
 def _param_like(data: Tensor, p: Tensor) -> nn.Parameter:
-    """A parameter over ``data`` that trains as ``p`` does: ``requires_grad``, ``grad_dtype``."""
+    """A parameter over ``data`` that trains as ``p`` does: ``requires_grad``, ``grad_dtype``,
+    and what the user gave ``p`` (tags such as ``p._no_weight_decay``, gradient hooks)."""
     param = nn.Parameter(data, p.requires_grad)
     param.grad_dtype = p.grad_dtype
+    for key, value in vars(p).items():
+        if key != "_is_param":
+            setattr(param, key, value)
+    for hook in (p._backward_hooks or {}).values():
+        param.register_hook(hook)
+    for hook in (p._post_accumulate_grad_hooks or {}).values():
+        param.register_post_accumulate_grad_hook(hook)
     return param
 
 
