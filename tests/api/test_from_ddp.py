@@ -11,10 +11,10 @@ Proves, in process (the same script under ``torchrun`` against DDP itself:
   and shape-aware optimizers and at world size 1; in memory they load back (the optimizer's
   state plain again), and training then goes on exactly as if they had never been taken;
 - ``model.module`` is the model (a submodule named ``module`` stays reachable);
-- ``DistributedDataParallel(model)`` around it and ``copy.deepcopy(model)`` are refused, naming
-  the fix, DDP before its first collective; DDP around a module holding the sharded model is
-  refused at its first forward, on every rank, and one told to leave the sharded parameters
-  alone trains like the plain model;
+- ``DistributedDataParallel(model)`` around it is refused, naming the fix, before its first
+  collective (``copy.deepcopy(model)`` makes a sharded copy: ``test_copies.py``); DDP around a
+  module holding the sharded model is refused at its first forward, on every rank, and one
+  told to leave the sharded parameters alone trains like the plain model;
 - attributes set on parameters before wrapping (``p._no_weight_decay = True``) stay on them;
 - gradient hooks on parameters, registered before or after wrapping, see this rank's gradient
   of the whole parameter and change what is averaged, as under DDP, at every stage;
@@ -299,28 +299,6 @@ def test_ddp_told_to_leave_the_sharded_parameters_alone_trains_like_the_plain_mo
     for body, head in run_ranks(2, fn, timeout=30.0):
         torch.testing.assert_close(body, plain.body.state_dict(), atol=1e-6, rtol=0)
         torch.testing.assert_close(head, plain.head.state_dict(), atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_deepcopy_of_the_sharded_model_is_refused_naming_the_ways_to_copy(
-    world_size: int,
-) -> None:
-    """``ema = copy.deepcopy(model)`` after wrapping: refused with what to do instead (it was
-    pickling's "cannot pickle 'ProcessGroup' object", naming neither shardwrap nor a fix)."""
-    torch.manual_seed(0)
-    model = GPT()
-
-    def fn(rank: int, pg: ProcessGroup | None) -> None:
-        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
-        with pytest.raises(TypeError) as raised:
-            copy.deepcopy(m)
-        message = str(raised.value)
-        assert message.startswith("copy.deepcopy(model) of a ShardedModule")
-        assert "Copy the model before wrapping it" in message
-        assert "load model.full_state_dict() into it" in message
-        assert "[p.detach().clone() for p in model.parameters()]" in message
-
-    _run(world_size, fn)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

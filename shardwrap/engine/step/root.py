@@ -153,6 +153,7 @@ class Root:
         self.phase = Phase.IDLE
         self.keeping = 0  # keep_gathered() blocks entered
         self.gathered_depth = 0  # gathered() blocks entered (they nest)
+        self.copy_recipe: Any = None  # how the model was wrapped: engine/wrap/copies.py
         self.edit_marks: list[EditMark] | None = None  # inside gathered(): engine/step/edits.py
         self.keep_decided: bool | None = None  # ShardedModule.keep_gathered's, while inside
         # the units the previous forward kept for backward: its final bucket's, and the unit

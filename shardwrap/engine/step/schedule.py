@@ -93,6 +93,7 @@ CALLS = (
     "save_pretrained",
     "full_optimizer_state_dict",
     INF_CHECK,
+    "copy.deepcopy",
 )
 
 

@@ -3,12 +3,12 @@
 A script written for ``DistributedDataParallel`` changes its wrap line and keeps the rest:
 ``raw_model = model.module``, gradient accumulation by ``model.require_backward_grad_sync``,
 and a count of parameters. :class:`DDPHabits` gives :class:`ShardedModule` those names with
-DDP's meaning; ``docs/ddp.md`` lists the lines that must change, and why. Two lines a migrated
-script may keep would go wrong without a word, and are refused where they run, naming the fix:
+DDP's meaning; ``docs/ddp.md`` lists the lines that must change, and why. A line a migrated
+script may keep that would go wrong without a word is refused where it runs, naming the fix:
 ``DistributedDataParallel(model)`` around the sharded model (its start-up broadcast would
 overwrite every rank's pieces with rank 0's, and its all-reduce average pieces of different
-ranges) and ``copy.deepcopy(model)`` (an EMA copy, say: the copy would share the process group);
-``torch.save(model)`` of the model object is refused too, before the file is opened.
+ranges); ``torch.save(model)`` of the model object is refused too, before the file is opened.
+(``copy.deepcopy(model)`` makes a sharded copy: ``engine/wrap/copies.py``.)
 
 DDP around a module that holds a sharded model (``parent.body = ShardedModule(parent.body)``,
 then ``DDP(parent)``) cannot be refused as DDP is built: its constructor asks nothing of a child
@@ -84,18 +84,6 @@ class DDPHabits:
             "model.no_sync() and model.require_backward_grad_sync work as on DDP). To "
             "replicate over some ranks and shard over others, pass process_group= a "
             'DeviceMesh with dimensions ("replicate", "shard") (hybrid sharding).'
-        )
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """``copy.deepcopy(model)`` is refused: see the module's note."""
-        raise TypeError(
-            "copy.deepcopy(model) of a ShardedModule: its parameters are this rank's pieces, "
-            "tied to its process group, so a copy could neither gather them nor train. Copy "
-            "the model before wrapping it (and wrap the copy too, or keep it plain), or build "
-            "a plain copy and load model.full_state_dict() into it (called on every rank). "
-            "For an EMA of the weights, keep it per piece: "
-            "[p.detach().clone() for p in model.parameters()], updated elementwise after "
-            "each step, and swapped in with p.copy_() under torch.no_grad()."
         )
 
     def __copy__(self) -> Any:

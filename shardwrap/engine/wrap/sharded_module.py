@@ -48,6 +48,7 @@ from .checks import (
     unit_plan,
     warn_shadowed,
 )
+from .copies import CopyRecipe, plain_keys, sharded_copy
 from .ddp_habits import DDPHabits
 from .extensions import check_prepare, checkpoint_unit, class_habits
 from .from_fsdp import FSDPHabits, other_arguments, own_mixed_precision, own_offload
@@ -229,6 +230,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
                 copy_from_rank0(module, mesh, differ)
                 warn_copied(module, differ)
         home = make_home(offload, device, mesh.rank)
+        before = plain_keys(module)
         root = build_root(
             module,
             placement,
@@ -243,6 +245,20 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         )
         _make_sharded(module, root)
         guard_submodule_loads(module, root)
+        again = {
+            "auto_wrap": auto_wrap,
+            "process_group": process_group,
+            "device": device,
+            "stage": stage,
+            "reshard_after_forward": reshard_after_forward,
+            "mixed_precision": mixed_precision,
+            "checkpoint_activations": checkpoint_activations,
+            "compile": compile,
+            "offload": offload,
+            "compression": compression,
+            "bucket_mb": bucket_mb,
+        }
+        root.copy_recipe = CopyRecipe(again, before)
         guard_torch_save(ShardedModule, ShardParam, ShardData)  # refused before opening the file
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
@@ -256,6 +272,12 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Wrapping happens in ``__new__``; the wrapped module is already initialised."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedModule:
+        """``copy.deepcopy(model)`` (``AveragedModel(model)``, a teacher, a reference model): a
+        sharded copy, wrapped alike over the same ranks, holding the same values and training
+        on its own (``engine/wrap/copies.py``). Every rank copies."""
+        return sharded_copy(self, self._shardwrap_root, memo, ShardedModule)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model; a forward that fails on the shape of a parameter's piece (a

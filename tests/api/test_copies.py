@@ -1,0 +1,152 @@
+"""``copy.deepcopy`` of a sharded model: an EMA kept by torch's ``AveragedModel``, a copy that
+trains on its own (ties, frozen parameters, buffers and the user's tags kept), and the cases
+refused.
+
+Each copy is checked against the same use of a deep copy of the plain model, trained on the
+whole batch, at 2 ranks (stages 1-3): the EMA's weights and its evaluation outputs, the copy's
+weights after training apart from the original, and the original's left as they were.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_copies.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from shardwrap import Offload, ShardedModule
+from tests.support.models import GPT, Block, make_batch
+from tests.support.ranks import run_ranks
+from tests.support.tp import parallelize_gpt, run_mesh_ranks, tp_gpt
+
+WORLD = 2
+STAGES = [1, 2, 3]
+BATCHES = [make_batch(seed=s, batch=4) for s in range(3)]
+
+
+torch.manual_seed(0)
+BASE = GPT(tied=True)  # before any rank runs: ranks as threads share the default RNG
+
+
+def _gpt() -> GPT:
+    model = copy.deepcopy(BASE)
+    model.wpe.weight.requires_grad_(False)
+    model.lm_head.weight.tag = "decay"  # the user's tag on a (tied) parameter
+    return model
+
+
+def _sgd(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+def _state(m: Any) -> dict[str, Tensor]:
+    return m.full_state_dict() if isinstance(m, ShardedModule) else dict(m.state_dict())
+
+
+def _train_with_ema(m: Any, rank: int, world: int) -> tuple[dict[str, Tensor], Tensor]:
+    """SGD steps, each followed by an EMA update; the EMA's weights and its evaluation."""
+    ema = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    opt = _sgd(m)
+    for x, y in BATCHES:
+        m(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(m)
+    ema.eval()
+    with torch.no_grad():
+        logits = ema(BATCHES[0][0].chunk(world)[rank])
+    return _state(ema.module), logits
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_ema_kept_by_averaged_model_is_the_plain_models(stage: int) -> None:
+    """``AveragedModel(model)`` deep-copies the model: a sharded copy, updated piece by piece
+    after each step, whose weights and evaluation equal those of the plain model's EMA (before:
+    ``copy.deepcopy`` of a sharded model was refused)."""
+    want_state, want_logits = _train_with_ema(_gpt(), 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], Tensor]:
+        m = ShardedModule(_gpt(), auto_wrap=Block, process_group=pg, stage=stage)
+        return _train_with_ema(m, rank, WORLD)
+
+    for rank, (state, logits) in enumerate(run_ranks(WORLD, fn, timeout=60)):
+        torch.testing.assert_close(state, want_state, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits, want_logits.chunk(WORLD)[rank], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_copy_trains_apart_from_the_original(stage: int) -> None:
+    """A copy holds the original's values, its tie, its frozen parameter and the user's tag,
+    and trains on its own, as a copy of the plain model does; the original is left as it was."""
+    plain = _gpt()
+    before = copy.deepcopy(plain.state_dict())
+    twin = copy.deepcopy(plain)
+    opt = _sgd(twin)
+    for x, y in BATCHES:
+        twin(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        m = ShardedModule(_gpt(), auto_wrap=Block, process_group=pg, stage=stage)
+        c = copy.deepcopy(m)
+        assert type(c) is type(m) and isinstance(c, ShardedModule) and c is not m
+        assert c.lm_head.weight is c.wte.weight and c.lm_head.weight is not m.lm_head.weight
+        assert c.lm_head.weight.tag == "decay" and not c.wpe.weight.requires_grad
+        torch.testing.assert_close(c.full_state_dict(), m.full_state_dict(), atol=0, rtol=0)
+        opt = _sgd(c)
+        for x, y in BATCHES:
+            c(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict(), c.full_state_dict()
+
+    for original, copied in run_ranks(WORLD, fn, timeout=60):
+        torch.testing.assert_close(original, before, atol=0, rtol=0)
+        torch.testing.assert_close(copied, dict(twin.state_dict()), atol=1e-5, rtol=0)
+
+
+def test_a_copy_on_some_ranks_only_raises_on_every_rank() -> None:
+    """A copy made on rank 0 alone (inside ``if rank == 0:``) while rank 1 goes on to its
+    forward: both raise, naming where each is, instead of pairing their collectives."""
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = ShardedModule(_gpt(), auto_wrap=Block, process_group=pg)
+        x, y = BATCHES[0]
+        with pytest.raises(RuntimeError, match="ranks are at different steps") as raised:
+            if rank == 0:
+                copy.deepcopy(m)
+            else:
+                m(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+        return str(raised.value)
+
+    for message in run_ranks(WORLD, fn, timeout=60):
+        assert "copy.deepcopy" in message
+
+
+def test_a_copy_of_a_model_on_the_disk_tier_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    m = ShardedModule(_gpt(), auto_wrap=Block, offload=Offload(device="disk", path=tmp_path))
+    with pytest.raises(TypeError) as raised:
+        copy.deepcopy(m)
+    message = str(raised.value)
+    assert "on the disk tier" in message and "Copy the model before wrapping it" in message
+
+
+def test_a_copy_over_a_tensor_parallel_mesh_is_refused_naming_the_fix() -> None:
+    base = tp_gpt()
+
+    def fn(rank: int, mesh: DeviceMesh) -> None:
+        model = parallelize_gpt(copy.deepcopy(base), mesh["tp"])
+        m = ShardedModule(model, process_group=mesh, auto_wrap=Block)
+        with pytest.raises(TypeError, match="with tensor parallelism .* Copy the model before"):
+            copy.deepcopy(m)
+
+    run_mesh_ranks((2, 2), ("dp", "tp"), fn)
