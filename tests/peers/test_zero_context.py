@@ -8,8 +8,9 @@ Upstream (``deepspeedai/DeepSpeed``, ``tests/unit``): ``runtime/zero/test_zero_c
 ``v1/zero/test_zero_autocast.py``, ``runtime/zero/test_zero_autocast_mixed_dtype.py``,
 ``v1/zero/test_zero_user_backward.py``, ``v1/zero/test_zero2_offload_multi_backward.py``,
 ``runtime/zero/test_unwrap_model.py``, ``runtime/zero/test_zero_linear_direct_init.py``,
-``runtime/zero/test_zero_shared_loss_gradient.py``, ``v1/zero/test_zero_coalesce_grad_reduction.py``
-and ``v1/zero/test_zero_torch_func.py``.
+``runtime/zero/test_zero_shared_loss_gradient.py``,
+``v1/zero/test_zero_coalesce_grad_reduction.py``, ``v1/zero/test_zero_torch_func.py`` and
+``checkpoint/test_zero_optimizer.py``.
 Each test names the upstream test it mirrors and trains a plain deep copy of its model on the
 whole global batch beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and
 3, over several steps (``tests/support/peers.py``): SGD with momentum, parameters equal within
@@ -152,6 +153,38 @@ def test_edit_by_the_modifier_rank_reaches_every_rank(stage: int) -> None:
                     _edit(side.model)
         else:
             _edit(side.model)
+
+    assert_peer_parity(
+        Pair(),
+        stage=stage,
+        batches=REGRESSION,
+        step=plain_step(_pair_loss),
+        prepare=prepare,
+        auto_wrap=nn.Linear,
+    )
+
+
+def _loaded() -> dict[str, Tensor]:
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        return Pair().state_dict()
+
+
+@stages
+def test_a_load_by_the_modifier_rank_reaches_every_rank(stage: int) -> None:
+    """Mirrors checkpoint/test_zero_optimizer.py::TestZeROPPLoadCheckpoint::test_load_zeropp_model:
+    inside ``gathered(modifier_rank=0)`` rank 0 alone loads a state dict
+    (``model.module.load_state_dict(sd)``); on leaving, its weights are every rank's, and
+    training matches the plain model that loaded them."""
+    weights = _loaded()
+
+    def prepare(side: Side) -> None:
+        if side.sharded:
+            with side.model.gathered(modifier_rank=0):
+                if side.rank == 0:
+                    side.model.module.load_state_dict(weights)
+        else:
+            side.model.load_state_dict(weights)
 
     assert_peer_parity(
         Pair(),
