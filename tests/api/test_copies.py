@@ -132,6 +132,7 @@ def test_a_copy_on_some_ranks_only_raises_on_every_rank() -> None:
         assert "copy.deepcopy" in message
 
 
+@pytest.mark.stage3  # the disk tier is a stage-3 tier
 def test_a_copy_of_a_model_on_the_disk_tier_is_refused_naming_the_fix(tmp_path: Path) -> None:
     m = ShardedModule(_gpt(), auto_wrap=Block, offload=Offload(device="disk", path=tmp_path))
     with pytest.raises(TypeError) as raised:

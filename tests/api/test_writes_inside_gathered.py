@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 import shardwrap
-from shardwrap import ShardedModule
+from shardwrap import MixedPrecision, ShardedModule
 from tests.support.ranks import run_ranks
 
 WORLD = 2
@@ -296,3 +296,36 @@ def test_a_rank_raising_inside_a_nested_block_writes_nothing_back() -> None:
 
     for state in run_ranks(WORLD, fn, timeout=30):
         torch.testing.assert_close(state, _net().state_dict(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("writeback", [False, True])
+def test_a_forward_inside_gathered_under_mixed_precision_never_writes_rounded_values(
+    writeback: bool,
+) -> None:
+    """Under bfloat16 mixed precision a forward inside the block gathers its units again in
+    bfloat16. Inside ``gathered(writeback=True)`` that would replace the float32 full
+    parameters it writes back (before: every weight came back rounded to bfloat16, up to 8e-3
+    off, without a word): refused on every rank, naming the fix, writing nothing back. Inside
+    ``gathered()`` the forward runs and the weights stay as they were."""
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        m = ShardedModule(
+            copy.deepcopy(_net()),
+            process_group=pg,
+            auto_wrap=Block,
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        )
+        before = m.full_state_dict()
+        with torch.no_grad():
+            if writeback:
+                with pytest.raises(RuntimeError, match="Run the forward after the block"):
+                    with m.gathered(writeback=True):
+                        m.head.weight.fill_(1.0)
+                        m(_x(rank, WORLD))
+            else:
+                with m.gathered():
+                    m(_x(rank, WORLD))
+        return before, m.full_state_dict()
+
+    for before, after in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(after, before, atol=0, rtol=0)

@@ -175,6 +175,9 @@ class FlatGroup:
         # (the unit's lifetime: ``Unit.release_after_backward``).
         self.release_after_backward = False
         self.gathered_version = -1
+        # Inside ``gathered(writeback=True)``: the buffer holds the full parameters exactly, in
+        # the shards' dtype, to be written back; no gather may replace it in another dtype.
+        self.exact_only = False
         # 1-D uint8, codec.nbytes(padded/N): the shard as a compressed gather sent it, kept
         # for the unit's next gather (backward's, while the shard is unchanged), with the
         # shard's version and address when packed; dropped at the end of backward.
@@ -249,6 +252,16 @@ class FlatGroup:
         ``codec``; or with ``exact`` in the shards' own dtype, exactly. A plain gather joins
         ``batch`` where one is given (``comm/buckets.py``).
         """
+        if self.exact_only and not exact and self.compute_dtype != self.dtype:
+            raise RuntimeError(
+                f"shardwrap: a forward inside model.gathered(writeback=True) would gather "
+                f"{self.names[0]} and the rest of its unit again in the compute dtype "
+                f"({self.compute_dtype}, mixed precision), over the full parameters in "
+                f"{self.dtype} that the block writes back: their edits would be lost and "
+                "rounded values written back. Nothing was written back. Run the forward after "
+                "the block (the edits are in then), or inside a gathered() block without "
+                "writeback."
+            )
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.mark_gathered()
         # Writes into a buffer the shard is a slice of may count as writing the shard: the

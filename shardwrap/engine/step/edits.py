@@ -29,7 +29,9 @@ A load through the module (``load_state_dict`` and kin) inside the block writes 
 parameters as well as the pieces and marks its groups afresh (:func:`write_through`): it counts
 as an edit of the full parameters, so the block reads it and a ``modifier_rank``'s load reaches
 every rank. A block inside another keeps the units gathered; its write-back marks every group
-afresh for the outer block.
+afresh for the outer block. While a block writes back, no gather may replace a group's full
+parameters in another dtype (a forward under mixed precision): it raises instead, naming the
+fix, since the block would write back rounded values.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def gathered_block(root: Any, writeback: bool, modifier_rank: int | None) -> Ite
         root.keeping += 1  # a forward inside (generate()) leaves the units gathered
     if writeback and root.edit_marks is None:
         root.edit_marks = [_mark(g) for g in groups]
+        for g in groups:  # what is written back is never gathered again in another dtype
+            g.exact_only = True
     root.gathered_depth += 1
     raised = True
     try:
@@ -107,6 +111,8 @@ def gathered_block(root: Any, writeback: bool, modifier_rank: int | None) -> Ite
                 root.edit_marks = None
                 root.keeping -= 1
                 root.own_calls.paused = False
+                for g in groups:
+                    g.exact_only = False
                 for unit in root.units:
                     unit.reshard()
 
@@ -152,10 +158,10 @@ def _write_back(
     if not agreed.write:
         return
     if agreed.pieces_written:
-        clash = [
+        clash = [  # this rank's range edited: unlike the mark, and unlike the pieces now
             name
             for g, w, m in zip(groups, written, root.edit_marks)
-            if w and fingerprint(_own_range(g)) != m.print
+            if w and fingerprint(_own_range(g)) not in (m.print, fingerprint(g.shard))
             for name in g.names
         ]
         _agree_clash(root, clash)
