@@ -102,33 +102,39 @@ def _hf_dropped(model: nn.Module, state: dict[str, Tensor]) -> set[str]:
     return set(state) - set(remove_tied_weights_from_state_dict(dict(fake), model))
 
 
-def _model_names(model: nn.Module, keys: list[str], own: Mapping[str, Any]) -> dict[str, str]:
-    """Each saved key's name in the model: itself, or for a ``transformers`` model the name
-    its checkpoint renamings give it (since transformers 5 some models are saved under their
-    original checkpoint names, which ``from_pretrained`` renames as it loads). A key that
-    transformers would merge with others (a mixture of experts' per-expert weights) keeps its
-    own name: see :func:`_converted_names`."""
-    names = {k: k for k in keys}
+def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]] | None:
+    """A ``transformers`` model's checkpoint renamings and its converters (which merge saved
+    tensors into one, a mixture of experts' per-expert weights), as ``from_pretrained``
+    applies them since transformers 5; ``None`` for any other model."""
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return names
+        return None
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:  # a transformers without checkpoint conversions
-        return names
+        return None
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return renamings, [t for t in transforms if isinstance(t, WeightConverter)]
+
+
+def _model_names(model: nn.Module, keys: list[str], own: Mapping[str, Any]) -> dict[str, str]:
+    """Each saved key's name in the model: itself, or for a ``transformers`` model the name
+    its checkpoint renamings give it (some models are saved under their original checkpoint
+    names, which ``from_pretrained`` renames as it loads). A key that transformers would merge
+    with others keeps its own name: see :func:`_converted_names`."""
+    names = {k: k for k in keys}
+    conversions = _conversions(model)
+    if conversions is None:
+        return names
+    from transformers.core_model_loading import rename_source_key
+
     present = dict.fromkeys(own, True)
     prefix = getattr(model, "base_model_prefix", None) or None
     for k in keys:
         if k not in own:
-            renamed, merged = rename_source_key(k, renamings, converters, prefix, present)
+            renamed, merged = rename_source_key(k, *conversions, prefix, present)
             if merged is None:
                 names[k] = renamed
     return names
@@ -136,17 +142,10 @@ def _model_names(model: nn.Module, keys: list[str], own: Mapping[str, Any]) -> d
 
 def _converted_names(model: nn.Module) -> str:
     """Why a ``transformers`` model's own folder may still not match it: keys that
-    ``from_pretrained`` merges as it loads (a mixture of experts' per-expert weights into one
-    tensor), which ``load_pretrained`` does not. Empty for any other model."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return ""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
-    except ImportError:
-        return ""
-    if not any(isinstance(t, WeightConverter) for t in get_model_conversion_mapping(model)):
+    ``from_pretrained`` merges as it loads, which ``load_pretrained`` does not. Empty for any
+    other model."""
+    conversions = _conversions(model)
+    if conversions is None or not conversions[1]:
         return ""
     name = type(model).__name__
     return (

@@ -44,6 +44,7 @@ __all__ = [
     "SHAPE_ATTR",
     "ShardData",
     "ShardParam",
+    "copies_whole_into",
     "first_among",
     "is_collective",
     "raw_data",
@@ -182,12 +183,23 @@ def _refuse_on_piece(cls: type, func: Any, args: tuple, kwargs: dict) -> None:
         raise TypeError(_sent_piece(func, first_among(cls, args, kwargs)))
     if func in _INDEXING and isinstance(args[0], cls) and not _elementwise(args[0], args[1]):
         raise IndexError(_indexed_piece(args[0]))
-    if func is Tensor.copy_ and len(args) > 1 and isinstance(args[0], cls):
-        piece, src = args[0], args[1]
-        whole = getattr(piece, SHAPE_ATTR, None)
-        if isinstance(src, Tensor) and whole is not None and src.shape != piece.shape:
-            if tuple(src.shape) == whole:
-                raise ValueError(_whole_into_piece(piece))
+    if copies_whole_into(cls, func, args, SHAPE_ATTR):
+        raise ValueError(_whole_into_piece(args[0]))
+
+
+def copies_whole_into(cls: type, func: Any, args: tuple, shape_attr: str) -> bool:
+    """Whether ``func`` is ``Tensor.copy_`` of a value of the whole tensor's shape (the piece's
+    attribute ``shape_attr``) into a piece, an instance of ``cls`` of another shape."""
+    if func is not Tensor.copy_ or len(args) < 2 or not isinstance(args[0], cls):
+        return False
+    piece, src = args[0], args[1]
+    whole = getattr(piece, shape_attr, None)
+    return (
+        isinstance(src, Tensor)
+        and whole is not None
+        and src.shape != piece.shape
+        and tuple(src.shape) == tuple(whole)
+    )
 
 
 _INDEXING = frozenset({Tensor.__getitem__, Tensor.__setitem__})

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ...tiers.shard_param import first_among, is_collective
+from ...tiers.shard_param import copies_whole_into, first_among, is_collective
 from .dcp_pieces import (
     DCPPiece,
     dcp_call,
@@ -114,14 +114,7 @@ class ShardPiece(Tensor):
                 "(model.load_state_dict(full)), or edit inside "
                 "`with model.gathered(modifier_rank=0):`."
             )
-        if (
-            func is Tensor.copy_
-            and len(args) > 1
-            and isinstance(args[0], ShardPiece)
-            and isinstance(args[1], Tensor)
-            and args[1].shape != args[0].shape
-            and args[1].shape == getattr(args[0], "full_shape", None)
-        ):
+        if copies_whole_into(ShardPiece, func, args, "full_shape"):
             raise ValueError(
                 f"shardwrap: copy_ of a value of the whole tensor's shape into "
                 f"{args[0]._held()}, from a sharded model's state_dict(): its values are this "

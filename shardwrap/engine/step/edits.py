@@ -168,7 +168,8 @@ def _write_back(
     for g, w in zip(groups, written):
         if not w:
             g.write_back()
-    root.edit_marks = [_mark(g) for g in groups]
+    if root.gathered_depth:  # inside another block, which goes on from here
+        root.edit_marks = [_mark(g) for g in groups]
 
 
 def _own_range(g: FlatGroup) -> Tensor:
