@@ -32,6 +32,7 @@ piece: a for-loop AdamW step over 150 pieces of 50,000 elements took 18.4 ms ins
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TypeVar
 
 import torch
@@ -87,10 +88,17 @@ _DRAWS = frozenset(
     }
 )
 
+# The initialisers of ``torch.nn.init`` that read the tensor's shape and write without a draw
+# on it or a ``__torch_function__`` of their own (an identity through ``out=``, an orthogonal
+# matrix drawn elsewhere and copied in, a Dirac delta after zeroing): each asks ``dim()``
+# first, from its own code, and is known there by that code.
+_SHAPED_INITS = {f.__code__: f for f in (nn.init.eye_, nn.init.orthogonal_, nn.init.dirac_)}
+_DIM = frozenset({Tensor.dim, Tensor.ndimension})
+
 
 class ShardParam(nn.Parameter):
     """A shard parameter: a ``Parameter`` whose ``data`` writes count as writes to it (see the
-    module's note), and on which a random initialiser is refused.
+    module's note), and on which a random or shape-reading initialiser is refused.
 
     An initialiser run on a piece reads the piece's shape, ``(1, ..., n)``: a fan-based one
     (``kaiming_*``, ``xavier_*``) scales its draws by ``n`` instead of the parameter's fans,
@@ -179,6 +187,8 @@ def _refuse_on_piece(cls: type, func: Any, args: tuple, kwargs: dict) -> None:
     a whole parameter's value into it."""
     if func in _DRAWS:
         raise ValueError(_drawn_on_piece(func, first_among(cls, args, kwargs)))
+    if func in _DIM and (init := _SHAPED_INITS.get(sys._getframe(2).f_code)):  # the caller's
+        raise ValueError(_drawn_on_piece(init, first_among(cls, args, kwargs)))
     if is_collective(func):
         raise TypeError(_sent_piece(func, first_among(cls, args, kwargs)))
     if func in _INDEXING and isinstance(args[0], cls) and not _elementwise(args[0], args[1]):
@@ -235,13 +245,14 @@ def _drawn_on_piece(func: Any, piece: Tensor) -> str:
     module = getattr(func, "__module__", None)
     where = f"{module}.{func.__name__}" if module else f"Tensor.{func.__name__}"
     return (
-        f"{where} on {name}, this rank's piece of it (shape {tuple(piece.shape)}): a random "
+        f"{where} on {name}, this rank's piece of it (shape {tuple(piece.shape)}): an "
         "initialiser on a piece reads the piece's shape (nn.init's kaiming_* and xavier_* would "
-        "scale by it, not by the parameter's fans), and every rank's piece would draw the same "
-        "numbers. Initialise before wrapping (or build on the meta device and pass "
-        "param_init_fn=), or initialise the full parameters as module attributes inside "
-        "`with model.gathered(modifier_rank=0):` (e.g. nn.init.xavier_uniform_(block.attn.weight)"
-        "; model.parameters() stays the pieces there)."
+        "scale by it, not by the parameter's fans; eye_ and orthogonal_ would make the piece's "
+        "own matrix), and every rank's piece would draw the same numbers. Initialise before "
+        "wrapping (or build on the meta device and pass param_init_fn=), or initialise the "
+        "full parameters as module attributes inside `with model.gathered(modifier_rank=0):` "
+        "(e.g. nn.init.xavier_uniform_(block.attn.weight); model.parameters() stays the pieces "
+        "there)."
     )
 
 

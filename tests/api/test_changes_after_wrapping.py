@@ -358,6 +358,8 @@ INITIALISERS = {
     "normal_": lambda w, g: nn.init.normal_(w, std=0.02, generator=g),
     "uniform_": lambda w, g: nn.init.uniform_(w, -0.1, 0.1, generator=g),
     "Tensor.normal_": lambda w, g: w.normal_(generator=g),
+    "orthogonal_": lambda w, g: nn.init.orthogonal_(w, generator=g),
+    "eye_": lambda w, g: nn.init.eye_(w),
 }
 
 
@@ -369,7 +371,9 @@ def test_a_random_initialiser_on_a_piece_is_refused_and_inside_gathered_initiali
     """On a piece, shape ``(1, n)``, ``nn.init``'s fan-based initialisers would scale by ``n``
     and every rank's piece would draw the same numbers: refused before it writes, naming the
     parameter and the fix, also through ``.data`` (an initialiser written
-    ``self.weight.data.normal_()``, which drew on the pieces without a word). On the full
+    ``self.weight.data.normal_()``, which drew on the pieces without a word). So are
+    ``orthogonal_`` and ``eye_``, which draw nothing on the piece (they made each piece a
+    ``(1, n)`` matrix of their own, every rank's alike, without a word). On the full
     parameter inside ``gathered(modifier_rank=0)`` the same call initialises it as on the plain
     model (rank 0's draws on every rank)."""
     initialise = INITIALISERS[init]
@@ -390,6 +394,31 @@ def test_a_random_initialiser_on_a_piece_is_refused_and_inside_gathered_initiali
         with m.gathered(modifier_rank=0), torch.no_grad():
             w = m.b1.a.weight
             initialise(w.data if through_data else w, torch.Generator().manual_seed(7 + rank))
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=0, rtol=0)
+
+
+def test_dirac_on_a_piece_is_refused_before_it_zeroes_it() -> None:
+    """``nn.init.dirac_`` zeroes its tensor, then writes ones by position: on a convolution's
+    piece it zeroed the piece and then raised at its first positional write. Now refused before
+    anything is written, naming the fix; inside ``gathered(modifier_rank=0)`` it initialises
+    the full weight as on the plain model."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        conv = nn.Sequential(nn.Conv1d(4, 4, 3), nn.Conv1d(4, 2, 3))
+    plain = copy.deepcopy(conv)
+    nn.init.dirac_(plain[0].weight.data)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(conv), process_group=pg)
+        before = m.full_state_dict()
+        with pytest.raises(ValueError, match=r"torch\.nn\.init\.dirac_ on 0\.weight, this rank"):
+            nn.init.dirac_(m[0].weight)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        with m.gathered(modifier_rank=0), torch.no_grad():
+            nn.init.dirac_(m[0].weight)
         return m.full_state_dict()
 
     for state in run_ranks(WORLD, fn, timeout=30):
