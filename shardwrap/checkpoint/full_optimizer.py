@@ -67,7 +67,7 @@ def full_optimizer_state_dict(
     def prepare() -> int:
         nonlocal plan, work
         stepped_whole(optimizer)  # refuses LBFGS; from now its state_dict() hands out pieces
-        plan = plan_optimizer(model, optimizer)
+        plan = plan_optimizer(model, optimizer, "full_optimizer_state_dict")
         work = _pieces_by_group(root, plan)
         return _digest(work)
 

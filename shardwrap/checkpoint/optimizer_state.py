@@ -91,11 +91,18 @@ def names_by_id(model: nn.Module) -> dict[int, str]:
 
 
 def _is_scalar(value: Any) -> bool:
-    return (isinstance(value, Tensor) and value.ndim == 0) or isinstance(value, (int, float, bool))
+    """Whether ``value`` is kept as it is, alike on every rank: a 0-d tensor, a number, a
+    flag, or ``None`` (state an optimizer keeps empty until it needs it)."""
+    return (isinstance(value, Tensor) and value.ndim == 0) or isinstance(
+        value, (int, float, bool, type(None))
+    )
 
 
-def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerPlan:
-    """What this rank saves of ``optimizer``'s state, by parameter name.
+def plan_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, call: str = "save_checkpoint"
+) -> OptimizerPlan:
+    """What this rank saves of ``optimizer``'s state, by parameter name (for ``call``, which
+    the errors name).
 
     Raises:
         ValueError: a parameter that is not the model's; state of an optimizer stepping pieces
@@ -110,7 +117,7 @@ def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Optimi
         for p in group["params"]:
             if id(p) not in names:
                 raise ValueError(
-                    "save_checkpoint: the optimizer holds a parameter that is not one of the "
+                    f"{call}: the optimizer holds a parameter that is not one of the "
                     f"model's (shape {tuple(p.shape)}); build it from model.parameters() after "
                     "wrapping"
                 )
@@ -126,9 +133,10 @@ def plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Optimi
                 elif isinstance(value, Tensor) and value.shape == p.shape:
                     tensors[key] = value
                 else:
+                    shape = f" of shape {tuple(value.shape)}" if isinstance(value, Tensor) else ""
                     raise ValueError(
-                        f"save_checkpoint: optimizer state '{key}' of '{name}' is a "
-                        f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}, "
+                        f"{call}: optimizer state '{key}' of '{name}' is a "
+                        f"{type(value).__name__}{shape}, "
                         "neither shaped like the parameter nor a scalar; only elementwise "
                         "optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) and those that "
                         "step parameters whole (Muon, Adafactor, or declared with "
@@ -340,12 +348,10 @@ def optimizer_problem(saved: object) -> str | None:
         if not isinstance(entry, dict):
             return f'the scalar state of "{name}" must be a dict'
         for key, value in entry.items():
-            scalar = isinstance(value, (int, float)) or (
-                isinstance(value, torch.Tensor) and value.dim() == 0
-            )
-            if not scalar:
+            if not _is_scalar(value):
                 return (
-                    f'"{key}" of "{name}" is a {type(value).__name__}, not a number or a 0-d tensor'
+                    f'"{key}" of "{name}" is a {type(value).__name__}, not a number, a 0-d '
+                    "tensor or None"
                 )
     return None
 

@@ -30,6 +30,7 @@ import copy
 import functools
 import io
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -238,3 +239,38 @@ def _numel(state: Iterable[dict[str, Any]]) -> int:
     return sum(
         v.numel() for s in state for k, v in s.items() if isinstance(v, Tensor) and k != "step"
     )
+
+
+def test_none_in_the_optimizer_state_is_kept(tmp_path: Path) -> None:
+    """Mirrors FSDP1's test_fsdp_optim_state.py::test_state_dict_with_none_tensor_state: a
+    ``None`` among a parameter's optimizer state (kept empty until needed) is in the full
+    optimizer state dict as in the unwrapped optimizer's, and a checkpoint brings it back. Before,
+    both refused it, and ``full_optimizer_state_dict``'s message began ``save_checkpoint:``."""
+    ref, ref_opts = _reference(adamw, [2])
+    for o in ref_opts:
+        for state in o.state.values():
+            state["held"] = None
+    want = ref_opts[0].state_dict()
+    model = build()
+
+    def fn(rank: int, pg: ProcessGroup) -> list[dict[str, Any]]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        opts = adamw(m.parameters())
+        _step(m, opts, 2, rank, 0)
+        for state in opts[0].state.values():
+            state["held"] = None
+        full = shardwrap.full_optimizer_state_dict(m, opts[0])
+        shardwrap.save_checkpoint(tmp_path / "ckpt", m, opts[0])
+        fresh = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        loaded = adamw(fresh.parameters())
+        shardwrap.load_checkpoint(tmp_path / "ckpt", fresh, loaded[0])
+        assert all(s["held"] is None for s in loaded[0].state.values())
+        return full
+
+    for full in run_ranks(2, fn, timeout=60.0):
+        assert [s["held"] for s in full["state"].values()] == [None] * len(want["state"])
+        strip = {i: {k: v for k, v in s.items() if k != "held"} for i, s in full["state"].items()}
+        want_stripped = {
+            i: {k: v for k, v in s.items() if k != "held"} for i, s in want["state"].items()
+        }
+        torch.testing.assert_close(strip, want_stripped, atol=1e-5, rtol=0)
