@@ -40,6 +40,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
+    always_wrap_policy,
     lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
@@ -90,6 +91,12 @@ POLICIES = {
         functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, Block)),
         BLOCKS,
     ),
+    # Every module but the ModuleList of blocks (its blocks are units; it is iterated, never
+    # called, and would hold nothing): each a unit, as under FSDP.
+    "always": (
+        always_wrap_policy,
+        {n for n, _ in build_gpt(False).named_modules() if n and n != "blocks"},
+    ),
 }
 
 
@@ -108,9 +115,44 @@ def test_an_fsdp_auto_wrap_policy_selects_the_units_it_selects_there(name: str) 
     assert _unit_names(ShardedModule(build_gpt(False), auto_wrap=policy)) == want
 
 
-@pytest.mark.parametrize("name", ["transformer", "size-based"])
+@pytest.mark.parametrize("name", ["transformer", "size-based", "always"])
 def test_a_model_wrapped_by_an_fsdp_policy_trains_like_the_plain_model(name: str) -> None:
     assert_parity(build_gpt(True), 2, sgd, GPT_BATCHES, gpt_loss, auto_wrap=POLICIES[name][0])
+
+
+class _Buffers(nn.Module):
+    """Buffers only, read by the parent: no forward, no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Buffer(torch.full((5,), 0.5))
+
+
+class _WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)])
+        self.consts = _Buffers()
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x + self.consts.shift
+
+
+def test_a_policy_selecting_containers_that_would_hold_nothing_leaves_them_out() -> None:
+    """``always_wrap_policy`` also selects an ``nn.ModuleList`` whose layers it selects, and a
+    module of buffers without a forward: neither would hold a parameter, so neither is made a
+    unit (before, both were refused as containers whose forward is never called); a container
+    that would hold parameters of its own is still refused, naming the modules inside it."""
+    torch.manual_seed(0)
+    model = _WithBuffers()
+    x = torch.randn(3, 5)
+    sharded = ShardedModule(copy.deepcopy(model), auto_wrap=always_wrap_policy)
+    assert _unit_names(sharded) == {"layers.0", "layers.1"}
+    torch.testing.assert_close(sharded(x), model(x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="'layers' \\(ModuleList\\), a container whose forward"):
+        ShardedModule(copy.deepcopy(model), auto_wrap=lambda m: isinstance(m, nn.ModuleList))
 
 
 def test_a_policy_giving_a_module_options_of_its_own_is_refused_naming_it() -> None:

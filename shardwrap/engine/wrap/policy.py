@@ -231,7 +231,7 @@ def place_parameters(root: nn.Module, policy: Callable[[nn.Module], bool]) -> Pl
             if child is None:
                 continue
             child_chain = chain
-            if child is not root and policy(child):
+            if child is not root and policy(child) and _would_hold(child, policy):
                 if not has_forward(child):
                     raise ValueError(
                         f"auto_wrap selected '{prefix}{name}' ({type(child).__name__}), a "
@@ -249,6 +249,25 @@ def place_parameters(root: nn.Module, policy: Callable[[nn.Module], bool]) -> Pl
     for key, (name, p) in first_seen.items():
         placement.params[chains[key][-1]].append((name, p, slots[key]))
     return placement
+
+
+def _would_hold(module: nn.Module, policy: Callable[[nn.Module], bool]) -> bool:
+    """Whether ``module``, selected, would hold parameters of its own: a container without a
+    forward whose parameters all lie in selected modules (a policy that selects every module,
+    as FSDP's ``always_wrap_policy``, selects ``nn.ModuleList`` and the blocks in it alike) or
+    that holds none (a module of buffers) is not made a unit."""
+    if has_forward(module):
+        return True
+
+    def holds(m: nn.Module) -> bool:
+        if any(p is not None for p in m._parameters.values()):
+            return True
+        return any(
+            c is not None and not (policy(c) and has_forward(c)) and holds(c)
+            for c in m._modules.values()
+        )
+
+    return holds(module)
 
 
 def has_forward(module: nn.Module) -> bool:
