@@ -441,6 +441,73 @@ def test_buffer_computed_in_init_is_named() -> None:
         assert "order" not in model.state_dict()  # still a non-persistent buffer
 
 
+class Counted(nn.Linear):
+    """A linear layer whose ``reset_parameters`` writes values that depend on nothing random."""
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.copy_(torch.arange(self.weight.numel()).view_as(self.weight) / 10)
+            if self.bias is not None:
+                self.bias.fill_(0.5)
+
+
+def _counted() -> nn.Sequential:
+    return nn.Sequential(Counted(4, 6), nn.ReLU(), nn.Sequential(Counted(6, 6), Counted(6, 2)))
+
+
+@pytest.mark.parametrize("recurse", [False, True], ids=["own tensors", "whole subtree"])
+def test_param_init_fn_that_materialises_with_to_empty_initialises_like_plain(
+    recurse: bool,
+) -> None:
+    """FSDP's ``param_init_fn`` idiom, ``module.to_empty(device=...)`` then
+    ``module.reset_parameters()``: each unit initialises as the plain model does, on every
+    rank. With ``recurse`` (``to_empty`` on the root and every container) the other units'
+    tensors stay on meta: only the unit being built is real."""
+
+    def init(module: nn.Module) -> None:
+        module.to_empty(device="cpu", recurse=recurse)
+        if isinstance(module, Counted):
+            module.reset_parameters()
+
+    plain = _counted()
+    for state in wrap_on_ranks(on_meta(_counted), 2, auto_wrap=Counted, param_init_fn=init):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=0, rtol=0)
+
+
+def test_to_empty_then_nothing_written_is_named_on_every_rank() -> None:
+    """``to_empty()`` in a ``param_init_fn`` that then initialises only some modules: what it
+    left unwritten is named on every rank. Before, it kept whatever the new memory held
+    (``-2.15e+29``, different on each rank): most runs trained on it without a word, and one
+    rank raising alone left the other waiting."""
+
+    def linear_only(module: nn.Module) -> None:
+        module.to_empty(device="cpu")
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    meta_model = on_meta(lambda: nn.Sequential(nn.Linear(4, 4), Scale(4)))
+    with pytest.raises(AssertionError) as failed:
+        wrap_on_ranks(meta_model, 2, param_init_fn=linear_only)
+    message = str(failed.value)
+    assert "2 of 2 ranks failed" in message and "hung" not in message
+    assert message.count("parameter '1.gain' (in Scale)") == 2
+    assert "'0.weight'" not in message
+
+
+def test_param_init_fn_that_initialises_only_meta_tensors_is_told_why() -> None:
+    """FSDP's guarded idiom (materialise and reset only where the module's tensors are on
+    meta) finds them already real here, and initialises nothing: the error names that."""
+
+    def only_meta(module: nn.Module) -> None:
+        if any(t.is_meta for t in module.parameters(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+            module.reset_parameters()
+
+    with pytest.raises(ValueError, match="parameter '0.weight'") as failed:
+        ShardedModule(on_meta(_counted), param_init_fn=only_meta)
+    assert "only where tensors are meta" in str(failed.value)
+
+
 def test_initialiser_that_replaces_a_parameter_is_refused() -> None:
     def replace(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

@@ -19,6 +19,14 @@ near one unit whatever the size of the model. Per unit:
    where tying keeps the first module's parameter.
 3. Anything left unwritten raises ``ValueError`` on every rank, naming each tensor.
 
+An initialiser may materialise a module itself with ``module.to_empty(device=...)`` (FSDP's
+``param_init_fn`` idiom) before writing it. While initialisers run, ``to_empty`` leaves every
+tensor where it is: this unit's are real already (blank, or written by an initialiser that ran
+before: a container's ``to_empty`` after its children's initialisers), the other units' stay
+meta stand-ins however far it recurses. So what it then leaves unwritten is caught as above,
+instead of keeping whatever new memory held (different on each rank), and no other unit is
+materialised.
+
 Every rank initialises every unit in full from the same seed, which rank 0 draws from its
 default generator (:func:`agree_seed`), reseeded per unit: the full parameters are the same
 on every rank and at every world size.
@@ -26,12 +34,16 @@ on every rank and at every world size.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import CodeType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ...comm.collectives import Group, all_reduce, group_rank
 
@@ -208,7 +220,7 @@ class Materializer:
                 owner._parameters[attr] = p
             for _, m, key, b, _ in buffers:
                 m._buffers[key] = b
-            with _seeded(self.seed + index, self.device), torch.no_grad():
+            with _seeded(self.seed + index, self.device), torch.no_grad(), _ToEmptyKeeps():
                 for m in self._init_order(targets):
                     self._init_module(m)
             replaced = [n for n, p, slots in params if _held(slots[0]) is not p]
@@ -263,7 +275,11 @@ class Materializer:
         if self.param_init_fn is not None:
             fix = (
                 "param_init_fn(module) is called on every module, children first, and must "
-                "initialise that module's own parameters and buffers in place."
+                "initialise that module's own parameters and buffers in place. It is given the "
+                "module's tensors already on the device (NaN until written), not on meta: a "
+                "param_init_fn that materialises and initialises only where tensors are meta "
+                "(`if any(t.is_meta ...): module.to_empty(...); module.reset_parameters()`) "
+                "initialises nothing here; call the initialisers without that test."
             )
         else:
             fix = (
@@ -302,6 +318,24 @@ def _blank(t: Tensor, device: torch.device) -> Tensor:
     """A tensor like ``t`` on ``device``: NaN if floating (so unwritten values show), else 0."""
     fill = float("nan") if t.is_floating_point() or t.is_complex() else 0
     return torch.full(t.shape, fill, dtype=t.dtype, device=device)
+
+
+# The function ``Module.to_empty`` maps over the tensors (``torch.empty_like(t, device=...)``).
+_TO_EMPTY = next(
+    (c for c in nn.Module.to_empty.__code__.co_consts if isinstance(c, CodeType)), None
+)
+
+
+class _ToEmptyKeeps(TorchFunctionMode):
+    """While initialisers run, ``Module.to_empty`` gives each tensor back as it is (see the
+    module's note); every other call runs as usual."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        if func is torch.empty_like and sys._getframe(1).f_code is _TO_EMPTY:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def _held(slot: Slot) -> Tensor | None:
