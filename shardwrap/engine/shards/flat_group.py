@@ -162,6 +162,7 @@ class FlatGroup:
 
         self.views: list[Tensor] | None = None
         self.views_track_grad = False
+        self.shown = False  # whether the module attributes are the views (else the pieces)
         # Differentiable uses of the views whose backward has not run; at zero, backward is
         # done reading the gathered parameters (their gradients are not yet one flat tensor).
         self.splits_pending = 0
@@ -262,6 +263,8 @@ class FlatGroup:
                 "the block (the edits are in then), or inside a gathered() block without "
                 "writeback."
             )
+        # Views of the old values (a graph no backward ran, an evaluation's) are not the new.
+        self.drop_views()
         self.alloc_storage(self.dtype if exact else self.compute_dtype, apart=exact)
         self.mark_gathered()
         # Writes into a buffer the shard is a slice of may count as writing the shard: the
@@ -330,6 +333,7 @@ class FlatGroup:
                     module.__dict__[attr] = view
                 else:
                     module.__dict__.pop(attr, None)
+        self.shown = True
 
     def _hook_views(self) -> None:
         """Give each full parameter its shard parameter's gradient hooks (``p.register_hook``):
@@ -408,6 +412,14 @@ class FlatGroup:
         if self.views is None:
             return
         self.views = None
+        self.hide_views()
+
+    def hide_views(self) -> None:
+        """Let the module attributes fall back to the pieces, keeping the views (and the graph
+        they are in) for the next :meth:`make_views`."""
+        if not self.shown:
+            return
+        self.shown = False
         for slots in self.slots:
             for module, attr in slots:
                 module.__dict__.pop(attr, None)

@@ -171,6 +171,12 @@ class Unit:
         for g in self.groups:
             g.drop_views()
 
+    def hide_views(self) -> None:
+        """Let the module's attributes fall back to the pieces until the unit is used again,
+        keeping its buffers and views (backward may hold them)."""
+        for g in self.groups:
+            g.hide_views()
+
     def reshard(self) -> None:
         """Release the full buffers; the module's attributes fall back to the shards."""
         if self.state is ShardState.GATHERING:  # a buffer goes back to the pool only once landed

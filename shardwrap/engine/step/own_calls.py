@@ -53,7 +53,8 @@ class OwnCalls:
     def __init__(self, root: Driver, units: list[Unit]) -> None:
         self._root = root
         self.paused = False  # gathered() exposes exact full parameters: leave them be
-        self._called_alone: dict[int, list[Unit]] = {}  # id(module) -> units its call gathered
+        # id(module) -> the units its call gathered, and those it showed in full
+        self._called_alone: dict[int, tuple[list[Unit], list[Unit]]] = {}
         self._hooks: dict[int, list[RemovableHandle]] = {}  # id(module) -> its call hooks
         owners: dict[int, tuple[nn.Module, list[Unit]]] = {}
         for unit in units:
@@ -90,29 +91,34 @@ class OwnCalls:
                 return
             if grad:
                 root.saved.start(module)
-            gathered = []
+            gathered, shown = [], []
             for unit in units:
                 if unit.state is not ShardState.GATHERED or unit.is_stale:
                     gathered.append(unit)
                 if not ready(unit, grad):
                     root.ensure_gathered(unit, backward=False)
                     unit.use_full(grad)
-            self._called_alone[id(module)] = gathered
+                    shown.append(unit)
+            self._called_alone[id(module)] = (gathered, shown)
 
         return hook
 
     def _hook_post_call(self, units: list[Unit]) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             root = self._root
-            gathered = self._called_alone.pop(id(module), None)
-            if gathered is None:
+            called = self._called_alone.pop(id(module), None)
+            if called is None:
                 return
+            gathered, shown = called
             if module is root.saved.owner:
                 root.saved.stop()
             grad = torch.is_grad_enabled()
             for unit in gathered:
                 if unit is not root.root and root.release_after_forward(unit, grad) and root.idle:
                     unit.reshard()
+            if root.idle:  # outside forward a module's parameters are its pieces again
+                for unit in shown:
+                    unit.hide_views()
 
         return hook
 
@@ -124,8 +130,7 @@ def ready(unit: Unit, grad: bool) -> bool:
         unit.state is ShardState.GATHERED
         and not unit.is_stale
         and all(
-            g.views is not None and (g.views_track_grad or not (grad and g.requires_grad))
-            for g in unit.groups
+            g.shown and (g.views_track_grad or not (grad and g.requires_grad)) for g in unit.groups
         )
     )
 

@@ -282,6 +282,9 @@ class Root:
                 self._forward_kept = set()
             self.order.learn(backward=False)
             self.phase = Phase.IDLE
+            if not self.gathered_depth:  # outside forward a module's parameters are its pieces
+                for u in self.units:
+                    u.hide_views()
         return output
 
     def _backward_gathers_nothing(self) -> bool:
