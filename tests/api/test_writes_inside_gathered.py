@@ -1,6 +1,7 @@
 """Writes inside ``gathered()`` other than edits of the full parameters: loads (the model's,
 a submodule's), an optimizer step and ``load_checkpoint`` (which write the pieces), blocks
-nested in one another, and a whole value copied into a piece.
+nested in one another, a whole value copied into a piece; and whole gradients
+(``with_grads=True``) refused while gradients are unreduced or asked by some ranks only.
 
 Inside the block the module's attributes are the full parameters and ``model.parameters()``
 stays the pieces. A load through the module writes both, so a ``modifier_rank``'s load reaches
@@ -329,3 +330,56 @@ def test_a_forward_inside_gathered_under_mixed_precision_never_writes_rounded_va
 
     for before, after in run_ranks(WORLD, fn, timeout=30):
         torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+def _full(model: nn.Module, name: str) -> Tensor:
+    """The module attribute ``name`` names: inside ``gathered()``, the full parameter."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_whole_gradients_are_refused_while_gradients_are_unreduced(stage: int) -> None:
+    """``gathered(with_grads=True)`` after a backward under ``no_sync()``: each rank holds its
+    own unreduced gradients and no whole gradient exists, so every rank raises naming
+    ``no_sync()``, nothing changed; after the synced backward the block shows the reduced
+    gradients, equal to those of the plain model given both micro-batches."""
+    plain = copy.deepcopy(_net())
+    for micro in range(2):
+        plain(_x(0, 1)[micro * 4 : (micro + 1) * 4]).square().mean().backward()
+    want = {n: p.grad for n, p in plain.named_parameters()}
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _wrap(pg, stage)
+        x = _x(rank, WORLD)
+        with m.no_sync():
+            m(x[:2]).square().mean().backward()
+        with pytest.raises(RuntimeError, match=r"not yet reduced \(backward ran inside no_sync"):
+            with m.gathered(with_grads=True):
+                pass
+        m(x[2:]).square().mean().backward()
+        with m.gathered(with_grads=True):
+            return {n: _full(m, n).grad.clone() for n in want}
+
+    for got in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_with_grads_on_some_ranks_only_raises_on_every_rank() -> None:
+    """A rank entering ``gathered(with_grads=True)`` while another enters ``gathered()``
+    would gather gradients the other never sends: every rank raises at the block's handshake,
+    naming what each was doing, instead of waiting; ``with_grads`` other than a bool is a
+    ``TypeError`` before any collective."""
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = _wrap(pg, 3)
+        with pytest.raises(TypeError, match="with_grads"):
+            with m.gathered(with_grads="yes"):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(RuntimeError) as error:
+            with m.gathered(with_grads=rank == 0):
+                pass
+        return str(error.value)
+
+    for message in run_ranks(WORLD, fn, timeout=30):
+        assert "gathered(with_grads=True)" in message

@@ -1,10 +1,13 @@
 """Behaviours that PyTorch FSDP1's own suite asserts, ported to shardwrap.
 
-Upstream: ``test/distributed/fsdp/test_fsdp_apply.py`` (initialising through module
-attributes, here after an evaluation forward). Each test names the upstream test it mirrors
-and trains a plain deep copy of its model on the whole global batch beside a
-``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and 3, over several steps
-(``tests/support/peers.py``): SGD with momentum, parameters equal within 1e-5. 2 ranks.
+Upstream: ``test/distributed/fsdp/test_fsdp_unshard_params.py`` (whole gradients inside
+``summon_full_params(with_grads=True)``: ``gathered(with_grads=True)`` here) and
+``test_fsdp_apply.py`` (initialising through module attributes, here after an evaluation
+forward). Each test names the upstream test it mirrors and trains a plain deep copy of its
+model on the whole global batch beside a ``ShardedModule`` copy on each rank (its slice), at
+stages 1, 2 and 3, over several steps (``tests/support/peers.py``): SGD with momentum,
+parameters equal within 1e-5; plus each behaviour's own reads (whole gradients), equal within
+1e-5. 2 ranks unless a test says 4.
 
 Run: ``PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/peers/test_fsdp1.py -q
 -n 2`` (the whole tier: ``pytest -m peers -n 3``).
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tests.support.hybrid import hybrid_mesh
 from tests.support.peer_models import MLP
 from tests.support.peers import STAGES, Batch, Side, assert_peer_parity, make_batches
 
@@ -33,6 +37,100 @@ def _model() -> nn.Sequential:
 
 def _mse(side: Side, batch: Batch) -> Tensor:
     return F.mse_loss(side.model(side.local(batch[0])), side.local(batch[1]))
+
+
+def _attribute(model: nn.Module, name: str) -> Tensor:
+    """The module attribute ``name`` names (inside ``gathered()``, the full parameter)."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
+
+
+def _whole_grads(side: Side, writeback: bool = False) -> dict[str, Tensor | None]:
+    """Every parameter's whole gradient by name: the plain model's ``.grad``; on a sharded
+    model the module attributes' ``.grad`` inside ``gathered(with_grads=True)``, where the
+    test then zeroes each of them (an edit that must not reach the pieces)."""
+    names = [n for n, _ in side.model.named_parameters()]
+    if not side.sharded:
+        return {n: side.model.get_parameter(n).grad for n in names}
+    model = side.model
+    with model.gathered(with_grads=True, writeback=writeback):
+        full = {n: _attribute(model, n) for n in names}
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in full.items()}
+        for p in full.values():
+            if p.grad is not None:
+                p.grad.zero_()
+    for n, p in model.named_parameters():  # the pieces again, their gradients untouched
+        assert p.grad is None or p.grad.shape == p.shape, n
+    return grads
+
+
+@pytest.mark.parametrize("writeback", [False, True], ids=["read", "writeback"])
+@stages
+def test_whole_gradients_inside_gathered_with_grads(stage: int, writeback: bool) -> None:
+    """Mirrors test_fsdp_unshard_params.py::test_with_grads_core: after each backward, inside
+    ``gathered(with_grads=True)`` every full parameter's ``.grad`` is its whole gradient,
+    equal to the plain model's (as under DDP); editing it inside the block changes nothing
+    (the block's whole gradients are copies), with and without ``writeback``."""
+    batches = make_batches(3, (8, 6), (8, 6))
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        loss = _mse(side, batch)
+        loss.backward()
+        side.note("whole gradients", _whole_grads(side, writeback))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    assert_peer_parity(_model(), stage=stage, batches=batches, step=step, auto_wrap=MLP)
+
+
+@stages
+def test_no_whole_gradient_where_no_rank_has_one(stage: int) -> None:
+    """Mirrors test_fsdp_unshard_params.py::test_with_grads_none_grads: before the first
+    backward, and after ``zero_grad()`` (to ``None``), every full parameter's ``.grad`` inside
+    ``gathered(with_grads=True)`` is ``None``; a frozen parameter's stays ``None`` after
+    backward, as on the plain model."""
+    batches = make_batches(2, (8, 6), (8, 6))
+
+    def prepare(side: Side) -> None:
+        side.model[1][1].weight.requires_grad_(False)
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        side.note("before backward", _whole_grads(side))
+        loss = _mse(side, batch)
+        loss.backward()
+        side.note("after backward", _whole_grads(side))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    assert_peer_parity(
+        _model(), stage=stage, batches=batches, step=step, prepare=prepare, auto_wrap=MLP
+    )
+
+
+def test_whole_gradients_with_hybrid_sharding() -> None:
+    """test_with_grads_core's whole gradients on a 2 x 2 mesh (4 ranks): each shard group
+    gathers its pieces; the replicas' are alike."""
+    batches = make_batches(2, (8, 6), (8, 6))
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        loss = _mse(side, batch)
+        loss.backward()
+        side.note("whole gradients", _whole_grads(side))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    assert_peer_parity(
+        _model(),
+        stage=3,
+        batches=batches,
+        step=step,
+        world_size=4,
+        group=hybrid_mesh,
+        auto_wrap=MLP,
+    )
 
 
 def _init(module: nn.Module) -> None:

@@ -47,6 +47,7 @@ from torch import Tensor
 from ...comm.collectives import CommStats, all_reduce, broadcast
 from ...comm.mesh import Mesh
 from ..shards.flat_group import FlatGroup, views_of
+from .full_grads import WITH_GRADS, drop_full_grads, show_full_grads
 
 __all__ = [
     "Agreed",
@@ -74,14 +75,18 @@ class EditMark(NamedTuple):
 
 
 @contextmanager
-def gathered_block(root: Any, writeback: bool, modifier_rank: int | None) -> Iterator[None]:
+def gathered_block(
+    root: Any, writeback: bool, modifier_rank: int | None, with_grads: bool = False
+) -> Iterator[None]:
     """``root``'s (the model's :class:`~shardwrap.engine.step.root.Root`, which imports this
-    module) every unit gathered exactly and its full parameters exposed for the block; on exit,
-    with ``writeback``, the edits the ranks agree on written back (see the note). A block inside
+    module) every unit gathered exactly and its full parameters exposed for the block, with
+    their whole gradients as ``.grad`` where ``with_grads`` (``full_grads.py``); on exit, with
+    ``writeback``, the edits the ranks agree on written back (see the note). A block inside
     another leaves the units gathered; its own edits are written back at its exit, with
     ``writeback``."""
     root.check_state()
-    root.schedule.enter("gathered")  # the gathers below are paired by this one handshake
+    # the gathers below are paired by this one handshake
+    root.schedule.enter(WITH_GRADS if with_grads else "gathered")
     groups = [g for u in root.units for g in u.groups]
     outer = not root.gathered_depth
     if outer:
@@ -98,11 +103,15 @@ def gathered_block(root: Any, writeback: bool, modifier_rank: int | None) -> Ite
             g.exact_only = True
     root.gathered_depth += 1
     raised = True
+    shown: list[Tensor] = []
     try:
+        if with_grads:
+            shown = show_full_grads(root, groups)
         yield
         raised = False
     finally:
         root.gathered_depth -= 1
+        drop_full_grads(shown)
         try:
             if writeback:
                 _write_back(root, groups, raised, modifier_rank)

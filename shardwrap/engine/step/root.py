@@ -527,13 +527,16 @@ class Root:
 
     # outside forward -----------------------------------------------------------------
 
-    def gathered(self, writeback: bool, modifier_rank: int | None = None) -> Any:
-        """Gather every unit, expose full parameters, optionally write edits back: those every
-        rank made alike, or ``modifier_rank``'s (``engine/step/edits.py``)."""
+    def gathered(
+        self, writeback: bool, modifier_rank: int | None = None, with_grads: bool = False
+    ) -> Any:
+        """Gather every unit, expose full parameters (and their whole gradients), optionally
+        write edits back: those every rank made alike, or ``modifier_rank``'s
+        (``engine/step/edits.py``)."""
         self.settle()
         if self.phase is not Phase.IDLE:
             raise RuntimeError("shardwrap: gathered() cannot be entered during forward or backward")
-        return gathered_block(self, writeback, modifier_rank)
+        return gathered_block(self, writeback, modifier_rank, with_grads)
 
     @contextmanager
     def keep_gathered(self) -> Iterator[None]:

@@ -75,6 +75,7 @@ from ...comm.collectives import CommStats, all_reduce
 from ...comm.mesh import Mesh
 from ..optim.shard_grad import INF_CHECK, NORM
 from ..shards.unit import ShardState, Unit
+from .full_grads import WITH_GRADS
 from .reduce import Reductions
 
 __all__ = ["CALLS", "Schedule"]
@@ -94,6 +95,7 @@ CALLS = (
     "full_optimizer_state_dict",
     INF_CHECK,
     "copy.deepcopy",
+    WITH_GRADS,
 )
 
 

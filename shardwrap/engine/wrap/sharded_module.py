@@ -322,7 +322,10 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
 
     @contextmanager
     def gathered(
-        self, writeback: bool | None = None, modifier_rank: int | None = None
+        self,
+        writeback: bool | None = None,
+        modifier_rank: int | None = None,
+        with_grads: bool = False,
     ) -> Iterator[None]:
         """Make the full parameters readable (and, with ``writeback``, writable) outside forward.
 
@@ -337,13 +340,20 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
                 rank must make the same edits: they are compared on exit (one small all-reduce)
                 and, where a parameter differs across ranks, every rank raises ``ValueError``
                 naming it, writing nothing back.
+            with_grads: give each full parameter its whole gradient as ``.grad`` (averaged
+                over the ranks, as the unwrapped model's), gathered from the ranks' pieces:
+                memory of the whole model's gradients too. Read-only: edits to them are not
+                written back. Refused on every rank while gradients accumulated under
+                ``no_sync()`` are not yet reduced.
 
         Where a rank raises inside the block, no rank writes anything back (the others raise
         ``RuntimeError`` saying so).
         """
         root = self._shardwrap_root
         writeback = check_modifier_rank(modifier_rank, writeback, root.mesh)
-        with root.gathered(writeback, modifier_rank):
+        if not isinstance(with_grads, bool):
+            raise TypeError(f"gathered(with_grads=...) takes True or False, not {with_grads!r}")
+        with root.gathered(writeback, modifier_rank, with_grads):
             yield
 
     @contextmanager
