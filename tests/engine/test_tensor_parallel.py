@@ -331,19 +331,27 @@ def _split(mesh: DeviceMesh) -> nn.Module:
     return m
 
 
+def _replicated(mesh: DeviceMesh) -> nn.Module:
+    """``distribute_module`` without a partition function: every parameter replicated."""
+    from torch.distributed.tensor import distribute_module
+
+    return distribute_module(nn.Linear(4, 4), mesh["dp"])
+
+
 @pytest.mark.parametrize(
     ("build", "wrap", "words"),
     [
         (_partial, {}, "'weight': placed Partial"),
         (_uneven, {}, "dimension 0 of (3, 4) does not split into 2 equal blocks"),
         (_split, {"process_group": "dp"}, 'has no "tp" dimension'),
+        (_replicated, {"process_group": "dp"}, "replicated on every rank of its mesh"),
         (
             _split,
             {"offload": Offload(device="cpu")},
             "offload is not supported with tensor parallelism",
         ),
     ],
-    ids=["partial", "uneven", "no-tp-mesh", "offload"],
+    ids=["partial", "uneven", "no-tp-mesh", "replicated-no-tp", "offload"],
 )
 def test_what_cannot_be_sharded_is_refused_on_every_rank(
     build: Any, wrap: dict, words: str

@@ -145,8 +145,18 @@ def check_tensor_parallel(module: nn.Module, process_group: Any, options: dict[s
     if not dtensors:
         return
     if tp is None:
+        name, p = dtensors[0]
+        if _replicated_only(p):
+            raise ValueError(
+                f"ShardedModule: parameter '{name}' is a DTensor replicated on every rank of "
+                f"its mesh ({p.placements}: distribute_module or distribute_tensor without a "
+                "split), which no tensor parallelism needs and shardwrap does not keep. Make "
+                "the parameters plain tensors before wrapping (for each module, "
+                "module.register_parameter(name, nn.Parameter(p.to_local())), or build the "
+                "model without distribute_module): ShardedModule then shards them itself."
+            )
         raise ValueError(
-            f"ShardedModule: parameter '{dtensors[0][0]}' is a DTensor (tensor parallelism), "
+            f"ShardedModule: parameter '{name}' is a DTensor (tensor parallelism), "
             'but process_group has no "tp" dimension to keep it on. Pass the DeviceMesh that '
             'parallelize_module used the "tp" dimension of: mesh = init_device_mesh("cuda", '
             '(dp, tp), mesh_dim_names=("dp", "tp")); parallelize_module(model, mesh["tp"], '
@@ -169,6 +179,13 @@ def check_tensor_parallel(module: nn.Module, process_group: Any, options: dict[s
                 "shards would need the DTensor layout it does not keep). Leave it out, or train "
                 "without parallelize_module."
             )
+
+
+def _replicated_only(p: DTensor) -> bool:
+    """Whether ``p`` is replicated on every dimension of its mesh (split nowhere)."""
+    from torch.distributed.tensor import Replicate  # loaded: p is a DTensor
+
+    return all(type(placement) is Replicate for placement in p.placements)
 
 
 def _problem(p: DTensor, tp: DeviceMesh) -> str | None:
