@@ -375,6 +375,15 @@ FSDP_ARGUMENTS = {
         "mp_policy is FSDP's; write mixed_precision= (the same MixedPrecisionPolicy works); "
         "use_orig_params is FSDP's; drop it",
     ),
+    "ignored-states": (
+        {"ignored_states": []},
+        "ignored_states is FSDP's; no counterpart: keep what must stay unsharded outside",
+    ),
+    "device-mesh": ({"device_mesh": None}, "device_mesh is FSDP's; write process_group="),
+    "shard-placement-fn": (
+        {"shard_placement_fn": None},
+        "shard_placement_fn is FSDP's; no counterpart: each unit's parameters are sharded",
+    ),
     "unknown": ({"autowrap": Block}, "autowrap is not an argument of ShardedModule"),
 }
 

@@ -247,6 +247,11 @@ _COUNTERPARTS = {
     "backward_prefetch": "drop it: each unit's start issues the next unit's gather",
     "ignored_modules": "no counterpart: keep what must stay unsharded outside the wrapped model",
     "ignored_params": "no counterpart: keep what must stay unsharded outside the wrapped model",
+    "ignored_states": "no counterpart: keep what must stay unsharded outside the wrapped model",
+    "device_mesh": 'write process_group= (a DeviceMesh works; ("replicate", "shard") for hybrid '
+    "sharding)",
+    "shard_placement_fn": "no counterpart: each unit's parameters are sharded as one flat "
+    "buffer, evenly over the ranks",
 }
 
 _STRATEGIES = {
