@@ -1,13 +1,14 @@
 """Behaviours that PyTorch FSDP1's own suite asserts, ported to shardwrap.
 
 Upstream: ``test/distributed/fsdp/test_fsdp_unshard_params.py`` (whole gradients inside
-``summon_full_params(with_grads=True)``: ``gathered(with_grads=True)`` here) and
+``summon_full_params(with_grads=True)``: ``gathered(with_grads=True)`` here),
 ``test_fsdp_apply.py`` (initialising through module attributes, here after an evaluation
-forward). Each test names the upstream test it mirrors and trains a plain deep copy of its
-model on the whole global batch beside a ``ShardedModule`` copy on each rank (its slice), at
-stages 1, 2 and 3, over several steps (``tests/support/peers.py``): SGD with momentum,
-parameters equal within 1e-5; plus each behaviour's own reads (whole gradients), equal within
-1e-5. 2 ranks unless a test says 4.
+forward) and ``test_fsdp_use_orig_params.py`` (gradients written between backwards). Each
+test names the upstream test it mirrors and trains a plain deep copy of its model on the whole
+global batch beside a ``ShardedModule`` copy on each rank (its slice), at stages 1, 2 and 3,
+over several steps (``tests/support/peers.py``): SGD with momentum, parameters equal within
+1e-5; plus each behaviour's own reads (whole gradients), equal within 1e-5. 2 ranks unless a
+test says 4.
 
 Run: ``PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/peers/test_fsdp1.py -q
 -n 2`` (the whole tier: ``pytest -m peers -n 3``).
@@ -172,3 +173,32 @@ def test_apply_after_an_evaluation_forward(stage: int, before: str) -> None:
     assert_peer_parity(
         _model(), stage=stage, batches=batches, step=step, prepare=prepare, auto_wrap=MLP
     )
+
+
+@pytest.mark.parametrize("how", ["grad.data", "grad"])
+@stages
+def test_gradients_written_after_backward_accumulate_the_next_backward(
+    stage: int, how: str
+) -> None:
+    """Mirrors test_fsdp_use_orig_params.py::test_grad_writeback: after a backward, each
+    parameter's ``.grad`` is written (``p.grad.data = t`` or ``p.grad = t``, 2 everywhere); the
+    next backward, with no ``zero_grad()`` between, adds to what was written, as on the plain
+    model. Before, after ``p.grad.data = t`` it added into the memory ``.grad`` had left: the
+    whole gradient stayed 2.0 (0.29 off)."""
+    batches = make_batches(3, (8, 6), (8, 6))
+
+    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        loss = _mse(side, batch)
+        loss.backward()
+        for p in side.model.parameters():
+            if how == "grad.data":
+                p.grad.data = torch.full_like(p, 2.0)
+            else:
+                p.grad = torch.full_like(p, 2.0)
+        _mse(side, batch).backward()
+        side.note("whole gradients", _whole_grads(side))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    assert_peer_parity(_model(), stage=stage, batches=batches, step=step, auto_wrap=MLP)

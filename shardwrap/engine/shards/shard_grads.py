@@ -2,9 +2,10 @@
 
 Design note. A reduced gradient arrives as one flat shard (1-D, padded/N). Where every shard
 param takes a gradient and none has one, their ``.grad`` become views of it, with no copy;
-where they are still those views, the next one is added to it in one call; otherwise each
-piece is added to (or copied into) its own ``.grad``. The views are known weakly: once
-``zero_grad()`` drops them, their memory is freed.
+where they are still those views (the same tensors, over the same memory: ``p.grad.data = t``
+keeps the tensor and moves it off the buffer), the next one is added to it in one call;
+otherwise each piece is added to (or copied into) its own ``.grad``. The views are known
+weakly: once ``zero_grad()`` drops them, their memory is freed.
 
 Between a backward under ``no_sync`` and the synced one, a rank's accumulated gradients are
 unreduced, in the group's flat gradient, not in ``.grad``; on a plain model they are ``.grad``,
@@ -60,6 +61,7 @@ class ShardGrads:
         # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
         self._flat: Callable[[], Tensor | None] = _dead_ref
         self._views: list[Callable[[], Tensor | None]] = []
+        self._addresses: list[int] = []  # where each view's memory began when made
         # Per shard param, while the group holds unreduced gradients (``no_sync``): its
         # ``.grad`` (weakly) and that tensor's version when the last such backward ended, or
         # ``None`` where it is not among them; ``None`` with nothing unreduced.
@@ -105,7 +107,10 @@ class ShardGrads:
             and flat is not None
             and flat is not new
             and flat.dtype == new.dtype
-            and all(p.grad is not None and p.grad is v() for p, v in zip(params, self._views))
+            and all(
+                p.grad is not None and p.grad is v() and p.grad.data_ptr() == address
+                for p, v, address in zip(params, self._views, self._addresses)
+            )
         ):
             flat.add_(new)
         elif every and one_dtype and all(p.grad is None for p in params):
@@ -230,6 +235,7 @@ class ShardGrads:
             p.grad = v
         self._flat = weakref.ref(flat)
         self._views = [weakref.ref(v) for v in views]
+        self._addresses = [v.data_ptr() for v in views]
 
 
 def _dead_ref() -> None:
