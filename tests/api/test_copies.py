@@ -1,6 +1,7 @@
 """``copy.deepcopy`` of a sharded model: an EMA kept by torch's ``AveragedModel``, a copy that
 trains on its own (ties, frozen parameters, buffers and the user's tags kept), and the cases
-refused.
+refused; an ``AveragedModel`` inside the sharded model, updated where its pieces line up with
+the module's and refused where they do not.
 
 Each copy is checked against the same use of a deep copy of the plain model, trained on the
 whole batch, at 2 ranks (stages 1-3): the EMA's weights and its evaluation outputs, the copy's
@@ -80,6 +81,73 @@ def test_an_ema_kept_by_averaged_model_is_the_plain_models(stage: int) -> None:
     for rank, (state, logits) in enumerate(run_ranks(WORLD, fn, timeout=60)):
         torch.testing.assert_close(state, want_state, atol=1e-5, rtol=0)
         torch.testing.assert_close(logits, want_logits.chunk(WORLD)[rank], atol=1e-5, rtol=0)
+
+
+class Tracked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 9)
+        self.down = nn.Linear(9, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class WithAverage(nn.Module):
+    """A module and its EMA side by side in one model, as FSDP1's EMA test keeps them: train
+    the module, evaluate the average."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = Tracked()
+        self.ema = AveragedModel(self.module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.module(x) if self.training else self.ema(x)
+
+
+def _with_average() -> WithAverage:
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        return WithAverage()
+
+
+def _train_inside(m: nn.Module, rank: int, world: int) -> None:
+    opt = torch.optim.SGD(m.module.parameters(), lr=0.1)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(4))
+    for _ in range(3):
+        m(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        m.ema.update_parameters(m.module)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_average_inside_the_model_updates_where_its_pieces_line_up(stage: int) -> None:
+    """Mirrors FSDP1's test_fsdp_mixed_precision.py::test_train_ema_eval_flow: an
+    ``AveragedModel`` beside the module it follows, inside the sharded model. As units of their
+    own (laid out alike) the average equals the plain model's; in one unit their pieces cover
+    other ranges, and ``update_parameters`` raises on every rank naming the fixes, changing
+    nothing (before: torch's bare size mismatch, or, where two pieces' sizes agreed, elements
+    of one parameter blended into others of another)."""
+    plain = _with_average()
+    _train_inside(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        apart = ShardedModule(
+            _with_average(), process_group=pg, stage=stage, auto_wrap=(AveragedModel, Tracked)
+        )
+        _train_inside(apart, rank, WORLD)
+        together = ShardedModule(_with_average(), process_group=pg, stage=stage)
+        before = together.full_state_dict()
+        with pytest.raises(ValueError, match="are not held alike") as error:
+            together.ema.update_parameters(together.module)
+        assert "ema = AveragedModel(sharded_model)" in str(error.value)
+        torch.testing.assert_close(together.full_state_dict(), before, atol=0, rtol=0)
+        return apart.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=60):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("stage", STAGES)

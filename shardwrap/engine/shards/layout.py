@@ -103,6 +103,16 @@ class FlatLayout:
                 pieces.append(LocalPiece(start - offset, stop - offset, start - lo))
         return tuple(pieces)
 
+    @cached_property
+    def places(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per parameter, ``(rank, start, stop)`` for each rank holding part of it: where its
+        elements lie over the ranks, whatever else shares the buffer."""
+        by_rank = [self.local_pieces(r) for r in range(self.world_size)]
+        return tuple(
+            tuple((r, pcs[i].start, pcs[i].stop) for r, pcs in enumerate(by_rank) if pcs[i].numel)
+            for i in range(len(self.numels))
+        )
+
     def owners(self, index: int) -> tuple[tuple[int, LocalPiece], ...]:
         """The ranks that hold part of parameter ``index``, with the piece each holds."""
         offset, n = self.offsets[index], self.numels[index]

@@ -22,6 +22,7 @@ from ...comm.mesh import resolve_mesh
 from ...options import Compression
 from ...tiers.home import make_home
 from ...tiers.shard_param import ShardData, ShardParam
+from ..optim.averaged import guard_averaged_updates
 from ..optim.dcp_pieces import DCPPiece, dcp_call, refuse_tensor_parallel
 from ..optim.pieces import as_piece
 from ..optim.save_guard import guard_torch_save
@@ -260,6 +261,7 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         }
         root.copy_recipe = CopyRecipe(again, before)
         guard_torch_save(ShardedModule, ShardParam, ShardData)  # refused before opening the file
+        guard_averaged_updates()
         unit_modules = {id(u.module) for u in root.units}
         for unit in root.units[1:]:
             inner = (m for m in unit.module.modules() if m is not unit.module)
