@@ -109,8 +109,8 @@ def test_a_model_reports_its_forward_pass_and_phase(tmp_path: Path) -> None:
     assert root.whereabouts() == "after forward pass 1, outside forward and backward"
     save_checkpoint(tmp_path / "ckpt", model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert root.whereabouts() == (
-        "after forward pass 1, outside forward and backward; last call made by every rank: "
-        "save_checkpoint"
+        "after forward pass 1, outside forward and backward; last call begun here of those "
+        "every rank makes together: save_checkpoint"
     )
 
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from tests.support.hybrid import hybrid_mesh
 from tests.support.peer_models import MLP
-from tests.support.peers import STAGES, Batch, Side, assert_peer_parity, make_batches
+from tests.support.peers import STAGES, Batch, Side, Step, assert_peer_parity, make_batches
 
 pytestmark = pytest.mark.peers
 
@@ -65,14 +65,8 @@ def _whole_grads(side: Side, writeback: bool = False) -> dict[str, Tensor | None
     return grads
 
 
-@pytest.mark.parametrize("writeback", [False, True], ids=["read", "writeback"])
-@stages
-def test_whole_gradients_inside_gathered_with_grads(stage: int, writeback: bool) -> None:
-    """Mirrors test_fsdp_unshard_params.py::test_with_grads_core: after each backward, inside
-    ``gathered(with_grads=True)`` every full parameter's ``.grad`` is its whole gradient,
-    equal to the plain model's (as under DDP); editing it inside the block changes nothing
-    (the block's whole gradients are copies), with and without ``writeback``."""
-    batches = make_batches(3, (8, 6), (8, 6))
+def _noting_whole_grads(writeback: bool = False) -> Step:
+    """The usual step, noting every whole gradient between backward and the optimizer's step."""
 
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
         loss = _mse(side, batch)
@@ -82,6 +76,18 @@ def test_whole_gradients_inside_gathered_with_grads(stage: int, writeback: bool)
         opt.zero_grad()
         return loss
 
+    return step
+
+
+@pytest.mark.parametrize("writeback", [False, True], ids=["read", "writeback"])
+@stages
+def test_whole_gradients_inside_gathered_with_grads(stage: int, writeback: bool) -> None:
+    """Mirrors test_fsdp_unshard_params.py::test_with_grads_core: after each backward, inside
+    ``gathered(with_grads=True)`` every full parameter's ``.grad`` is its whole gradient,
+    equal to the plain model's (as under DDP); editing it inside the block changes nothing
+    (the block's whole gradients are copies), with and without ``writeback``."""
+    batches = make_batches(3, (8, 6), (8, 6))
+    step = _noting_whole_grads(writeback)
     assert_peer_parity(_model(), stage=stage, batches=batches, step=step, auto_wrap=MLP)
 
 
@@ -114,20 +120,11 @@ def test_whole_gradients_with_hybrid_sharding() -> None:
     """test_with_grads_core's whole gradients on a 2 x 2 mesh (4 ranks): each shard group
     gathers its pieces; the replicas' are alike."""
     batches = make_batches(2, (8, 6), (8, 6))
-
-    def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
-        loss = _mse(side, batch)
-        loss.backward()
-        side.note("whole gradients", _whole_grads(side))
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     assert_peer_parity(
         _model(),
         stage=3,
         batches=batches,
-        step=step,
+        step=_noting_whole_grads(),
         world_size=4,
         group=hybrid_mesh,
         auto_wrap=MLP,

@@ -243,13 +243,18 @@ class Schedule:
     def whereabouts(self, phase: str) -> str:
         """This rank's step and ``phase`` ("forward", "backward", "idle"), for the message of
         a collective that failed: the count of forward passes begun, and outside forward and
-        backward the last call every rank made together since the pass began."""
+        backward the last call this rank began of those every rank makes together (a save, a
+        load, ...) since the pass began: the others may not have begun it."""
         if phase == "forward":
             return f"in forward pass {self.passes}"
         if phase == "backward":
             return f"in the backward of forward pass {self.passes}"
         passes, call = self._entered
-        since = f"; last call made by every rank: {CALLS[call]}" if passes == self.passes else ""
+        since = (
+            f"; last call begun here of those every rank makes together: {CALLS[call]}"
+            if passes == self.passes
+            else ""
+        )
         if self.passes == 0:
             return f"before the first forward pass{since}"
         return f"after forward pass {self.passes}, outside forward and backward{since}"
