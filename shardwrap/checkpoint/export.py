@@ -274,7 +274,8 @@ def write_export(
     """:func:`export`, its errors naming ``caller`` (``save_pretrained`` calls it too)."""
     model, root = wrapped_root(model, "export")
     limit = _parse_size(max_shard_size)
-    target, tmp = Path(path), partial_path(Path(path))
+    target = agree_path(root.mesh.control, root.mesh.control_device, caller, path)
+    tmp = partial_path(target)
     rank = root.mesh.rank
     params = root.params
     state = nn.Module.state_dict(model, keep_vars=True)
@@ -502,8 +503,7 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
         ValueError: names (with ``strict``) or shapes that differ, or a corrupt file.
     """
     model, root = wrapped_root(model, "load_pretrained")
-    folder = Path(path)
-    agree_path(root.mesh.control, root.mesh.control_device, "load_pretrained", folder)
+    folder = agree_path(root.mesh.control, root.mesh.control_device, "load_pretrained", path)
     params = root.params
     buffers = persistent_buffers(model, params)
     state = nn.Module.state_dict(model, keep_vars=True)

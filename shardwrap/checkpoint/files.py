@@ -35,6 +35,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -310,12 +311,30 @@ def agree(
     raise raised
 
 
-def agree_path(group: Group, device: torch.device, what: str, path: Path) -> None:
-    """Raise on every rank unless every rank passed the same ``path`` (as written, not
-    resolved), in one small exchange: ranks given different paths would each write or read a
-    different checkpoint."""
-    digest = int.from_bytes(hashlib.blake2b(str(path).encode(), digest_size=7).digest(), "big")
-    seen = agree(group, device, what, lambda: digest)
+def agree_path(group: Group, device: torch.device, what: str, path: object) -> Path:
+    """``path`` as a ``Path``, once every rank passed the same one (as written, not resolved)
+    and a usable one, in one small exchange: ranks given different paths would each write or
+    read a different checkpoint, and an empty one is the working folder.
+
+    Raises:
+        TypeError, ValueError: on every rank, where some rank's path is neither a ``str`` nor
+            an ``os.PathLike``, or is empty (raised there; the others name that rank), or the
+            ranks' paths differ.
+    """
+
+    def digest() -> int:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"{what}: path must be a folder's path (a str or a pathlib.Path), got {path!r}"
+            )
+        if not os.fspath(path):
+            raise ValueError(
+                f"{what}: the path is empty, which would be the working folder itself; pass "
+                "the checkpoint's own folder, e.g. 'checkpoints/step-1000'"
+            )
+        return int.from_bytes(hashlib.blake2b(str(path).encode(), digest_size=7).digest(), "big")
+
+    seen = agree(group, device, what, digest)
     if len(set(seen)) > 1:
         raise ValueError(
             f"{what}: the ranks passed different paths ({len(set(seen))} over {len(seen)} "
@@ -323,6 +342,7 @@ def agree_path(group: Group, device: torch.device, what: str, path: Path) -> Non
             "or reads its own files inside it: build the path from what every rank shares (the "
             "step), not from the rank."
         )
+    return Path(cast("str | os.PathLike[str]", path))  # checked in digest()
 
 
 def _exchange(group: Group, device: torch.device, value: int, error: Exception | None) -> list[int]:

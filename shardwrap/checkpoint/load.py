@@ -95,7 +95,7 @@ def load_checkpoint(
             elementwise, or the reverse.
     """
     model, root = wrapped_root(model, "load_checkpoint")
-    agree_path(root.mesh.control, root.mesh.control_device, "load_checkpoint", Path(path))
+    path = agree_path(root.mesh.control, root.mesh.control_device, "load_checkpoint", path)
     optimizers = as_list(optimizer, "load_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now

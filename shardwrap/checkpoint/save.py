@@ -207,7 +207,7 @@ def save_checkpoint(
     control, device = root.mesh.control, root.mesh.control_device
     if previous is not None:
         raise_unseen(previous, control, device, "save_checkpoint")
-    agree_path(control, device, "save_checkpoint", Path(path))
+    path = agree_path(control, device, "save_checkpoint", path)
     optimizers = as_list(optimizer, "save_checkpoint")
     for o in optimizers if root.optimizers is not None else ():
         root.optimizers.add(o)  # its steps get the offload tier's hook from now

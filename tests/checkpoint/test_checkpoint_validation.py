@@ -44,6 +44,7 @@ from shardwrap import (
     save_checkpoint,
 )
 from shardwrap.checkpoint.checksum import buffer_checksum
+from shardwrap.checkpoint.files import PeerFailed
 from tests.support.models import GPT, Block
 from tests.support.ranks import run_ranks
 
@@ -146,6 +147,36 @@ def test_a_path_that_differs_across_ranks_is_refused_on_every_rank(
 
     run_ranks(2, fn, timeout=30.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "tag"]
+
+
+def test_an_empty_or_missing_path_is_refused_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``save_checkpoint("")`` would have been the working folder (a save from an empty one
+    tried to rename it aside: ``OSError: Device or resource busy``), ``None`` gave Python's bare
+    ``TypeError``: a save, a load, an export and a ``load_pretrained`` given an empty path or
+    ``None`` on one rank raise on every rank, naming it, before anything is written; the
+    working folder is left empty."""
+    torch.manual_seed(0)
+    model = GPT()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        for bad, error, words in (("", ValueError, "the path is empty"), (None, TypeError, "None")):
+            for call in (save_checkpoint, load_checkpoint, export, load_pretrained):
+                path = bad if rank == 1 else work / "ckpt"
+                with pytest.raises((error, PeerFailed)) as info:
+                    call(path, m)
+                if rank == 1:
+                    assert isinstance(info.value, error) and words in str(info.value)
+                else:
+                    assert "rank(s) [1]" in str(info.value)
+
+    run_ranks(2, fn, timeout=30.0)
+    assert list(work.iterdir()) == []
 
 
 # options ----------------------------------------------------------------------------------
