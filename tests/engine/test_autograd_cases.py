@@ -621,7 +621,8 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
 def test_a_transform_that_refuses_saved_tensor_hooks_is_refused_and_training_goes_on(
     world_size: int,
 ) -> None:
-    """``torch.func.grad`` (and ``vmap`` over it) and a forward under
+    """``torch.func.grad`` (and ``vmap`` over it, or over a forward with gradients: torch's
+    bare ``setup_context`` error before) and a forward under
     ``disable_saved_tensors_hooks`` refuse the saved-tensor hooks a sharded model keeps its
     gathered parameters' saved views with: each raises shardwrap's error naming the ways to
     take gradients, and the model is left as it was, so the plain steps that follow train as
@@ -647,6 +648,12 @@ def test_a_transform_that_refuses_saved_tensor_hooks_is_refused_and_training_goe
                 torch.func.grad(lambda inp: m(inp).sum())(xs)
             with pytest.raises(RuntimeError, match=fix):
                 torch.func.vmap(torch.func.grad(lambda row: m(row).sum()))(xs)
+            with pytest.raises(RuntimeError, match=fix):
+                torch.func.vmap(lambda row: m(row.unsqueeze(0)))(xs)
+            with torch.no_grad():
+                torch.testing.assert_close(
+                    torch.func.vmap(lambda row: m(row.unsqueeze(0)))(xs).squeeze(1), m(xs)
+                )
             with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
                 with pytest.raises(RuntimeError, match=r"refused \(not here\)"):
                     m(xs)

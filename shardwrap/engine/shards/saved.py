@@ -52,10 +52,11 @@ _REFUSED = (
     "shardwrap: a forward with gradients of a sharded model where saved-tensor hooks are "
     "refused ({said}): between a unit's forward and its backward its gathered parameters go "
     "back to a pool, and the model keeps what autograd saves of them through such hooks. "
-    "torch.func's transforms (grad, vjp, jacrev, vmap over a gradient) and "
+    "torch.func's transforms (grad, vjp, jvp, jacrev, jacfwd, vmap) and "
     "torch.autograd.graph.disable_saved_tensors_hooks refuse them. Take gradients with "
     "loss.backward(), or torch.autograd.grad(loss, inputs) for inputs' (a gradient penalty "
-    "with create_graph=True works); run a forward without gradients under torch.no_grad(). "
+    "with create_graph=True works); run a forward without gradients under torch.no_grad() "
+    "(torch.func.vmap works there). "
     "The model is left as it was: training goes on."
 )
 
@@ -78,6 +79,8 @@ class SavedViews:
         """Save views of gathered buffers by address until ``owner``'s call returns, unless an
         enclosing call already does."""
         if self.owner is None:
+            if torch._C._are_functorch_transforms_active():  # vmap would fail inside, unnamed
+                raise RuntimeError(_REFUSED.format(said="a torch.func transform is active"))
             # Weakly: the graph holds these hooks, and a graph nobody runs backward through
             # may live on in torch's cycles; it must not keep the model alive.
             ref = weakref.ref(self)
