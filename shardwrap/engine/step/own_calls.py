@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..shards.eager import eager
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
-from .eager import eager
 
 __all__ = ["Driver", "OwnCalls", "piece_hint", "ready"]
 

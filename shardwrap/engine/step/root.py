@@ -45,13 +45,13 @@ from ...options import Compression, MixedPrecision
 from ...tiers.home import Home
 from ...tiers.offload import before_step
 from ..optim.step_hooks import OptimizerHooks
+from ..shards.eager import eager
 from ..shards.param_index import Param, index_params
 from ..shards.pool import BufferPool
 from ..shards.profile import label
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 from .buffers import SharedBuffers
-from .eager import eager
 from .edits import EditMark, gathered_block
 from .order import ExecutionOrder, unit_index
 from .own_calls import OwnCalls

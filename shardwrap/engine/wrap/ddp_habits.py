@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..step.eager import eager
+from ..shards.eager import eager
 from ..step.root import Root
 
 __all__ = ["DDPHabits", "refuse_ddp_outside"]
