@@ -5,9 +5,10 @@ environment work end to end, with parameter parity against a plain model trained
 whole global batch, at stages 2 and 3, hybrid sharding over a 2 x 2 ``DeviceMesh``, and the
 shape-aware optimizers Muon and Adafactor (against gradient accumulation over the slices), and
 compressed communication (int8 gathers and reductions, each step checked against the formats'
-bounds in the ranks themselves, ``tests/support/compression.py``), and ``torch.compile(model)`` of
-the wrapped model (its hooks outside the graphs). The parity cases with the same
-number of ranks share one launch. Run:
+bounds in the ranks themselves, ``tests/support/compression.py``), ``torch.compile(model)`` of
+the wrapped model (its hooks outside the graphs), and a compiled training step (forward and
+``loss.backward()`` in one compiled function, the backward hooks kept out of it too). The
+parity cases with the same number of ranks share one launch. Run:
 ``pytest -m process tests/e2e/test_torchrun.py``.
 """
 
@@ -26,6 +27,7 @@ CASES = {
     "4": (4, {}),
     "2-compiled-checkpointed": (2, {"compile": True, "checkpoint_activations": True}),  # inductor
     "2-torch-compile": (2, {"torch_compile": "aot_eager"}),  # the wrapped model, compiled
+    "2-compiled-step": (2, {"compile_step": "aot_eager"}),  # forward and backward, compiled
     "2-stage2": (2, {"stage": 2}),
     "2x2-stage1": (4, {"hybrid": [2, 2], "stage": 1}),
     "2x2-stage3": (4, {"hybrid": [2, 2]}),

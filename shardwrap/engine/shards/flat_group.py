@@ -31,6 +31,7 @@ from ...comm.compressed import all_gather_quantized
 from ...comm.mesh import Mesh
 from ...comm.quantize import Codec
 from ...tiers.home import Home
+from .eager import eager
 from .layout import FlatLayout, LocalPiece
 from .pool import BufferPool
 from .shard_grads import ShardGrads
@@ -556,6 +557,7 @@ class _FullParams(torch.autograd.Function):
         return tuple(views_of(buffer, group))
 
     @staticmethod
+    @eager
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
         group: FlatGroup | None = ctx.group()
         if group is None:

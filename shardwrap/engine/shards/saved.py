@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from .eager import eager
 from .flat_group import FlatGroup
 from .pool import BufferPool
 from .tensor_parallel import is_dtensor
@@ -85,10 +86,12 @@ class SavedViews:
             # may live on in torch's cycles; it must not keep the model alive.
             ref = weakref.ref(self)
 
+            @eager
             def pack(t: Tensor) -> Any:
                 live = ref()
                 return t if live is None else live._pack(t)
 
+            @eager
             def unpack(saved: Any) -> Tensor:
                 live = ref()
                 if live is None and isinstance(saved, _SavedView):

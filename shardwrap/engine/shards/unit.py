@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ...comm.buckets import Gathers
 from ...comm.collectives import CommStats, Pending, all_gather
+from .eager import eager
 from .flat_group import FlatGroup, views_of
 from .profile import label
 
@@ -221,6 +222,7 @@ class Unit:
         """Hook one group (a frozen group that starts to train, too) as :meth:`hook_grads`."""
         unit_ref, group_ref = weakref.ref(self), weakref.ref(group)
 
+        @eager
         def hook(_full: Tensor) -> None:
             unit, g = unit_ref(), group_ref()
             if unit is not None and g is not None:

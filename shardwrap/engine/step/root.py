@@ -311,6 +311,7 @@ class Root:
         object) becomes a copy, which backward differentiates as the view."""
         root, index = weakref.ref(self), unit.index  # weakly: see _hook_inputs
 
+        @eager
         def pre_backward(grad: Tensor) -> None:
             live = root()
             if live is not None:
@@ -349,6 +350,7 @@ class Root:
         # and late; held strongly, the whole model would wait for it.
         root, index = weakref.ref(self), unit.index
 
+        @eager
         def on_inputs_done(grads: Any) -> None:
             live = root()
             if live is not None:
@@ -423,6 +425,7 @@ class Root:
             self.pool.holding = False
             self.pool.trim()
 
+    @eager
     def _end_backward(self) -> None:
         """The callback autograd runs once backward is done: release what is still gathered,
         reduce what is left and land every gradient (``Schedule.finish_backward``)."""

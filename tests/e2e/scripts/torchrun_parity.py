@@ -13,7 +13,9 @@ refused, and records the error. The key ``"optimizer"``: ``"muon"`` (Muon for th
 AdamW for the rest) or ``"adafactor"`` instead of SGD; the reference then accumulates its
 gradient over the ranks' slices (their summation order: Muon's bf16 Newton-Schulz iteration
 amplifies rounding). The key ``"torch_compile"``: a ``torch.compile`` backend the wrapped
-model is compiled with after wrapping (``model = torch.compile(model, backend=...)``).
+model is compiled with after wrapping (``model = torch.compile(model, backend=...)``). The key
+``"compile_step"``: a backend the whole training step, forward and ``loss.backward()``, is
+compiled with (the sharding's backward hooks then run inside the compiled function's frame).
 """
 
 from __future__ import annotations
@@ -61,14 +63,23 @@ def case(wrap: dict) -> dict[str, Any] | None:
         )
     optimizer = wrap.pop("optimizer", "sgd")
     backend = wrap.pop("torch_compile", None)
+    step_backend = wrap.pop("compile_step", None)
     model = ShardedModule(base, auto_wrap=Block, **wrap)
     run = model if backend is None else torch.compile(model, backend=backend)
+
+    def forward_backward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = run(idx, targets)
+        loss.backward()
+        return loss
+
+    train = forward_backward if step_backend is None else torch.compile(
+        forward_backward, backend=step_backend
+    )
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, reference)
     losses, ref_losses = [], []
     for step in range(STEPS):
         idx, targets = make_batch(step, 2 * world)
-        loss = run(idx.chunk(world)[rank], targets.chunk(world)[rank])
-        loss.backward()
+        loss = train(idx.chunk(world)[rank], targets.chunk(world)[rank])
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
