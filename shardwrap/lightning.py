@@ -70,6 +70,32 @@ __all__ = ["LightningRoot", "ShardwrapStrategy"]
 SHARDS = "shardwrap"  # the model's and optimizers' shardwrap checkpoint, in the checkpoint path
 LIGHTNING_STATE = "lightning.pt"  # the rest of Lightning's checkpoint, written by rank 0
 ROOT_ATTR = "_shardwrap_lightning_root"  # on a LightningModule: the sharded root around it
+WRAP_ATTR = "_shardwrap_lightning_wrap"  # on a LightningModule: the options it was sharded with
+
+
+def _check_reused(sharded_with: dict[str, Any], asked: dict[str, Any]) -> None:
+    """Refuse a strategy whose options would not apply: the ``LightningModule`` was sharded
+    by an earlier ``Trainer`` with ``sharded_with``, and keeps how it was sharded. A strategy
+    given no option (``strategy="shardwrap"``) reuses it as it is."""
+    if asked == {"auto_wrap": None}:
+        return
+    keys = sorted(set(sharded_with) | set(asked))
+    differ = [k for k in keys if not _same(sharded_with.get(k), asked.get(k))]
+    if differ:
+        then = ", ".join(f"{k}={sharded_with.get(k)!r}" for k in differ)
+        now = ", ".join(f"{k}={asked.get(k)!r}" for k in differ)
+        raise ValueError(
+            f"ShardwrapStrategy: this LightningModule was sharded by an earlier Trainer with "
+            f"{then}, and a sharded model keeps how it was sharded: this Trainer's {now} would "
+            'not apply. Pass the same options, or none (strategy="shardwrap" reuses the '
+            "model as it is); to shard it otherwise, make a new LightningModule and load the "
+            "weights into it (shardwrap.load_checkpoint with a checkpoint of this run)."
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two option values are alike: equal, or written alike (a policy built again)."""
+    return bool(a == b) or repr(a) == repr(b)
 
 
 class LightningRoot(nn.Module):
@@ -217,6 +243,9 @@ class ShardwrapStrategy(ParallelStrategy):
             root = ShardedModule(LightningRoot(self.model), **self._wrap)
             # on the module, unregistered: a later Trainer's validate or test finds it
             object.__setattr__(self.model, ROOT_ATTR, root)
+            object.__setattr__(self.model, WRAP_ATTR, dict(self._wrap))
+        else:
+            _check_reused(getattr(self.model, WRAP_ATTR, {}), self._wrap)
         self.model = root
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

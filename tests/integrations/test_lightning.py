@@ -2,7 +2,8 @@
 ``strategy="shardwrap"`` finds it by name; precisions it does not run are refused by name when
 the ``Trainer`` is built (``"bf16-true"``, ``"16-true"``, ``"64-true"``, and an autocast
 precision together with shardwrap's own ``mixed_precision``), as are ``process_group`` and
-``device``, which the strategy chooses; float16's loss scaler becomes a ``ShardedGradScaler``.
+``device``, which the strategy chooses; float16's loss scaler becomes a ``ShardedGradScaler``;
+a later ``Trainer`` asking other options of a model already sharded is refused.
 Training, checkpoints and resuming under torchrun: ``tests/e2e/test_lightning.py``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_lightning.py``
@@ -57,3 +58,33 @@ def test_float16_loss_scaling_skips_steps_on_every_rank_alike() -> None:
     plugin = AutocastPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     ShardwrapStrategy().precision_plugin = plugin
     assert isinstance(plugin.scaler, ShardedGradScaler)
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        return self.layer(batch[0]).square().mean()
+
+    def validation_step(self, batch: list[torch.Tensor], index: int) -> None:
+        self.log("val", self.layer(batch[0]).square().mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_later_trainer_asking_other_options_is_refused_naming_them() -> None:
+    """A ``LightningModule`` sharded by one ``Trainer``'s strategy keeps how it was sharded: a
+    later ``Trainer`` whose strategy asks other options (``stage=1`` after ``stage=2``) raises
+    naming both, where they were dropped without a word; one given none reuses the model, as
+    does one asking the same."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+    torch.manual_seed(0)
+    model = _Tiny()
+    _trainer(strategy=ShardwrapStrategy(stage=2), max_steps=2).fit(model, data)
+    with pytest.raises(ValueError, match=r"earlier Trainer with stage=2.*Trainer's stage=1"):
+        _trainer(strategy=ShardwrapStrategy(stage=1)).validate(model, data, verbose=False)
+    for strategy in ("shardwrap", ShardwrapStrategy(stage=2)):
+        _trainer(strategy=strategy).validate(model, data, verbose=False)
