@@ -330,9 +330,13 @@ class ShardwrapStrategy(ParallelStrategy):
         ``checkpoint_path`` at this run's world size; return the rest for Lightning."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        load_checkpoint(path / SHARDS, self.model, self._optimizers_to_save() if fitting else None)
-        return torch.load(path / LIGHTNING_STATE, weights_only=weights_only)
+        state = torch.load(path / LIGHTNING_STATE, weights_only=weights_only)
+        # A weights-only checkpoint (no "lr_schedulers") resumes no optimizer: load the model
+        # alone, and Lightning then says what the checkpoint lacks, as for its own strategies.
+        resumes = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self._optimizers_to_save() if resumes and "lr_schedulers" in state else None
+        load_checkpoint(path / SHARDS, self.model, optimizers)
+        return state
 
     def _optimizers_to_save(self) -> Any:
         """The optimizers as ``save_checkpoint`` takes them: none, one, or a list."""

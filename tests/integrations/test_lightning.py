@@ -12,10 +12,12 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_ligh
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision as AutocastPrecision
 
 from shardwrap import MixedPrecision, ShardedGradScaler
@@ -88,3 +90,18 @@ def test_a_later_trainer_asking_other_options_is_refused_naming_them() -> None:
         _trainer(strategy=ShardwrapStrategy(stage=1)).validate(model, data, verbose=False)
     for strategy in ("shardwrap", ShardwrapStrategy(stage=2)):
         _trainer(strategy=strategy).validate(model, data, verbose=False)
+
+
+def test_resuming_from_a_weights_only_checkpoint_says_so(tmp_path: Path) -> None:
+    """A checkpoint saved with ``save_weights_only=True`` holds no optimizer state: resuming
+    ``fit`` from it raises Lightning's own error naming ``save_weights_only``, as under its
+    other strategies (before: shardwrap's advice to pass ``optimizer=None``, which a Lightning
+    user cannot); ``validate`` from it loads the weights."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+    torch.manual_seed(0)
+    saving = ModelCheckpoint(tmp_path, save_weights_only=True, save_last=True)
+    _trainer(strategy="shardwrap", max_steps=2, callbacks=[saving]).fit(_Tiny(), data)
+    last = str(tmp_path / "last.ckpt")
+    with pytest.raises(KeyError, match="save_weights_only"):
+        _trainer(strategy="shardwrap", max_steps=4).fit(_Tiny(), data, ckpt_path=last)
+    _trainer(strategy="shardwrap").validate(_Tiny(), data, ckpt_path=last, verbose=False)

@@ -72,8 +72,10 @@ def case(wrap: dict) -> dict[str, Any] | None:
         loss.backward()
         return loss
 
-    train = forward_backward if step_backend is None else torch.compile(
-        forward_backward, backend=step_backend
+    train = (
+        forward_backward
+        if step_backend is None
+        else torch.compile(forward_backward, backend=step_backend)
     )
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, reference)
     losses, ref_losses = [], []
