@@ -32,6 +32,7 @@ from ..engine.step.root import Root
 from .entry import sharded_model, wrapped_root
 from .files import agree
 from .optimizer_state import OptimizerPlan, names_by_id, plan_optimizer
+from .packed_state import unpack
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]
 
@@ -81,8 +82,10 @@ def full_optimizer_state_dict(
         )
     keep = not rank0_only or mesh.rank == 0
     full = _gather_pieces(root, work, keep)
+    packed: dict[str, dict[str, Any]] = {}
     if plan.whole:
-        full.update(_send_owned(root, plan, to_rank0=rank0_only))
+        owned, packed = _send_owned(root, plan, to_rank0=rank0_only)
+        full.update(owned)
     if not keep:
         return {}
     names = names_by_id(model)
@@ -96,6 +99,8 @@ def full_optimizer_state_dict(
             name = names[id(p)]
             scalars = {} if plan.whole else plan.scalars.get(name, {})
             entry = {k: _on_cpu(v) for k, v in {**scalars, **full.get(name, {})}.items()}
+            if name in packed:  # a low-bit optimizer's state tensors, from their parts
+                entry = unpack(entry, packed[name], lambda v: v, torch.device("cpu"))
             if entry:
                 state[index] = entry
             ids.append(index)
@@ -182,10 +187,14 @@ def _gather_pieces(root: Root, work: Gathers, keep: bool) -> StateByName:
     return full
 
 
-def _send_owned(root: Root, plan: OptimizerPlan, to_rank0: bool) -> StateByName:
-    """The whole-stepped state of every parameter (scalars and tensors), sent from each owner
-    to shard rank 0 (``to_rank0``) or to every rank, as the bytes of ``torch.save``: the
-    tensors' shapes (Adafactor's factors) are known to their owners alone."""
+def _send_owned(
+    root: Root, plan: OptimizerPlan, to_rank0: bool
+) -> tuple[StateByName, dict[str, dict[str, Any]]]:
+    """The whole-stepped state of every parameter (scalars and tensors; a low-bit state
+    tensor as its parts), and the records to rebuild those from their parts
+    (``packed_state.py``), sent from each owner to shard rank 0 (``to_rank0``) or to every rank,
+    as the bytes of ``torch.save``: the tensors' shapes (Adafactor's factors) are known to their
+    owners alone."""
     mesh = root.mesh
     mine: StateByName = {
         name: {**plan.scalars.get(name, {}), **{k: _on_cpu(v) for k, v in state.items()}}
@@ -194,9 +203,9 @@ def _send_owned(root: Root, plan: OptimizerPlan, to_rank0: bool) -> StateByName:
     mine.update({n: dict(s) for n, s in plan.scalars.items() if n not in mine})
     group, rank, world = mesh.shard, mesh.shard_rank, mesh.shard_size
     if world == 1:
-        return mine
+        return mine, dict(plan.packed)
     buffer = io.BytesIO()
-    torch.save(mine, buffer)
+    torch.save({"state": mine, "packed": plan.packed}, buffer)
     payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     sizes = torch.zeros(world, dtype=torch.int64, device=mesh.device)
     sizes[rank] = payload.numel()
@@ -213,13 +222,15 @@ def _send_owned(root: Root, plan: OptimizerPlan, to_rank0: bool) -> StateByName:
     ]
     all_to_all(outs, ins, group, root.stats).wait()
     if not receives:
-        return {}
+        return {}, {}
     held: StateByName = dict(mine)
+    packed = dict(plan.packed)
     for q, out in enumerate(outs):
         if q != rank:
-            data = io.BytesIO(out.cpu().numpy().tobytes())
-            held.update(torch.load(data, weights_only=True))
-    return held
+            sent_by_q = torch.load(io.BytesIO(out.cpu().numpy().tobytes()), weights_only=True)
+            held.update(sent_by_q["state"])
+            packed.update(sent_by_q["packed"])
+    return held, packed
 
 
 # get_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True)) gathers with it

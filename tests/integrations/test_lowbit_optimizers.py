@@ -23,6 +23,7 @@ import copy
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import bitsandbytes
 import pytest
@@ -239,3 +240,76 @@ def test_packed_state_parts_larger_than_their_parameter_are_refused() -> None:
     with pytest.raises(ValueError, match=r"'exp_avg' of 'w' with shape \(96, 6400\)"):
         rebuilt = {"exp_avg": {**record["exp_avg"], "shape": [96, 6400]}}
         check_whole_state(optimizer, "w", (96, 64), parts, "metadata.json", rebuilt)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_full_optimizer_state_is_the_unwrapped_optimizers_and_resumes_both(name: str) -> None:
+    """``full_optimizer_state_dict`` of a low-bit optimizer holds each state tensor in the
+    unwrapped optimizer's own form (torchao's ``OptimState8bit`` and kin, whole), so it loads
+    into the unwrapped model's optimizer and, by ``load_full_optimizer_state_dict``, into a
+    sharded one, and each trains on exactly (before: torchao's moments came out as their parts,
+    ``exp_avg.codes``, ..., which both loads took and the next step failed on, ``KeyError:
+    'exp_avg'``). bitsandbytes' own ``state_dict()`` nests its quantized state under one key,
+    which its ``load_state_dict`` also takes unnested, as the full state holds it."""
+    make = OPTIMIZERS[name]
+    half = STEPS // 2
+    built = build()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Any], dict[str, Tensor], dict]:
+        model = ShardedModule(copy.deepcopy(built), auto_wrap=Block, process_group=pg)
+        optimizer = make(model.parameters())
+        for inputs, targets in BATCHES[:half]:
+            loss_fn(model, inputs.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        full = shardwrap.full_optimizer_state_dict(model, optimizer)
+        weights = model.full_state_dict()
+        resumed = ShardedModule(copy.deepcopy(built), auto_wrap=Block, process_group=pg)
+        resumed.load_state_dict(weights)
+        again = make(resumed.parameters())  # a load steps what it is given: a state of its own
+        loaded = shardwrap.full_optimizer_state_dict(model, optimizer)
+        shardwrap.load_full_optimizer_state_dict(resumed, again, loaded)
+        for inputs, targets in BATCHES[half:]:
+            loss_fn(resumed, inputs.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            again.step()
+            again.zero_grad()
+        return full, weights, resumed.full_state_dict()
+
+    runs = run_ranks(2, fn, timeout=TIMEOUT)
+    unwrapped = build()
+    reference = make(unwrapped.parameters())
+    for inputs, targets in BATCHES[:half]:  # the gradient over 2 slices, as train_reference
+        grads = [torch.zeros_like(p) for p in unwrapped.parameters()]
+        for x, y in zip(inputs.chunk(2), targets.chunk(2)):
+            loss_fn(unwrapped, x, y).backward()
+            for g, p in zip(grads, unwrapped.parameters()):
+                g.add_(p.grad)
+                p.grad = None
+        for p, g in zip(unwrapped.parameters(), grads):
+            p.grad = g / 2
+        reference.step()
+        reference.zero_grad()
+    want = reference.state_dict()["state"]
+    ref, _ = train_reference(make, [2] * STEPS)
+    for rank, (full, weights, resumed) in enumerate(runs):
+        assert full["state"].keys() == want.keys()
+        for i, state in want.items() if name.startswith("torchao") else ():
+            got = {k: type(v) for k, v in full["state"][i].items()}
+            assert got == {k: type(v) for k, v in state.items()}, (rank, i, got)
+        _assert_exact(ref, resumed, rank)
+        plain = build()
+        plain.load_state_dict(weights)
+        plain_opt = make(plain.parameters())
+        plain_opt.load_state_dict(full)
+        for inputs, targets in BATCHES[half:]:
+            grads = [torch.zeros_like(p) for p in plain.parameters()]
+            for x, y in zip(inputs.chunk(2), targets.chunk(2)):
+                loss_fn(plain, x, y).backward()
+                for g, p in zip(grads, plain.parameters()):
+                    g.add_(p.grad)
+                    p.grad = None
+            for p, g in zip(plain.parameters(), grads):
+                p.grad = g / 2
+            plain_opt.step()
+            plain_opt.zero_grad()
+        _assert_exact(ref, dict(plain.state_dict()), rank)
