@@ -599,11 +599,13 @@ def test_parameter_count_policy_skips_containers() -> None:
 
 @pytest.mark.parametrize(
     "auto_wrap",
-    [nn.Conv2d, (nn.Conv1d, nn.GRU), lambda m: False, 10**9],
-    ids=["class", "classes", "callable", "count"],
+    [nn.Conv2d, (nn.Conv1d, nn.GRU), lambda m: False, 10**9, set(), ()],
+    ids=["class", "classes", "callable", "count", "empty-set", "empty-tuple"],
 )
 def test_auto_wrap_that_selects_nothing_names_the_classes_the_model_has(auto_wrap: Any) -> None:
-    """Wrapping the whole model as one unit by accident would save no memory: refuse it."""
+    """Wrapping the whole model as one unit by accident would save no memory: refuse it. An
+    empty set of classes (a ``transformers`` model's ``_no_split_modules`` that lists none) is
+    such a policy too: before, a ``TypeError`` said sets are taken, not that this one is empty."""
     with pytest.raises(ValueError, match="selects no submodule of GPT") as raised:
         ShardedModule(GPT(), auto_wrap=auto_wrap)
     message = str(raised.value)

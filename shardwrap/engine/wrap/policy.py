@@ -67,9 +67,9 @@ def resolve_policy(root: nn.Module, auto_wrap: AutoWrap) -> Callable[[nn.Module]
     if isinstance(auto_wrap, (tuple, set, frozenset, list)):
         classes = tuple(auto_wrap)
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
-        if bad or not classes:
+        if bad:
             raise TypeError(_bad_policy(auto_wrap))
-        return lambda m: isinstance(m, classes)
+        return lambda m: isinstance(m, classes)  # none: refused naming the model's classes
     if hasattr(auto_wrap, "_run_policy"):
         return _policy_object(root, auto_wrap)
     if callable(auto_wrap):
