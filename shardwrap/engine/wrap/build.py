@@ -31,7 +31,7 @@ from ..step.strategy import Strategy
 from . import assign
 from .checks import SHARD_ATTR
 from .ddp_habits import refuse_ddp_outside
-from .extensions import may_train
+from .extensions import may_train, param_replaced
 from .meta_init import Materializer, ParamInitFn, agree_seed, is_meta
 from .policy import Placement, group_key, reduce_dtype_of
 from .resets import guard_resets
@@ -109,6 +109,7 @@ def build_root(
             for i, ((name, p, slots), shard_param) in enumerate(zip(entries, fg.shard_params)):
                 shard_param.requires_grad_(p.requires_grad)
                 _keep_attributes(p, shard_param)
+                param_replaced(p, shard_param)
                 setattr(shard_param, SHARD_ATTR, True)
                 setattr(shard_param, PIECE_ATTR, (weakref.ref(fg), i, stats))
                 setattr(shard_param, NAME_ATTR, name)

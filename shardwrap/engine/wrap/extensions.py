@@ -25,9 +25,11 @@ __all__ = [
     "check_prepare",
     "class_habits",
     "may_train",
+    "param_replaced",
     "register_class_habits",
     "register_may_train",
     "register_move_check",
+    "register_param_replaced",
     "register_prepare_check",
     "register_unit_checkpointer",
 ]
@@ -37,6 +39,7 @@ _unit_checkpointers: list[Callable[[Root, Unit], bool]] = []
 _move_checks: list[Callable[[nn.Module], None]] = []
 _prepare_checks: list[Callable[[nn.Module], None]] = []
 _may_train: list[Callable[[nn.Module], set[str]]] = []
+_param_replaced: list[Callable[[nn.Parameter, nn.Parameter], None]] = []
 
 
 def register_class_habits(habits: Callable[[type], tuple[type, ...]]) -> None:
@@ -66,6 +69,18 @@ def register_may_train(names: Callable[[nn.Module], set[str]]) -> None:
     """``names(model)``: the parameters (by name) frozen now that ``model`` may make trainable
     after wrapping; they are sharded with the trainable ones, gradients and all."""
     _may_train.append(names)
+
+
+def register_param_replaced(carry: Callable[[nn.Parameter, nn.Parameter], None]) -> None:
+    """``carry(original, shard_param)``: called as wrapping replaces each parameter by its shard
+    parameter, to carry over what a library keyed on the original object."""
+    _param_replaced.append(carry)
+
+
+def param_replaced(original: nn.Parameter, shard_param: nn.Parameter) -> None:
+    """Tell every registered integration that ``shard_param`` replaces ``original``."""
+    for carry in _param_replaced:
+        carry(original, shard_param)
 
 
 def may_train(model: nn.Module) -> set[str]:
