@@ -21,7 +21,8 @@ A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
 - ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
   parameters, not this rank's pieces;
 - ``add_adapter``, ``load_adapter`` and ``delete_adapter`` are refused (the adapters are
-  sharded when the model is wrapped).
+  sharded when the model is wrapped), and so are ``merge_adapter`` and ``unmerge_adapter``
+  (they write the adapters' product into the base weights in place, which are pieces here).
 
 The engine does not import this module (nor ``peft``): ``shardwrap/__init__.py`` imports it,
 and it registers the habits with the engine (``engine/wrap/extensions.py``).
@@ -174,6 +175,30 @@ class PeftHabits:
     def delete_adapter(self, *args: Any, **kwargs: Any) -> None:
         """Refused: see :meth:`_refuse_new_adapters`."""
         self._refuse_new_adapters("delete_adapter")
+
+    def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: see :meth:`_refuse_merging_in_place`."""
+        self._refuse_merging_in_place("merge_adapter")
+
+    def unmerge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: see :meth:`_refuse_merging_in_place`."""
+        self._refuse_merging_in_place("unmerge_adapter")
+
+    def _refuse_merging_in_place(self, method: str) -> None:
+        """Merging in place adds each adapter's product ``B @ A`` into its base weight: on a
+        sharded model ``A``, ``B`` and the weight are this rank's pieces (torch failed on
+        their shapes).
+
+        Raises:
+            TypeError: naming what to call instead.
+        """
+        raise TypeError(
+            f"{method} on a sharded PEFT model: it merges the adapters into the base weights in "
+            "place, and here the adapters and the weights are this rank's pieces. Nothing was "
+            "changed. Call merge_and_unload() on every rank (the base model, whole and "
+            "unsharded, with the adapters merged), or run without the adapters inside "
+            "`with model.disable_adapter():`."
+        )
 
     def _refuse_new_adapters(self, method: str) -> None:
         """Adapters added to (or removed from) a sharded model would not be sharded (or would

@@ -21,7 +21,8 @@ config), auto_wrap=LlamaDecoderLayer)``, at stages 2 and 3:
 - at the suite's stage, with two adapters added before wrapping, ``set_adapter`` on the sharded
   model trains the adapter it activates like the unwrapped model (the other keeps its weights
   and gets no optimizer state), ``save_pretrained`` writes both and they load back to the
-  trained weights and logits, and ``add_adapter`` on the sharded model is refused;
+  trained weights and logits, and ``add_adapter`` on the sharded model is refused (as are
+  ``merge_adapter`` and ``unmerge_adapter``, which merge in place);
 - at the suite's stage, ``modules_to_save=["lm_head"]``: the head's copy trains like the
   unwrapped model's, is written into the adapter file and loads back exactly.
 
@@ -175,6 +176,23 @@ def test_merge_and_unload_gives_the_plain_models_merged_model(stage: int) -> Non
         assert type(got) is type(want)
         torch.testing.assert_close(got.state_dict(), want.state_dict(), atol=1e-5, rtol=0)
         torch.testing.assert_close(_logits(got.eval()), _logits(want), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["merge_adapter", "unmerge_adapter"])
+def test_merging_in_place_is_refused_naming_merge_and_unload(method: str) -> None:
+    """``merge_adapter()`` adds each adapter's product into its base weight in place: on a
+    sharded model those are this rank's pieces (before: torch's "mat1 and mat2 shapes cannot be
+    multiplied"). Refused on every rank naming ``merge_and_unload()``, nothing changed: the
+    model computes as the trained plain PEFT model's after it."""
+
+    def after(m: nn.Module, rank: int) -> Tensor:
+        with pytest.raises(TypeError, match=r"merge_and_unload\(\) on every rank"):
+            getattr(m, method)()
+        return _logits(m.eval())
+
+    _, ref, logits = _sharded_and_trained(3, after)
+    for got in logits:
+        torch.testing.assert_close(got, _logits(ref), atol=1e-4, rtol=0)
 
 
 def test_merge_and_unload_of_a_base_model_without_a_config_is_refused() -> None:
