@@ -46,6 +46,7 @@ from shardwrap import Offload, ShardedModule, export, load_checkpoint, save_chec
 from shardwrap.comm.mesh import Mesh
 from shardwrap.tiers.offload import prefer_fused
 from tests.support.hybrid import hybrid_mesh
+from tests.support.parity import slice_summed_grads
 from tests.support.ranks import run_ranks
 from tests.support.store import in_store
 
@@ -112,15 +113,7 @@ def _reference(model: nn.Module, make: MakeOptimizer, worlds: list[int]) -> dict
     ref = copy.deepcopy(model)
     opts = _each(make(ref.parameters()))
     for (inputs, targets), world in zip(BATCHES, worlds):
-        grads = [torch.zeros_like(p) for p in ref.parameters()]
-        for x, y in zip(inputs.chunk(world), targets.chunk(world)):
-            loss_fn(ref, x, y).backward()
-            for g, p in zip(grads, ref.parameters()):
-                if p.grad is not None:
-                    g.add_(p.grad)
-                    p.grad = None
-        for g, p in zip(grads, ref.parameters()):
-            p.grad = g / world
+        slice_summed_grads(ref, loss_fn, inputs, targets, world)
         for opt in opts:
             opt.step()
             opt.zero_grad()

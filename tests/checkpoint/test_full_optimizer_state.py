@@ -40,6 +40,7 @@ from torch.distributed import ProcessGroup
 
 import shardwrap
 from shardwrap import ShardedModule
+from tests.support.parity import slice_summed_grads
 from tests.support.ranks import run_ranks
 
 WIDTH, ROWS = 24, 12  # 12 rows: a slice for each rank at world sizes 1 to 4
@@ -119,14 +120,7 @@ def _step(model: nn.Module, opts: Optimizers, world: int, rank: int | None, step
     if rank is not None:
         loss_fn(model, inputs.chunk(world)[rank], targets.chunk(world)[rank]).backward()
     else:
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for x, y in zip(inputs.chunk(world), targets.chunk(world)):
-            loss_fn(model, x, y).backward()
-            for g, p in zip(grads, model.parameters()):
-                g.add_(p.grad)
-                p.grad = None
-        for g, p in zip(grads, model.parameters()):
-            p.grad = g / world
+        slice_summed_grads(model, loss_fn, inputs, targets, world)
     for o in opts:
         o.step()
         o.zero_grad()

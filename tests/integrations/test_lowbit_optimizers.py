@@ -35,6 +35,7 @@ from torch.distributed import ProcessGroup
 import shardwrap
 from shardwrap import ShardedModule
 from shardwrap.checkpoint.optimizer_state import check_whole_state
+from tests.support.parity import slice_summed_grads
 from tests.support.ranks import run_ranks
 
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -132,18 +133,19 @@ def train_reference(
     ``world_sizes[i]`` slices in order; its parameters and its optimizer's bytes per name."""
     model = build()
     optimizer = make(model.parameters())
-    for (inputs, targets), world in zip(BATCHES, world_sizes):
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for x, y in zip(inputs.chunk(world), targets.chunk(world)):
-            loss_fn(model, x, y).backward()
-            for g, p in zip(grads, model.parameters()):
-                g.add_(p.grad)
-                p.grad = None
-        for p, g in zip(model.parameters(), grads):
-            p.grad = g / world
-        optimizer.step()
-        optimizer.zero_grad()
+    for batch, world in zip(BATCHES, world_sizes):
+        step_unwrapped(model, optimizer, batch, world)
     return copy.deepcopy(model.state_dict()), state_bytes(optimizer, model)
+
+
+def step_unwrapped(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor], world: int
+) -> None:
+    """One step of the unwrapped model: the gradient summed over ``world`` slices of
+    ``batch`` in rank order, then averaged, as shardwrap's reductions add them."""
+    slice_summed_grads(model, loss_fn, *batch, world)
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def train_sharded(
@@ -278,17 +280,8 @@ def test_full_optimizer_state_is_the_unwrapped_optimizers_and_resumes_both(name:
     runs = run_ranks(2, fn, timeout=TIMEOUT)
     unwrapped = build()
     reference = make(unwrapped.parameters())
-    for inputs, targets in BATCHES[:half]:  # the gradient over 2 slices, as train_reference
-        grads = [torch.zeros_like(p) for p in unwrapped.parameters()]
-        for x, y in zip(inputs.chunk(2), targets.chunk(2)):
-            loss_fn(unwrapped, x, y).backward()
-            for g, p in zip(grads, unwrapped.parameters()):
-                g.add_(p.grad)
-                p.grad = None
-        for p, g in zip(unwrapped.parameters(), grads):
-            p.grad = g / 2
-        reference.step()
-        reference.zero_grad()
+    for batch in BATCHES[:half]:
+        step_unwrapped(unwrapped, reference, batch, 2)
     want = reference.state_dict()["state"]
     ref, _ = train_reference(make, [2] * STEPS)
     for rank, (full, weights, resumed) in enumerate(runs):
@@ -301,17 +294,8 @@ def test_full_optimizer_state_is_the_unwrapped_optimizers_and_resumes_both(name:
         plain.load_state_dict(weights)
         plain_opt = make(plain.parameters())
         plain_opt.load_state_dict(full)
-        for inputs, targets in BATCHES[half:]:
-            grads = [torch.zeros_like(p) for p in plain.parameters()]
-            for x, y in zip(inputs.chunk(2), targets.chunk(2)):
-                loss_fn(plain, x, y).backward()
-                for g, p in zip(grads, plain.parameters()):
-                    g.add_(p.grad)
-                    p.grad = None
-            for p, g in zip(plain.parameters(), grads):
-                p.grad = g / 2
-            plain_opt.step()
-            plain_opt.zero_grad()
+        for batch in BATCHES[half:]:
+            step_unwrapped(plain, plain_opt, batch, 2)
         _assert_exact(ref, dict(plain.state_dict()), rank)
 
 
@@ -331,17 +315,8 @@ def test_a_bitsandbytes_setting_made_before_wrapping_holds() -> None:
 
     reference = with_setting(copy.deepcopy(built))
     optimizer = make(reference.parameters())
-    for inputs, targets in BATCHES:
-        grads = [torch.zeros_like(p) for p in reference.parameters()]
-        for x, y in zip(inputs.chunk(2), targets.chunk(2)):
-            loss_fn(reference, x, y).backward()
-            for g, p in zip(grads, reference.parameters()):
-                g.add_(p.grad)
-                p.grad = None
-        for p, g in zip(reference.parameters(), grads):
-            p.grad = g / 2
-        optimizer.step()
-        optimizer.zero_grad()
+    for batch in BATCHES:
+        step_unwrapped(reference, optimizer, batch, 2)
     want = optimizer.state[reference.blocks[0].up.weight]["state1"].dtype
     assert want == torch.float32
 

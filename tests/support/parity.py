@@ -197,6 +197,32 @@ def assert_parity(
 GPT_BATCHES = [make_batch(seed=step, batch=GLOBAL_BATCH) for step in range(STEPS)]
 
 
+def slice_summed_grads(
+    model: nn.Module,
+    loss: Callable[[nn.Module, Tensor, Tensor], Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    world: int,
+) -> Tensor:
+    """Give each parameter of the unwrapped ``model`` the global batch's gradient as shardwrap's
+    reductions add it: summed over ``world`` slices of the batch in rank order, then averaged
+    (one backward over the whole batch differs in the last bits, which block-quantized state or
+    Muon's bf16 iteration turn into other values). Returns the slices' mean loss."""
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    total = torch.zeros(())
+    for x, y in zip(inputs.chunk(world), targets.chunk(world)):
+        value = loss(model, x, y)
+        value.backward()
+        total += value.detach()
+        for g, p in zip(grads, model.parameters()):
+            if p.grad is not None:
+                g.add_(p.grad)
+                p.grad = None
+    for g, p in zip(grads, model.parameters()):
+        p.grad = g / world
+    return total / world
+
+
 def gpt_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
     return model(inputs, targets)
 

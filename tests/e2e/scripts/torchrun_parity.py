@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardwrap import ShardedModule
 from tests.support.models import GPT, Block, make_batch
+from tests.support.parity import slice_summed_grads
 
 STEPS = 4
 
@@ -91,7 +92,7 @@ def case(wrap: dict) -> dict[str, Any] | None:
             ref_loss = reference(idx, targets)
             ref_loss.backward()
         else:
-            ref_loss = _accumulate(reference, idx.chunk(world), targets.chunk(world))
+            ref_loss = slice_summed_grads(reference, _loss, idx, targets, world)
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
@@ -136,20 +137,8 @@ def _optimizer(name: str, model: torch.nn.Module) -> Any:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _accumulate(model: torch.nn.Module, inputs: tuple, targets: tuple) -> torch.Tensor:
-    """The whole batch's mean loss, its gradient summed over the slices, then averaged."""
-    grads = [torch.zeros_like(p) for p in model.parameters()]
-    total = torch.zeros(())
-    for x, y in zip(inputs, targets):
-        loss = model(x, y)
-        loss.backward()
-        total += loss.detach()
-        for g, p in zip(grads, model.parameters()):
-            g.add_(p.grad)
-            p.grad = None
-    for g, p in zip(grads, model.parameters()):
-        p.grad = g / len(inputs)
-    return total / len(inputs)
+def _loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(idx, targets)
 
 
 if __name__ == "__main__":
