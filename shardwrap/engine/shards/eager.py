@@ -5,6 +5,9 @@ included, and dynamo cannot trace a hook that gathers (a process group is opaque
 compile failed with an internal dynamo error naming ``ProcessGroup.allreduce``). Every forward
 hook shardwrap registers is therefore marked for dynamo to skip: the graph breaks at each hook,
 the hook runs eagerly, and the code between hooks is compiled, in parity with the plain model.
+So is every hook backward runs (a tensor's and a gradient's hooks, the flat group's backward,
+the saved-tensor hooks, the end-of-backward callback): a compiled training step calls
+``loss.backward()`` from its compiled frame, and dynamo would trace them from there.
 Hooks of modules inside a unit break the graph at every module, so ``compile=True``, which
 compiles each unit's ``forward`` whole with its inner modules' hooks removed
 (``engine/step/recompute.py``), gives the larger graphs.
