@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
 from tests.support.models import GPT, Block, WithBatchNorm, make_batch
+from tests.support.peers import full_param
 from tests.support.ranks import run_ranks
 
 GLOBAL_BATCH = 8  # divisible by every world size tested, so mean of rank means == global mean
@@ -67,13 +68,6 @@ def _local(t: Tensor, pg: ProcessGroup) -> Tensor:
 def _gpt(seed: int = 0, tied: bool = False) -> GPT:
     torch.manual_seed(seed)
     return GPT(tied=tied)
-
-
-def _full_param(model: nn.Module, name: str) -> Tensor:
-    """``module.attr`` for a dotted parameter name (not ``get_parameter``: the full view of a
-    gathered unit is a plain tensor, not an ``nn.Parameter``)."""
-    owner, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(owner), attr)
 
 
 def _no_decay(name: str) -> bool:
@@ -545,7 +539,7 @@ def test_gathered_exposes_full_parameters_and_writes_back_on_request(world_size:
 
     def assert_sharded(m: nn.Module) -> None:
         for name, p in m.named_parameters():
-            assert _full_param(m, name) is p and p.shape[:-1] == (1,) * (p.dim() - 1), name
+            assert full_param(m, name) is p and p.shape[:-1] == (1,) * (p.dim() - 1), name
 
     def fn(rank: int, pg: ProcessGroup) -> None:
         m = _wrap(model, pg)
@@ -556,7 +550,7 @@ def test_gathered_exposes_full_parameters_and_writes_back_on_request(world_size:
 
         with m.gathered():
             for name, shape in shapes.items():
-                full = _full_param(m, name)
+                full = full_param(m, name)
                 assert full.shape == shape, name
                 torch.testing.assert_close(full, trained[name], atol=0, rtol=0, msg=name)
             with torch.no_grad():

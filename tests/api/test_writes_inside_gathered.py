@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 import shardwrap
 from shardwrap import MixedPrecision, ShardedModule
+from tests.support.peers import full_param
 from tests.support.ranks import run_ranks
 
 WORLD = 2
@@ -332,12 +333,6 @@ def test_a_forward_inside_gathered_under_mixed_precision_never_writes_rounded_va
         torch.testing.assert_close(after, before, atol=0, rtol=0)
 
 
-def _full(model: nn.Module, name: str) -> Tensor:
-    """The module attribute ``name`` names: inside ``gathered()``, the full parameter."""
-    owner, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(owner), attr)
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_whole_gradients_are_refused_while_gradients_are_unreduced(stage: int) -> None:
     """``gathered(with_grads=True)`` after a backward under ``no_sync()``: each rank holds its
@@ -359,7 +354,7 @@ def test_whole_gradients_are_refused_while_gradients_are_unreduced(stage: int) -
                 pass
         m(x[2:]).square().mean().backward()
         with m.gathered(with_grads=True):
-            return {n: _full(m, n).grad.clone() for n in want}
+            return {n: full_param(m, n).grad.clone() for n in want}
 
     for got in run_ranks(WORLD, fn, timeout=30):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

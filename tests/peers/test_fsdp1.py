@@ -23,7 +23,15 @@ from torch import Tensor, nn
 
 from tests.support.hybrid import hybrid_mesh
 from tests.support.peer_models import MLP
-from tests.support.peers import STAGES, Batch, Side, Step, assert_peer_parity, make_batches
+from tests.support.peers import (
+    STAGES,
+    Batch,
+    Side,
+    Step,
+    assert_peer_parity,
+    full_param,
+    make_batches,
+)
 
 pytestmark = pytest.mark.peers
 
@@ -40,12 +48,6 @@ def _mse(side: Side, batch: Batch) -> Tensor:
     return F.mse_loss(side.model(side.local(batch[0])), side.local(batch[1]))
 
 
-def _attribute(model: nn.Module, name: str) -> Tensor:
-    """The module attribute ``name`` names (inside ``gathered()``, the full parameter)."""
-    owner, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(owner), attr)
-
-
 def _whole_grads(side: Side, writeback: bool = False) -> dict[str, Tensor | None]:
     """Every parameter's whole gradient by name: the plain model's ``.grad``; on a sharded
     model the module attributes' ``.grad`` inside ``gathered(with_grads=True)``, where the
@@ -55,7 +57,7 @@ def _whole_grads(side: Side, writeback: bool = False) -> dict[str, Tensor | None
         return {n: side.model.get_parameter(n).grad for n in names}
     model = side.model
     with model.gathered(with_grads=True, writeback=writeback):
-        full = {n: _attribute(model, n) for n in names}
+        full = {n: full_param(model, n) for n in names}
         grads = {n: None if p.grad is None else p.grad.clone() for n, p in full.items()}
         for p in full.values():
             if p.grad is not None:

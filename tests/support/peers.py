@@ -43,6 +43,7 @@ __all__ = [
     "Step",
     "adamw",
     "assert_peer_parity",
+    "full_param",
     "full_tensor",
     "make_batches",
     "note_grads",
@@ -356,6 +357,14 @@ def shapes_of(model: nn.Module) -> dict[str, torch.Size]:
 
 
 # reading a shard parameter whole ------------------------------------------------------------
+
+
+def full_param(model: nn.Module, name: str) -> Tensor:
+    """``module.attr`` for a dotted parameter name: inside ``gathered()`` the full parameter
+    (not ``get_parameter``: the full view of a gathered unit is a plain tensor, not an
+    ``nn.Parameter``), elsewhere this rank's piece."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
 
 
 def _sizes(side: Side, n: int) -> list[int]:
