@@ -60,8 +60,8 @@ class ShardGrads:
         self.shard_numel = shard_numel
         # 1-D, padded/N: the buffer behind the shard params' .grad, while they use it.
         self._flat: Callable[[], Tensor | None] = _dead_ref
-        self._views: list[Callable[[], Tensor | None]] = []
-        self._addresses: list[int] = []  # where each view's memory began when made
+        # Each view (weakly), with where its memory began when made.
+        self._views: list[tuple[Callable[[], Tensor | None], int]] = []
         # Per shard param, while the group holds unreduced gradients (``no_sync``): its
         # ``.grad`` (weakly) and that tensor's version when the last such backward ended, or
         # ``None`` where it is not among them; ``None`` with nothing unreduced.
@@ -109,7 +109,7 @@ class ShardGrads:
             and flat.dtype == new.dtype
             and all(
                 p.grad is not None and p.grad is v() and p.grad.data_ptr() == address
-                for p, v, address in zip(params, self._views, self._addresses)
+                for p, (v, address) in zip(params, self._views)
             )
         ):
             flat.add_(new)
@@ -234,8 +234,7 @@ class ShardGrads:
         for p, v in zip(self.params, views):
             p.grad = v
         self._flat = weakref.ref(flat)
-        self._views = [weakref.ref(v) for v in views]
-        self._addresses = [v.data_ptr() for v in views]
+        self._views = [(weakref.ref(v), v.data_ptr()) for v in views]
 
 
 def _dead_ref() -> None:
