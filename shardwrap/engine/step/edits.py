@@ -103,15 +103,15 @@ def gathered_block(
             g.exact_only = True
     root.gathered_depth += 1
     raised = True
-    shown: list[Tensor] = []
+    given_grads: list[Tensor] = []
     try:
         if with_grads:
-            shown = show_full_grads(root, groups)
+            given_grads = show_full_grads(root, groups)
         yield
         raised = False
     finally:
         root.gathered_depth -= 1
-        drop_full_grads(shown)
+        drop_full_grads(given_grads)
         try:
             if writeback:
                 _write_back(root, groups, raised, modifier_rank)

@@ -46,7 +46,7 @@ def show_full_grads(root: Any, groups: list[FlatGroup]) -> list[Tensor]:
     if unreduced:
         raise RuntimeError(_unreduced(unreduced))
     has = iter(agreed[len(groups) :].tolist())
-    shown = []
+    given = []
     for g in groups:
         wanted = [bool(next(has)) for _ in g.shard_params]
         if not any(wanted):
@@ -58,13 +58,13 @@ def show_full_grads(root: Any, groups: list[FlatGroup]) -> list[Tensor]:
                 if g.param_grad_dtype != view.dtype:
                     view.grad_dtype = g.param_grad_dtype
                 view.grad = grad if spec is None else spec.as_param(grad)
-                shown.append(view)
-    return shown
+                given.append(view)
+    return given
 
 
-def drop_full_grads(shown: list[Tensor]) -> None:
+def drop_full_grads(given: list[Tensor]) -> None:
     """Take back the whole gradients :func:`show_full_grads` gave."""
-    for view in shown:
+    for view in given:
         view.grad = None
 
 
