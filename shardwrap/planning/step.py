@@ -9,7 +9,7 @@ state, the second holds it throughout).
 
 An optimizer that the engine steps whole (``engine.optim.whole_params``: Muon, Adafactor, classes
 declared ``reads_shapes=True``) is stepped here as the engine's step hooks step it on that rank:
-the engine's own owner rule (``whole_params.owners``) picks the parameters the rank owns; the
+the engine's own owner rule (``ownership.owners``) picks the parameters the rank owns; the
 all-to-all buffers of the gather (values and gradients) are made; each owned parameter the rank
 does not hold whole gets whole values and a whole gradient, in its shape, which stay until the
 step's end; the others have no gradient, so the step skips them; after the step, the buffers of
@@ -36,8 +36,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim import Optimizer
 
 from ..comm.collectives import CommStats
+from ..engine.optim.ownership import owners
 from ..engine.optim.shard_grad import as_shard_grad, shard_grad_owner
-from ..engine.optim.whole_params import owners, steps_whole
+from ..engine.optim.whole_params import steps_whole
 from ..engine.shards.flat_group import piece_shape
 from ..tiers.home import DiskHome, Home
 from ..tiers.offload import _FUSED_OPTIMIZERS as FUSED_OPTIMIZERS

@@ -6,7 +6,8 @@ else happens. An optimizer that reads a parameter's shape (Muon orthogonalises e
 update; Adafactor factors the second moment into row and column means and scales by the
 parameter's norm) needs the whole parameter. For those, every parameter the optimizer steps is
 given an *owner* rank among the ranks that shard it: the rank holding most of it, so that the
-least moves, while owned elements stay within 1.1x an even split (``owners``). Around each step:
+least moves, while owned elements stay within 1.1x an even split (``ownership.owners``).
+Around each step:
 
 1. before it (a step pre-hook): each rank sends the owners its pieces of their parameters'
    values and gradients, in one all-to-all; the owner's shard parameter then *is* the whole
@@ -48,7 +49,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,8 +65,9 @@ from ...tiers.offload import HOME_ATTR, before_step
 from ...tiers.shard_param import raw_data, set_raw_data
 from .adoption import adopt_before_state_dicts
 from .loaded_state import check_held_state, watch
+from .ownership import Entry, Plan, held, make_entries, make_plans, span
 from .pieces import PIECE_ATTR, adopt_optimizer
-from .shard_grad import as_shard_grad, shard_grad_owner
+from .shard_grad import as_shard_grad
 from .unreduced import refuse_unreduced
 
 __all__ = [
@@ -74,13 +75,10 @@ __all__ = [
     "declare_optimizer",
     "declare_optimizer_name",
     "install",
-    "owners",
     "release",
     "stepped_whole",
     "steps_whole",
 ]
-
-BALANCE = 1.1  # no rank owns more than this times an even split (but for one parameter)
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -301,60 +299,22 @@ def _classify(optimizer: Optimizer) -> _WholeStep | None:
 # the whole-parameter step --------------------------------------------------------------
 
 
-@dataclass
-class _Entry:
-    """One shard parameter the optimizer steps, and where its pieces are."""
-
-    param: nn.Parameter
-    split: Any  # its whole shape and tp blocks: a Split (engine/shards/split.py, a room apart)
-    pieces: list[tuple[int, int]]  # per rank of ``group``: [start, stop) in stacked order
-    grad_owner: Any  # what types its whole gradient on the owner (``as_shard_grad``)
-    group: Any  # the ranks among which it has an owner: the shard group, or shard x tp
-    rank: int  # this rank's index in ``group``
-    owner: int = 0
-
-    @property
-    def numel(self) -> int:
-        return self.split.numel
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.split.shape
-
-
-@dataclass
-class _Plan:
-    """Who owns what over one shard group, for one dtype and one gradient dtype."""
-
-    group: Any  # the process group (None: one rank)
-    rank: int
-    world: int
-    dtype: torch.dtype
-    grad_dtype: torch.dtype  # the gradients' (a parameter's ``grad_dtype`` may differ)
-    device: torch.device  # where the parameters' pieces are, and their whole values are made
-    wire: torch.device  # where the exchange's buffers are: the group's compute device
-    entries: list[_Entry]
-    stats: Any = None  # the model's CommStats: the exchange counts as "all_to_all"
-    sends: list[list[_Entry]] = field(default_factory=list)  # per peer: its params I hold
-    recvs: list[list[_Entry]] = field(default_factory=list)  # per peer: my params it holds
-
-
 class _WholeStep:
     """Steps ``optimizer``'s shard parameters whole, each on its owner rank."""
 
     def __init__(self, optimizer: Optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._params_key: tuple[int, ...] = ()
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
         self._homed = False  # whether any of them lives in an offload tier
         self._key: tuple[int, ...] = ()
-        self._plans: list[_Plan] = []
+        self._plans: list[Plan] = []
         # what ``after`` puts back: (param, its piece or None where untouched, its .grad)
         self._restore: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
         self._copied: list[tuple[Tensor, Tensor]] = []  # (owner's piece, its part of the whole)
         # owned entries whose whole is not their stacked values (tp blocks split off dim 0):
         # (entry, its stacked values, refreshed from the whole after the step)
-        self._stacked: list[tuple[_Entry, Tensor]] = []
+        self._stacked: list[tuple[Entry, Tensor]] = []
 
     def before(self, args: Any, kwargs: Any) -> None:
         optimizer = self._optimizer()
@@ -373,12 +333,12 @@ class _WholeStep:
         stepped = [e for e in entries.values() if e.param.grad is not None]
         key = tuple(id(e) for e in stepped)
         if key != self._key:
-            self._plans, self._key = _plan(stepped), key
+            self._plans, self._key = make_plans(stepped), key
         with torch.no_grad():
             for plan in self._plans:
                 self._gather(plan)
 
-    def entries(self) -> dict[int, _Entry]:
+    def entries(self) -> dict[int, Entry]:
         """Every shard parameter of the optimizer, by ``id``, with its pieces and owner (made
         again when the optimizer's parameters change)."""
         optimizer = self._optimizer()
@@ -389,7 +349,7 @@ class _WholeStep:
             # NOTE: a parameter keeps its owner when others join (add_param_group): its state
             # lives on its owner, and a new owner would start it afresh beside the stale one.
             kept = {id(e.param): e.owner for e in self._entries.values()}
-            self._entries, self._params_key = _owners(params, kept), key
+            self._entries, self._params_key = make_entries(params, kept), key
             self._homed = any(hasattr(p, HOME_ATTR) for p in params)
         return self._entries
 
@@ -416,22 +376,22 @@ class _WholeStep:
             p.grad = grad
         self._restore, self._copied, self._stacked = [], [], []
 
-    def _gather(self, plan: _Plan) -> None:
+    def _gather(self, plan: Plan) -> None:
         """Give each owned parameter its whole values and gradient; hide the others' gradients."""
         r, dtype, device = plan.rank, plan.dtype, plan.device
         wire = torch.promote_types(dtype, plan.grad_dtype)  # carries values and gradients exactly
         ins = []
         for es in plan.sends:
-            n, at = _held(es, r), 0
+            n, at = held(es, r), 0
             buf = torch.empty(2 * n, dtype=wire, device=plan.wire)
             for e in es:
-                k = _span(e, r)
+                k = span(e, r)
                 buf[at : at + k].copy_(e.param.detach().view(-1))
                 buf[n + at : n + at + k].copy_(e.param.grad.view(-1))
                 at += k
             ins.append(buf)
         outs = [
-            torch.empty(2 * _held(es, q), dtype=wire, device=plan.wire)
+            torch.empty(2 * held(es, q), dtype=wire, device=plan.wire)
             for q, es in enumerate(plan.recvs)
         ]
         all_to_all(outs, ins, plan.group, plan.stats).wait()
@@ -443,7 +403,7 @@ class _WholeStep:
                 self._restore.append((p, None, grad))
                 p.grad = None
                 continue
-            if _span(e, r) == e.numel:  # held whole here: stepped in place
+            if span(e, r) == e.numel:  # held whole here: stepped in place
                 values, grads = piece.view(-1), grad.view(-1)
             else:
                 values = torch.empty(e.numel, dtype=dtype, device=device)
@@ -456,7 +416,7 @@ class _WholeStep:
             owned[id(e)] = values, grads
             self._restore.append((p, piece, grad))
         for q, es in enumerate(plan.recvs):
-            n, at = _held(es, q), 0
+            n, at = held(es, q), 0
             for e in es:
                 a, b = e.pieces[q]
                 values, grads = owned[id(e)]
@@ -474,13 +434,13 @@ class _WholeStep:
             if not e.split.identity:
                 self._stacked.append((e, values))
 
-    def _scatter(self, plan: _Plan) -> None:
+    def _scatter(self, plan: Plan) -> None:
         """Send each rank its pieces of the owned parameters' new values, and take ours."""
         r, dtype, wire = plan.rank, plan.dtype, plan.wire
         stacked = {id(e): values for e, values in self._stacked}
         ins = []
         for q, es in enumerate(plan.recvs):
-            buf, at = torch.empty(_held(es, q), dtype=dtype, device=wire), 0
+            buf, at = torch.empty(held(es, q), dtype=dtype, device=wire), 0
             for e in es:
                 a, b = e.pieces[q]
                 values = stacked.get(id(e))
@@ -488,106 +448,11 @@ class _WholeStep:
                 buf[at : at + b - a].copy_(values[a:b])
                 at += b - a
             ins.append(buf)
-        outs = [torch.empty(_held(es, r), dtype=dtype, device=wire) for es in plan.sends]
+        outs = [torch.empty(held(es, r), dtype=dtype, device=wire) for es in plan.sends]
         all_to_all(outs, ins, plan.group, plan.stats).wait()
         for q, es in enumerate(plan.sends):
             at = 0
             for e in es:
-                k = _span(e, r)
+                k = span(e, r)
                 e.param.detach().view(-1).copy_(outs[q][at : at + k])
                 at += k
-
-
-def _span(e: _Entry, q: int) -> int:
-    a, b = e.pieces[q]
-    return b - a
-
-
-def _held(entries: list[_Entry], q: int) -> int:
-    return sum(_span(e, q) for e in entries)
-
-
-def _owners(params: list[nn.Parameter], kept: dict[int, int]) -> dict[int, _Entry]:
-    """Each parameter's pieces and owner, by ``id``, over each shard group (shard x tp for a
-    tp-split parameter): ``kept[id]`` where given, else by :func:`owners` among the
-    parameters not kept."""
-    entries: dict[int, _Entry] = {}
-    by_group: dict[int, tuple[int, list[_Entry]]] = {}
-    ranges: dict[int, list[tuple]] = {}
-    whole: dict[int, Any] = {}  # per flat group: its whole gradients' owner
-    for p in params:
-        ref, index, stats = getattr(p, PIECE_ATTR)
-        fg = ref()
-        mesh = fg.mesh
-        if id(fg) not in ranges:
-            ranges[id(fg)] = [fg.layout.local_pieces(q) for q in range(mesh.shard_size)]
-            # sharded over no one: a whole gradient's norms are its own, made on this rank
-            whole[id(fg)] = shard_grad_owner(None, stats, fg.home)
-        split = fg.splits[index]
-        spans = [(pcs[index].start, pcs[index].stop) for pcs in ranges[id(fg)]]
-        if split.is_split:  # model rank q = shard rank * tp + block: a range of that block
-            block = split.block_numel
-            pieces = [(t * block + a, t * block + b) for a, b in spans for t in range(split.parts)]
-            group, rank = mesh.model, mesh.model_rank
-        else:
-            pieces, group, rank = spans, mesh.shard, mesh.shard_rank
-        e = entries[id(p)] = _Entry(p, split, pieces, whole[id(fg)], group, rank)
-        by_group.setdefault(id(group), (len(pieces), []))[1].append(e)
-    for world, group in by_group.values():
-        new = [e for e in group if id(e.param) not in kept]
-        spans = [[_span(e, q) for q in range(world)] for e in new]
-        for e, owner in zip(new, owners([e.numel for e in new], spans)):
-            e.owner = owner
-        for e in group:
-            e.owner = kept.get(id(e.param), e.owner)
-    return entries
-
-
-def owners(numels: list[int], spans: list[list[int]]) -> list[int]:
-    """The owner rank of each parameter of one shard group, in the optimizer's order.
-
-    ``numels[i]`` is parameter ``i``'s size and ``spans[i][q]`` how many of its elements shard
-    rank ``q`` holds. Largest first (the optimizer's order among equals), each goes to the rank
-    that holds most of it, so that the least moves, as long as that keeps the rank's owned
-    elements within ``BALANCE`` times an even split; else to the next such rank by elements
-    held; where none has room, to the rank owning the fewest so far. So no rank owns more than
-    ``BALANCE`` times an even split, or an even split plus one parameter. Pure arithmetic: every
-    rank, and the memory planner, computes the same from the same sizes.
-    """
-    world = len(spans[0]) if spans else 1
-    cap = BALANCE * sum(numels) / world
-    load = [0] * world
-    result = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        near = sorted(range(world), key=lambda q: (-spans[i][q], load[q], q))
-        owner = next((q for q in near if load[q] + numels[i] <= cap), None)
-        if owner is None:
-            owner = min(range(world), key=lambda q: (load[q], -spans[i][q], q))
-        result[i] = owner
-        load[owner] += numels[i]
-    return result
-
-
-def _plan(entries: list[_Entry]) -> list[_Plan]:
-    """What each rank sends and receives for ``entries`` (each with a ``.grad``), one plan per
-    shard group, dtype and gradient dtype."""
-    plans: dict[tuple[int, torch.dtype, torch.dtype], _Plan] = {}
-    for e in entries:
-        p = e.param
-        ref, _, stats = getattr(p, PIECE_ATTR)
-        key = (id(e.group), p.dtype, p.grad.dtype)
-        if key not in plans:
-            wire = ref().mesh.device  # the host tier's pieces are in host memory, its group NCCL
-            plans[key] = _Plan(e.group, e.rank, len(e.pieces), *key[1:], p.device, wire, [], stats)
-        plans[key].entries.append(e)
-    for plan in plans.values():
-        r = plan.rank
-        plan.sends = [
-            [e for e in plan.entries if e.owner == q and _span(e, r)] if q != r else []
-            for q in range(plan.world)
-        ]
-        plan.recvs = [
-            [e for e in plan.entries if e.owner == r and _span(e, q)] if q != r else []
-            for q in range(plan.world)
-        ]
-    return list(plans.values())
