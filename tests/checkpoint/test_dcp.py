@@ -15,6 +15,8 @@ ranks as threads, what DCP's state-dict functions and its ``async_save`` staging
   ``full_state_dict=True`` (and ``cpu_offload``) they return the whole tensors, equal to
   ``full_state_dict()`` and ``full_optimizer_state_dict``, and ``set_*_state_dict`` loads such
   a whole state back;
+- an optimizer whose state lies on some ranks only (Muon over one matrix: its owner's) is taken
+  and set by DCP's functions on every rank, and nothing is stepped: stepped, or loaded fresh;
 - ``async_save``'s stagers (``DefaultStager``, and ``BlockingAsyncStager``, which
   ``FileSystemWriter`` is) copy the pieces as pieces; staging ``model.state_dict()``'s pieces
   raises naming ``get_model_state_dict``;
@@ -200,6 +202,54 @@ def test_state_made_before_the_first_step_is_shown_as_pieces_and_refuses_to_be_s
 
     want = {name: tuple(p.shape) for name, p in BASE.named_parameters()}
     assert run_ranks(2, fn) == [want, want]
+
+
+def one_matrix_muon(params: Iterable[nn.Parameter]) -> Optimizers:
+    """Muon over the first matrix only: its owner rank alone holds Muon's state."""
+    params = list(params)
+    matrix = next(p for p in params if p.ndim == 2)
+    return [
+        torch.optim.Muon([matrix], lr=2e-2),
+        torch.optim.AdamW([p for p in params if p is not matrix], lr=3e-3),
+    ]
+
+
+def test_an_optimizer_with_state_on_some_ranks_only_is_taken_and_set_without_a_step() -> None:
+    """DCP's state-dict functions fill an optimizer's empty state by stepping it with zero
+    gradients and a learning rate of 0, on each rank where it is empty. Muon's state over one
+    matrix lies on its owner alone, so the other rank stepped by itself, and its step waited
+    for an exchange the owner never joined (the collective's timeout, as a hang). Now nothing is
+    stepped there, as on the unwrapped model, whose state is not empty; both ranks show the
+    same names, and the state after a get and a set is the state before, exactly: once
+    trained, and once loaded into a fresh wrap (``load_full_optimizer_state_dict``)."""
+
+    def taken_and_set(model: nn.Module, optimizers: Optimizers) -> list[str]:
+        before = whole(model, optimizers)
+        state = get_optimizer_state_dict(model, optimizers)
+        set_optimizer_state_dict(model, optimizers, state)
+        after = whole(model, optimizers)
+        assert after.keys() == before.keys()
+        for name, value in before.items():
+            torch.testing.assert_close(after[name], value, atol=0, rtol=0, msg=name)
+        return sorted(state["state"])
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[str], list[str], list[int]]:
+        model, optimizers = trained(rank, pg, one_matrix_muon)
+        held = [len(optimizers[0].state)]
+        names = taken_and_set(model, optimizers)
+        fresh = wrapped(pg)
+        fresh_optimizers = one_matrix_muon(fresh.parameters())
+        for optimizer, stepped in zip(fresh_optimizers, optimizers):
+            full = shardwrap.full_optimizer_state_dict(model, stepped)
+            shardwrap.load_full_optimizer_state_dict(fresh, optimizer, full)
+        held.append(len(fresh_optimizers[0].state))
+        return names, taken_and_set(fresh, fresh_optimizers), held
+
+    results = run_ranks(2, fn, timeout=30)
+    assert sorted(held for _, _, held in results) == [[0, 0], [1, 1]]  # the owner's alone
+    names = {n for n, _ in BASE.named_parameters()}
+    for trained_names, loaded_names, _ in results:
+        assert set(trained_names) == set(loaded_names) == names
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adafactor"])

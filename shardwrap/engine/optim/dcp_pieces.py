@@ -54,6 +54,7 @@ __all__ = [
     "DCPCall",
     "DCPPiece",
     "dcp_call",
+    "dcp_filling_empty_state",
     "full_optimizer_state",
     "local_piece",
     "local_pieces",
@@ -379,6 +380,25 @@ def dcp_call(depth: int = 64) -> DCPCall | None:
             return DCPCall(full, rank0, frame.f_locals.get("model") if options else None)
         frame = frame.f_back
     return None
+
+
+def dcp_filling_empty_state(depth: int = 16) -> bool:
+    """Whether DCP's state-dict functions step the optimizer whose step hook calls this, to
+    fill its state where it is empty (zero gradients, a learning rate of 0), read from the
+    ``depth`` frames above the hook's caller."""
+    if "torch.distributed.checkpoint.state_dict" not in sys.modules:
+        return False
+    from torch.distributed.checkpoint import state_dict
+
+    code = inspect.unwrap(state_dict._init_optim_state).__code__
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def refuse_tensor_parallel(mesh: Any, call: DCPCall) -> None:

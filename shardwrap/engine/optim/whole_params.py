@@ -64,6 +64,7 @@ from ...comm.collectives import all_to_all
 from ...tiers.offload import HOME_ATTR, before_step
 from ...tiers.shard_param import raw_data, set_raw_data
 from .adoption import adopt_before_state_dicts
+from .dcp_pieces import dcp_filling_empty_state
 from .loaded_state import check_held_state, watch
 from .ownership import Entry, Plan, held, make_entries, make_plans, span
 from .pieces import PIECE_ATTR, adopt_optimizer
@@ -315,6 +316,13 @@ class _WholeStep:
         # owned entries whose whole is not their stacked values (tp blocks split off dim 0):
         # (entry, its stacked values, refreshed from the whole after the step)
         self._stacked: list[tuple[Entry, Tensor]] = []
+        # stepped or loaded, on every rank alike: some rank may hold state (see ``before``)
+        self._settled = False
+        self._idle = False  # this step exchanges and changes nothing
+        optimizer.register_load_state_dict_post_hook(self._loaded)
+
+    def _loaded(self, optimizer: Optimizer) -> None:
+        self._settled = True
 
     def before(self, args: Any, kwargs: Any) -> None:
         optimizer = self._optimizer()
@@ -328,6 +336,16 @@ class _WholeStep:
             )
         self._undo()  # a step that raised left its parameters whole
         entries = self.entries()
+        self._idle = self._settled and dcp_filling_empty_state()
+        if self._idle:
+            # DCP fills an optimizer's empty state by a step with zero gradients, where the
+            # state is empty: on the ranks that own none of its parameters alone, once any rank
+            # holds state. No rank would join their exchange; as on the unwrapped model, whose
+            # state is not empty then, nothing is stepped.
+            for e in entries.values():
+                self._restore.append((e.param, None, e.param.grad))
+                e.param.grad = None
+            return
         if self._homed:
             before_step(optimizer, args, kwargs)  # the disk tier's files are checked first
         stepped = [e for e in entries.values() if e.param.grad is not None]
@@ -359,6 +377,10 @@ class _WholeStep:
         return e.owner == e.rank
 
     def after(self) -> None:
+        if self._idle:
+            self._undo()
+            return
+        self._settled = self._settled or bool(self._key)  # a parameter was stepped
         with torch.no_grad():
             for e, values in self._stacked:  # the stepped whole, in stacked order again
                 values.copy_(e.split.stacked(e.param.detach()))
