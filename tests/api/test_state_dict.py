@@ -22,6 +22,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule
@@ -183,3 +184,49 @@ def test_optimizer_state_of_another_shape_is_refused_before_it_changes_anything(
         assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
 
     run_ranks(2, fn, timeout=30.0)
+
+
+def _hooked(model: GPT, said: list[str]) -> GPT:
+    """``model`` with state-dict hooks that make new values: a unit's cast to float16, a scale
+    inside another unit, keys renamed at the root, a pre-hook noting ``keep_vars``."""
+
+    def cast(module: nn.Module, state: dict, prefix: str, metadata: dict) -> None:
+        for k in [k for k in state if k.startswith(prefix)]:
+            state[k] = state[k].to(torch.float16)
+
+    def scale(module: nn.Module, state: dict, prefix: str, metadata: dict) -> None:
+        for k in [k for k in state if k.startswith(prefix)]:
+            state[k] = state[k] * 2
+
+    def rename(module: nn.Module, state: dict, prefix: str, metadata: dict) -> dict:
+        return type(state)((k.replace("ln_f.", "final_norm."), v) for k, v in state.items())
+
+    model.blocks[0]._register_state_dict_hook(cast)
+    model.blocks[1].mlp.register_state_dict_post_hook(scale)
+    model._register_state_dict_hook(rename)
+    model.register_state_dict_pre_hook(lambda m, prefix, keep_vars: said.append(str(keep_vars)))
+    return model
+
+
+def test_state_dict_hooks_see_the_full_values_in_full_state_dict() -> None:
+    """A module's state-dict hook that makes a new value from a parameter (a cast, a scale)
+    made it from this rank's piece, and ``full_state_dict()`` handed that out as the whole
+    tensor: (1, 1296)-shaped float16 pieces of (36, 36) weights, saved without a word. The
+    hooks now see the full values, as on the unwrapped model, and ``full_state_dict()`` equals
+    the plain model's ``state_dict()`` with the same hooks, dtypes and renamed keys included."""
+    torch.manual_seed(0)
+    base = GPT(width=36, depth=2)
+    said_plain: list[str] = []
+    want = _hooked(copy.deepcopy(base), said_plain).state_dict()
+
+    def fn(rank: int, pg: ProcessGroup | None) -> tuple[dict[str, torch.Tensor], list[str]]:
+        said: list[str] = []
+        model = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        _hooked(model, said)
+        return model.full_state_dict(), said
+
+    for state, said in _run(2, fn):
+        assert list(state) == list(want) and said == said_plain == ["False"]
+        for k, v in want.items():
+            assert state[k].dtype == v.dtype, k
+            torch.testing.assert_close(state[k], v, atol=0, rtol=0, msg=k)

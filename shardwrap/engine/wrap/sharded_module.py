@@ -53,6 +53,7 @@ from .copies import CopyRecipe, plain_keys, sharded_copy
 from .ddp_habits import DDPHabits
 from .extensions import check_prepare, checkpoint_unit, class_habits
 from .from_fsdp import FSDPHabits, other_arguments, own_mixed_precision, own_offload
+from .full_state import full_state, taking_full_state
 from .loads import SHARDS_OF, guard_submodule_loads, load_full, load_state
 from .meta_init import ParamInitFn, check_param_init_fn, is_meta
 from .moves import Moves
@@ -412,31 +413,15 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
         """The original model's state dict: same keys, full shapes, CPU tensors.
 
-        Gathers one flat group at a time, so device memory stays near one unit. Every rank
-        must call it; with ``rank0_only`` the other ranks get an empty dict.
+        Gathers one flat group at a time, so device memory stays near one unit. The modules'
+        state-dict hooks see the full values, as on the unwrapped model. Every rank must call
+        it; with ``rank0_only`` the other ranks get an empty dict.
         """
         root = self._shardwrap_root
         root.settle()
         root.check_state()
         root.schedule.enter("full_state_dict")
-        keep = not rank0_only or root.mesh.rank == 0
-        full: dict[int, Tensor] = {}
-        for unit in root.units:
-            for g in unit.groups:
-                with unit.readable(g) as views:
-                    if keep:
-                        for p, view in zip(g.shard_params, views):
-                            full[id(p)] = view.to("cpu", copy=True)
-        if not keep:
-            return {}
-        return {
-            k: full[id(v)]
-            if id(v) in full
-            else v.detach().to("cpu", copy=True)
-            if isinstance(v, Tensor)
-            else v  # a module's get_extra_state(), as state_dict() gives it
-            for k, v in nn.Module.state_dict(self, keep_vars=True).items()
-        }
+        return full_state(self, root, rank0_only)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -512,6 +497,8 @@ def _make_sharded(module: nn.Module, root: Root) -> None:
     }
 
     def note_shards(m: nn.Module, state: Any, prefix: str, local_metadata: dict) -> None:
+        if taking_full_state():
+            return
         local_metadata[SHARDS_OF] = (mesh.shard_rank, mesh.shard_size)
         taken = {  # with keep_vars, the shard parameters themselves: left as they are
             k: v
