@@ -230,3 +230,75 @@ def test_state_dict_hooks_see_the_full_values_in_full_state_dict() -> None:
         for k, v in want.items():
             assert state[k].dtype == v.dtype, k
             torch.testing.assert_close(state[k], v, atol=0, rtol=0, msg=k)
+
+
+def _load_hooked(model: GPT, calls: list[str]) -> GPT:
+    """``model`` with load hooks: a unit's pre-hook renaming an older checkpoint's keys
+    (``old_attn.`` to ``attn.``), the root's pre-hook (torch's private form, as libraries
+    register it) and post-hook noting their calls."""
+
+    def rename(module: nn.Module, state: dict, prefix: str, *args: object) -> None:
+        for k in [k for k in state if k.startswith(prefix + "old_attn.")]:
+            state[k.replace("old_attn.", "attn.")] = state.pop(k)
+
+    def noted(state: dict, prefix: str, *args: object) -> None:
+        calls.append(f"pre {len(state)}")
+
+    def after(module: nn.Module, keys: object) -> None:
+        calls.append(f"post {keys.missing_keys} {keys.unexpected_keys}")  # type: ignore[attr-defined]
+
+    model.blocks[1].register_load_state_dict_pre_hook(rename)
+    model._register_load_state_dict_pre_hook(noted)
+    model.register_load_state_dict_post_hook(after)
+    return model
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load_full_state_dict"])
+def test_load_hooks_run_as_on_the_unwrapped_model(how: str) -> None:
+    """A full state dict loaded into a model whose modules have load hooks: the model loaded
+    it without them (its keys checked and its values copied before any hook), so a pre-hook
+    renaming an older checkpoint's keys never ran, the renamed keys were reported missing and
+    the old ones unexpected (or raised with ``strict``), nothing of them was loaded, and no
+    post-hook ran. Now the hooks run as on the unwrapped model and the values load; a
+    parameter of another shape is refused by name (``load_full_state_dict`` names its whole
+    shape as torch does, not its piece's)."""
+    torch.manual_seed(0)
+    base = GPT(width=36, depth=2)
+    torch.manual_seed(1)
+    other = GPT(width=36, depth=2).state_dict()
+    old = {k.replace("blocks.1.attn.", "blocks.1.old_attn."): v for k, v in other.items()}
+    wrong = dict(other)
+    wrong["blocks.0.mlp.0.weight"] = torch.zeros(144, 35)
+    plain_calls: list[str] = []
+    plain = _load_hooked(copy.deepcopy(base), plain_calls)
+    plain.load_state_dict(old)
+    loaded_calls = list(plain_calls)
+    with pytest.raises(RuntimeError) as plain_error:
+        plain.load_state_dict(wrong)
+    shape_said = "size mismatch for blocks.0.mlp.0.weight: copying a param with shape "
+    assert shape_said in str(plain_error.value)
+
+    def fn(rank: int, pg: ProcessGroup | None) -> tuple[dict[str, torch.Tensor], list[str], str]:
+        calls: list[str] = []
+        model = _load_hooked(
+            ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg), calls
+        )
+        getattr(model, how)(old)
+        calls = list(calls)
+        state = model.full_state_dict()
+        # load_state_dict tells a full state dict from this rank's pieces by the shapes first
+        refused = ValueError if how == "load_state_dict" else RuntimeError
+        with pytest.raises(refused) as error:
+            getattr(model, how)(wrong)
+        return state, calls, str(error.value)
+
+    for state, calls, said in _run(2, fn):
+        assert calls == loaded_calls
+        torch.testing.assert_close(state, other, atol=0, rtol=0)
+        if how == "load_state_dict":
+            assert "blocks.0.mlp.0.weight: (144, 35)" in said
+        else:
+            assert (
+                f"{shape_said}torch.Size([144, 35]) from checkpoint, the shape in current model "
+                "is torch.Size([144, 36])." in said
+            )

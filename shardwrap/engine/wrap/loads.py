@@ -11,6 +11,13 @@ pieces a load pre-hook that cuts each whole value to this rank's piece (inside `
 also written into the full parameter), as the model's own ``load_state_dict`` does; it takes
 the pieces DCP loaded too, where DCP reached the model through another module
 (``torch.compile(model)``, a module holding it), which loads it module by module.
+
+The model's own load of a full state dict checks every key and shape first and loads nothing
+where one is wrong, then copies each rank's pieces. Where a module changes how it loads (a
+``load_state_dict`` hook of the user's: renamed keys of an older checkpoint, a conversion; a
+``_load_from_state_dict`` of a class outside torch), the model loads through torch's own
+``load_state_dict`` instead, so those run as on the unwrapped model, with the pre-hooks above
+run last on each module: they see what the user's made of the state dict.
 """
 
 from __future__ import annotations
@@ -86,7 +93,33 @@ def load_state(model: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
     if full:
         return load_full(model, state_dict, strict)
+    return load_through_torch(model, state_dict, strict)
+
+
+def customises_loading(model: nn.Module) -> bool:
+    """Whether a module of ``model`` changes how it loads (see the note)."""
+    for m in model.modules():
+        if m._load_state_dict_post_hooks or not all(
+            _is_cut(h) for h in m._load_state_dict_pre_hooks.values()
+        ):
+            return True
+        if not type(m)._load_from_state_dict.__module__.startswith("torch."):
+            return True
+    return False
+
+
+def load_through_torch(model: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> Any:
+    """torch's ``load_state_dict`` of ``model``, whose cutting pre-hooks run last."""
+    for m in model.modules():
+        hooks = m._load_state_dict_pre_hooks
+        for key in [key for key, h in hooks.items() if _is_cut(h)]:
+            hooks.move_to_end(key)
     return nn.Module.load_state_dict(model, state_dict, strict=strict)
+
+
+def _is_cut(hook: Any) -> bool:
+    fn = getattr(hook, "hook", hook)  # torch keeps a registered hook in a _WrappedHook
+    return isinstance(fn, functools.partial) and fn.func is _cut_whole_values
 
 
 def _is_itself(value: Tensor, param: Tensor) -> bool:
@@ -134,6 +167,8 @@ def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any
     :meth:`ShardedModule.load_full_state_dict`."""
     root = model._shardwrap_root
     root.check_state()
+    if customises_loading(model):
+        return load_through_torch(model, state_dict, strict)
     own = nn.Module.state_dict(model, keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
@@ -194,8 +229,17 @@ def _cut_whole_values(
                 shown = local_piece(value, param.shape, piece.start, piece.stop, prefix + attr)
                 state_dict[prefix + attr] = shown.reshape(p.shape)
                 continue
-            if tuple(value.shape) != tuple(param.shape) or value is p:
-                continue  # a piece, or torch's own shape error
+            if value is p:
+                continue
+            if tuple(value.shape) != tuple(param.shape):
+                if tuple(value.shape) != tuple(p.shape):  # torch would name the piece's shape
+                    args[-1].append(
+                        f"size mismatch for {prefix}{attr}: copying a param with shape "
+                        f"{value.shape} from checkpoint, the shape in current model is "
+                        f"{torch.Size(param.shape)}."
+                    )
+                    state_dict[prefix + attr] = p
+                continue  # else a piece: this rank's own state_dict()
             value = value.to(p.device)
             p.copy_(param.group.piece_of(param.index, value).reshape(p.shape))
             loaded.append((param.group, param.index, value))
