@@ -786,7 +786,8 @@ def test_layers_pruned_before_wrapping_train_like_the_plain_model(
 def test_forward_hooks_registered_after_wrapping_see_the_full_parameters(world_size: int) -> None:
     """A forward hook on a unit registered after wrapping (weight statistics, say) runs before
     the unit releases its parameters: at each step it reads the plain model's full weight
-    (before, this rank's piece). So does a pre-hook."""
+    (before, this rank's piece). So does a pre-hook, also one given ``prepend=True``, on a unit
+    and on the model (before, it ran ahead of the gather, on the pieces)."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Sequential(nn.Linear(6, 8), nn.Tanh()),
@@ -799,6 +800,10 @@ def test_forward_hooks_registered_after_wrapping_see_the_full_parameters(world_s
         seen: list[Tensor] = []
         m[1].register_forward_pre_hook(lambda mod, args: seen.append(mod[0].weight.detach() + 0))
         m[1].register_forward_hook(lambda mod, args, out: seen.append(mod[0].weight.detach() + 0))
+        m.register_forward_pre_hook(lambda mod, args: seen.append(mod[2].weight + 0), prepend=True)
+        m[1].register_forward_pre_hook(
+            lambda mod, args: seen.append(mod[0].weight.detach() + 0), prepend=True
+        )
         return seen
 
     def fn(rank: int, pg: ProcessGroup) -> list[Tensor]:
@@ -811,6 +816,6 @@ def test_forward_hooks_registered_after_wrapping_see_the_full_parameters(world_s
     want = watched(ref)
     _train_on(ref, data, 1, 0)
     for seen in run_ranks(world_size, fn, timeout=30.0):
-        assert len(seen) == len(want) == 2 * len(data)
+        assert len(seen) == len(want) == 4 * len(data)
         for got, expected in zip(seen, want, strict=True):
             torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)

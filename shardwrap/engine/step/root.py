@@ -162,12 +162,14 @@ class Root:
         self.order: ExecutionOrder[Unit] = ExecutionOrder(unit_index)  # drives prefetch
         # the frozen groups that may start to train (see ``_train_unfrozen``)
         self._frozen = [(u, g) for u in units for g in u.frozen if g.can_train]
+        self._pre_hook_ids: list[int] = []  # per unit: its gathering pre-hook's handle id
         self._post_hook_ids: list[int] = []  # per unit: its post-forward hook's handle id
         for unit in units:
             pre_forward = eager(self._hook_pre_forward(unit))
             # First of the unit's pre-hooks: one registered before wrapping (pruning's, which
             # computes the weight from its parameters) sees the full parameters too.
-            unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            pre = unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            self._pre_hook_ids.append(pre.id)
             post = unit.module.register_forward_hook(eager(self._hook_post_forward(unit)))
             self._post_hook_ids.append(post.id)
             unit.hook_grads(self, self.reductions)
@@ -200,6 +202,8 @@ class Root:
                 hooks, post = module._forward_hooks, self._post_hook_ids[unit.index]
                 if next(reversed(hooks)) != post:
                     hooks.move_to_end(post)
+                if unit is self.root:
+                    self.gather_hooks_first()
                 self._pre_forward(unit)
                 if unit is self.root and self.mesh.device.type != "cpu":
                     args, kwargs = to_device((args, kwargs), self.mesh.device)
@@ -210,6 +214,15 @@ class Root:
                 return args, kwargs
 
         return hook
+
+    def gather_hooks_first(self) -> None:
+        """Put each unit's gathering pre-hook first again, ahead of any registered since with
+        ``prepend=True``: so the units the root's forward calls gather before any pre-hook of
+        their modules runs (torch takes a module's hooks as they are when it is called)."""
+        for unit, key in zip(self.units, self._pre_hook_ids):
+            hooks = unit.module._forward_pre_hooks
+            if next(iter(hooks)) != key:
+                hooks.move_to_end(key, last=False)
 
     def _hook_post_forward(self, unit: Unit) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:

@@ -410,6 +410,17 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
         rank (also logged at wrap time: logger ``"shardwrap"``, INFO, global rank 0)."""
         return summarize(self, self._shardwrap_root)
 
+    def register_forward_pre_hook(
+        self, hook: Any, *, prepend: bool = False, with_kwargs: bool = False
+    ) -> Any:
+        """As ``nn.Module``'s; a hook given ``prepend=True`` still runs after the model's own
+        unit gathers, so it sees the full parameters as every pre-hook does."""
+        handle = super().register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
+        root = vars(self).get(ROOT_ATTR)
+        if root is not None:
+            root.gather_hooks_first()
+        return handle
+
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
         """The original model's state dict: same keys, full shapes, CPU tensors.
 
