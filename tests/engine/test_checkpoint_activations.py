@@ -169,6 +169,47 @@ def test_checkpointing_a_part_of_a_unit_by_hand_trains_like_the_plain_model(how:
         assert ck_gathers == gathers
 
 
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` given one tensor as query, key and value: its packed
+    projection, which it takes only where the three are one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.embed(x)  # requires grad, as every activation
+        return self.head(self.attn(y, y, y, need_weights=False)[0])
+
+
+def _attention_batches() -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(4, 5, 6, generator=g), torch.randn(4, 5, 3, generator=g)) for _ in range(3)
+    ]
+
+
+def test_a_checkpointed_unit_given_one_tensor_thrice_trains_like_the_plain_model() -> None:
+    """``checkpoint_activations`` on a ``MultiheadAttention`` unit called as ``attn(y, y, y)``:
+    the checkpoint gets ``y`` back as three tensors in the recomputation (torch does so under
+    any saved-tensor hooks, and shardwrap's are entered around every forward), so attention
+    took its separate projections instead of the packed one and torch's checkpoint raised
+    ``CheckpointError`` in backward, at every stage. Each tensor now goes into the checkpoint
+    once."""
+    torch.manual_seed(0)
+    assert_parity(
+        SelfAttention(),
+        2,
+        sgd,
+        _attention_batches(),
+        lambda m, x, y: (m(x) - y).pow(2).mean(),
+        auto_wrap=nn.MultiheadAttention,
+        checkpoint_activations=True,
+    )
+
+
 @pytest.mark.parametrize(
     "wrap",
     [{"checkpoint_activations": True}, {"compile": {"backend": "aot_eager"}}],

@@ -61,9 +61,27 @@ def recompute_activations(root: Regathers, unit: Unit) -> None:
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(
-            recompute_or_run, *args, use_reentrant=False, **kwargs
-        )
+        # The checkpoint saves its tensor arguments, and under saved-tensor hooks (shardwrap's,
+        # around every forward) gives each back as a tensor of its own: one tensor passed
+        # twice (attention's query, key and value) would be recomputed as different ones, on
+        # another path (MultiheadAttention's packed projection). So each goes in once.
+        tensors: list[torch.Tensor] = []
+        seen: dict[int, int] = {}
+        places = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                places.append(seen.setdefault(id(a), len(tensors)))
+                if places[-1] == len(tensors):
+                    tensors.append(a)
+            else:
+                places.append(None)
+        others = [None if isinstance(a, torch.Tensor) else a for a in args]
+
+        def run(*given: torch.Tensor) -> Any:
+            again = [a if i is None else given[i] for a, i in zip(others, places)]
+            return recompute_or_run(*again, **kwargs)
+
+        return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False)
 
     unit.module.forward = checkpointed
 
