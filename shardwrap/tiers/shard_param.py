@@ -39,6 +39,7 @@ import torch
 import torch.distributed.distributed_c10d as dist_c10d
 from torch import Tensor, nn
 from torch._C import TensorBase
+from torch.nn.utils import prune
 
 __all__ = [
     "NAME_ATTR",
@@ -195,6 +196,8 @@ def _refuse_on_piece(cls: type, func: Any, args: tuple, kwargs: dict) -> None:
         raise IndexError(_indexed_piece(args[0]))
     if copies_whole_into(cls, func, args, SHAPE_ATTR):
         raise ValueError(_whole_into_piece(args[0]))
+    if func is torch._weight_norm or (func in _MUL and sys._getframe(2).f_code is _APPLY_MASK):
+        raise ValueError(_whole_only(func, first_among(cls, args, kwargs)))
 
 
 def copies_whole_into(cls: type, func: Any, args: tuple, shape_attr: str) -> bool:
@@ -293,6 +296,26 @@ def _whole_into_piece(piece: Tensor) -> str:
         "own load_state_dict), which each rank cuts to its pieces; or, inside "
         "`with model.gathered(writeback=True):`, copy into the module's attribute (the full "
         "parameter), e.g. model.get_submodule('...').weight.copy_(value)."
+    )
+
+
+# What computes a whole weight from its parameters outside forward, where they are pieces:
+# weight normalisation (``remove_weight_norm``; on an empty piece torch's kernel crashes the
+# process) and pruning's mask (``prune.remove``), each known by its code.
+_MUL = frozenset({Tensor.mul, Tensor.__mul__, Tensor.__rmul__})
+_APPLY_MASK = prune.BasePruningMethod.apply_mask.__code__
+
+
+def _whole_only(func: Any, piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"{getattr(func, '__name__', func)} of this rank's piece of {name} (shape "
+        f"{tuple(piece.shape)}): outside forward a sharded model's parameters are their "
+        "pieces, views of their unit's flat shard. Removing a parametrization or weight norm "
+        "(remove_parametrizations, remove_weight_norm, remove_spectral_norm) and pruning's "
+        "prune.remove compute the whole weight and replace the parameter: do it before "
+        "wrapping, or on the unwrapped model after loading model.full_state_dict() into it. "
+        "Nothing was changed."
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -423,6 +424,70 @@ def test_dirac_on_a_piece_is_refused_before_it_zeroes_it() -> None:
 
     for state in run_ranks(WORLD, fn, timeout=30):
         torch.testing.assert_close(state, dict(plain.state_dict()), atol=0, rtol=0)
+
+
+def _removals() -> dict[str, tuple[Callable[[nn.Module], None], Callable[[Net], None]]]:
+    """What replaces a layer's parameters by a whole weight computed from them: (how it was set
+    up before wrapping, how it is removed after)."""
+    from torch.nn.utils import parametrizations, parametrize, prune
+
+    return {
+        "remove_parametrizations(orthogonal)": (
+            parametrizations.orthogonal,
+            lambda m: parametrize.remove_parametrizations(m.b1.a, "weight"),
+        ),
+        "remove_parametrizations(weight_norm)": (
+            parametrizations.weight_norm,
+            lambda m: parametrize.remove_parametrizations(m.b1.a, "weight"),
+        ),
+        "remove_weight_norm": (
+            nn.utils.weight_norm,
+            lambda m: nn.utils.remove_weight_norm(m.b1.a),
+        ),
+        "prune.remove": (
+            lambda layer: prune.l1_unstructured(layer, "weight", amount=0.5),
+            lambda m: prune.remove(m.b1.a, "weight"),
+        ),
+    }
+
+
+def _built(setup: Callable[[nn.Module], None]) -> Net:
+    m = Net()
+    setup(m.b1.a)
+    return m
+
+
+@pytest.mark.parametrize("how", list(_removals()))
+def test_removing_a_parametrization_or_pruning_is_refused_with_nothing_changed(how: str) -> None:
+    """Removing a parametrization, weight norm or pruning computes the whole weight from the
+    layer's parameters and registers it in their place. ``remove_parametrizations`` took the
+    parametrization away before the new parameter was refused, losing the trained weight from
+    ``full_state_dict()``; ``remove_weight_norm`` crashed the process of a rank whose piece was
+    empty (torch's kernel); ``prune.remove`` raised torch's shape error. Each is now refused
+    on every rank before anything changes, naming the fix, and training goes on as before."""
+    setup, remove = _removals()[how]
+    weights = {k: v.clone() for k, v in _built(setup).state_dict().items()}
+
+    def built() -> Net:  # its weight is computed, so it cannot be deep-copied: built anew
+        m = _built(setup)
+        m.load_state_dict(weights)
+        return m
+
+    plain = built()
+    _train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(built(), process_group=pg, auto_wrap=Block)
+        before = m.full_state_dict()
+        with pytest.raises(ValueError, match="full_state_dict") as refused:
+            remove(m)
+        assert "before wrapping" in str(refused.value)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        _train(m, rank, WORLD)
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
 
 
 def _zero_first_rows(module: nn.Module) -> None:

@@ -10,11 +10,13 @@ and the hooks do nothing; inside ``gathered()`` (``paused``) every parameter is 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from ..shards.eager import eager
@@ -79,6 +81,8 @@ class OwnCalls:
 
     def _hook_pre_call(self, units: list[Unit]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if isinstance(module, parametrize.ParametrizationList):
+                _refuse_removal(module)
             root = self._root
             grad = torch.is_grad_enabled()
             if self.paused or all(ready(u, grad) for u in units):
@@ -121,6 +125,27 @@ class OwnCalls:
                     unit.hide_views()
 
         return hook
+
+
+_REMOVE = parametrize.remove_parametrizations.__code__
+
+
+def _refuse_removal(module: nn.Module, depth: int = 12) -> None:
+    """Raise where ``remove_parametrizations`` computes the weight of ``module``, a module's
+    parametrization, to replace its parameters: it would then register a new parameter, which a
+    sharded model refuses only once the parametrization is gone, and the weight with it."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return
+        if frame.f_code is _REMOVE:
+            raise ValueError(
+                "remove_parametrizations on a sharded model: it replaces the parametrized "
+                "parameters by a new one, which cannot join the model's shards after wrapping. "
+                "Remove it before wrapping, or on the unwrapped model after loading "
+                "model.full_state_dict() into it. Nothing was changed."
+            )
+        frame = frame.f_back
 
 
 def ready(unit: Unit, grad: bool) -> bool:
