@@ -39,7 +39,7 @@ import torch
 import torch.distributed.distributed_c10d as dist_c10d
 from torch import Tensor, nn
 from torch._C import TensorBase
-from torch.nn.utils import prune
+from torch.nn.utils import parametrize, prune
 
 __all__ = [
     "NAME_ATTR",
@@ -198,6 +198,8 @@ def _refuse_on_piece(cls: type, func: Any, args: tuple, kwargs: dict) -> None:
         raise ValueError(_whole_into_piece(args[0]))
     if func is torch._weight_norm or (func in _MUL and sys._getframe(2).f_code is _APPLY_MASK):
         raise ValueError(_whole_only(func, first_among(cls, args, kwargs)))
+    if getattr(func, "__self__", None) is _SHAPE and sys._getframe(2).f_code is _PARAMETRIZING:
+        raise ValueError(_parametrized_piece(first_among(cls, args, kwargs)))
 
 
 def copies_whole_into(cls: type, func: Any, args: tuple, shape_attr: str) -> bool:
@@ -304,6 +306,22 @@ def _whole_into_piece(piece: Tensor) -> str:
 # process) and pruning's mask (``prune.remove``), each known by its code.
 _MUL = frozenset({Tensor.mul, Tensor.__mul__, Tensor.__rmul__})
 _APPLY_MASK = prune.BasePruningMethod.apply_mask.__code__
+
+
+# A parametrization registered on a piece: its list reads the original's shape first.
+_SHAPE = Tensor.shape
+_PARAMETRIZING = parametrize.ParametrizationList.__init__.__code__
+
+
+def _parametrized_piece(piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"register_parametrization on this rank's piece of {name} (shape {tuple(piece.shape)}): "
+        "after wrapping a sharded model's parameters are their pieces, and a parametrization "
+        "would compute on them and register them anew, outside the shards. Register it before "
+        "wrapping (parametrizations, weight_norm and spectral_norm train as on the plain model "
+        "then). Nothing was changed."
+    )
 
 
 def _whole_only(func: Any, piece: Tensor) -> str:

@@ -490,6 +490,40 @@ def test_removing_a_parametrization_or_pruning_is_refused_with_nothing_changed(h
         torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
 
 
+class _Scaled(nn.Module):
+    """An elementwise parametrization."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return 2 * x
+
+
+@pytest.mark.parametrize("what", ["orthogonal weight", "scaled bias"])
+def test_a_parametrization_registered_after_wrapping_is_refused_on_every_rank(what: str) -> None:
+    """A parametrization registered after wrapping computed on the pieces: an orthogonal one
+    was taken (its original registered anew, the next forward failed naming the wrong fix),
+    and an elementwise one on a bias split 0 and 3 raised torch's shape error on one rank
+    alone, the other waiting in the next forward until the timeout. Now refused on every rank
+    before anything changes; training goes on as on the plain model."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    plain = copy.deepcopy(_net())
+    _train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _wrap(pg)
+        with pytest.raises(ValueError, match="register_parametrization .*before wrapping"):
+            if what == "orthogonal weight":
+                parametrizations.orthogonal(m.b1.a)
+            else:
+                parametrize.register_parametrization(m.head, "bias", _Scaled())
+        assert not parametrize.is_parametrized(m.b1.a) and not parametrize.is_parametrized(m.head)
+        _train(m, rank, WORLD)
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
+
+
 def _zero_first_rows(module: nn.Module) -> None:
     """An initialiser that writes by position, as ``model.apply(fn)`` runs it."""
     if isinstance(module, nn.Linear):
