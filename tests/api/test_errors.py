@@ -12,6 +12,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_errors.py -q`
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -612,3 +613,35 @@ def test_auto_wrap_that_selects_nothing_names_the_classes_the_model_has(auto_wra
     assert "Block (x3)" in message and "Linear (x13)" in message
     assert "auto_wrap=None to make it one unit on purpose" in message
     ShardedModule(GPT(), auto_wrap=None)  # on purpose: fine
+
+
+def test_tracing_scripting_and_exporting_are_refused_and_introspection_works() -> None:
+    """``torch.jit.trace`` and ``torch.jit.script`` raised the error meant for
+    ``DistributedDataParallel(model)`` (their scan of the model's attributes, as
+    ``inspect.getmembers``, read the attribute DDP reads), and ``torch.export`` failed inside
+    the forward's handshake. Each is now refused on every rank before any collective, naming
+    what to trace instead; attribute scans find no DDP attribute, and the model trains on."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[str]:
+        m = ShardedModule(copy.deepcopy(base), process_group=pg)
+        assert not hasattr(m, "_ddp_params_and_buffers_to_ignore")
+        assert any(name == "forward" for name, _ in inspect.getmembers(m))
+        said = []
+        for call in (lambda: torch.jit.trace(m, (x,)), lambda: torch.jit.script(m)):
+            with pytest.raises(TypeError, match="full_state_dict") as refused:
+                call()
+            said.append(str(refused.value).split(":")[0])
+        m(x.chunk(2)[rank]).sum().backward()
+        return said
+
+    refused = "torch.jit.trace, torch.jit.script and torch.export of a sharded model are not "
+    for said in run_ranks(2, fn, timeout=30):
+        assert said == [refused + "supported"] * 2
+    # export's tracing state is the process's, so one rank (world size 1, the same code path)
+    m = ShardedModule(copy.deepcopy(base))
+    with pytest.raises(TypeError, match="torch.export of a sharded model .*full_state_dict"):
+        torch.export.export(m, (x,))
+    m(x).sum().backward()

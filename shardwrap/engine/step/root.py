@@ -61,7 +61,7 @@ from .schedule import Schedule
 from .strategy import Strategy
 from .trees import cast_floating, map_outputs, to_device
 
-__all__ = ["Phase", "Root"]
+__all__ = ["TRACED", "Phase", "Root"]
 
 
 class Phase(Enum):
@@ -70,6 +70,15 @@ class Phase(Enum):
     IDLE = auto()  # outside forward and backward: saves, loads, gathered(), an optimizer step
     FORWARD = auto()  # from the root unit's pre-forward hook to its forward hook
     BACKWARD = auto()  # from the first pre-backward or gradient hook to the end of backward
+
+
+# What torch.jit.trace, torch.jit.script and torch.export of a sharded model say.
+TRACED = (
+    "torch.jit.trace, torch.jit.script and torch.export of a sharded model are not supported: "
+    "its forward gathers each unit's parameters from every rank, which a traced or exported "
+    "graph cannot do. Trace or export the unwrapped model: load model.full_state_dict() "
+    "(every rank calls it) into a plain copy of it on one rank, and trace or export that."
+)
 
 
 class Root:
@@ -203,6 +212,8 @@ class Root:
                 if next(reversed(hooks)) != post:
                     hooks.move_to_end(post)
                 if unit is self.root:
+                    if torch.jit.is_tracing() or torch.compiler.is_exporting():
+                        raise TypeError(TRACED)
                     self.gather_hooks_first()
                 self._pre_forward(unit)
                 if unit is self.root and self.mesh.device.type != "cpu":

@@ -20,7 +20,9 @@ before the forward's first gather: no step is ever taken on the overwritten piec
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 import weakref
 from typing import Any
 
@@ -28,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..shards.eager import eager
-from ..step.root import Root
+from ..step.root import TRACED, Root
 
 __all__ = ["DDPHabits", "refuse_ddp_outside"]
 
@@ -39,6 +41,7 @@ _HOOKS = (
     "gradient reduction is shardwrap's own, a reduce-scatter per unit"
 )
 # DDP's methods that have no namesake on a sharded model: what to do instead.
+_DDP_FILE = inspect.getfile(DistributedDataParallel)  # where DDP's constructor reads it
 _DDP_METHODS = {
     "join": (
         "every rank must run as many forward and backward passes as the others (a rank out "
@@ -75,7 +78,11 @@ class DDPHabits:
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> Any:
-        """Read by ``DistributedDataParallel``'s constructor before its first collective."""
+        """Read by ``DistributedDataParallel``'s constructor before its first collective, which
+        is refused; to any other reader (``hasattr`` scans: ``torch.jit``, ``inspect``) the
+        model has no such attribute."""
+        if not sys._getframe(1).f_code.co_filename.endswith(_DDP_FILE):
+            raise AttributeError("_ddp_params_and_buffers_to_ignore")
         raise TypeError(
             "DistributedDataParallel(model) around a ShardedModule: DDP would broadcast rank "
             "0's pieces of the parameters over every rank's own pieces, then average pieces "
@@ -85,6 +92,10 @@ class DDPHabits:
             "replicate over some ranks and shard over others, pass process_group= a "
             'DeviceMesh with dimensions ("replicate", "shard") (hybrid sharding).'
         )
+
+    def __prepare_scriptable__(self) -> Any:
+        """``torch.jit.script(model)`` asks this first: refused, naming what to script."""
+        raise TypeError(TRACED)
 
     def __copy__(self) -> Any:
         """``copy.copy(model)``: a shallow copy sharing everything, as of any module (defined
