@@ -164,6 +164,13 @@ class ShardParam(nn.Parameter):
         """Refused: see :func:`_pickled_piece`."""
         raise TypeError(_pickled_piece(self))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Refused: a copy of a submodule of a sharded model (``copy.deepcopy(model.block)``,
+        ``fuse_conv_bn_eval``) would hold this rank's pieces and shardwrap's hooks, which gather
+        the original model's units. ``copy.deepcopy(model)`` of the whole model makes a sharded
+        copy and never copies a piece so."""
+        raise TypeError(_copied_piece(self))
+
 
 class ShardData(Tensor):
     """A shard parameter's ``data``: the piece's memory under its version counter, refusing
@@ -334,6 +341,18 @@ def _whole_only(func: Any, piece: Tensor) -> str:
         "prune.remove compute the whole weight and replace the parameter: do it before "
         "wrapping, or on the unwrapped model after loading model.full_state_dict() into it. "
         "Nothing was changed."
+    )
+
+
+def _copied_piece(piece: Tensor) -> str:
+    name = getattr(piece, NAME_ATTR, "a shard parameter")
+    return (
+        f"copy.deepcopy of a submodule holding {name}, this rank's piece (shape "
+        f"{tuple(piece.shape)}) of a sharded model's parameter: the copy would hold the pieces "
+        "and shardwrap's hooks, which gather the original model's units. copy.deepcopy(model) "
+        "of the whole model makes a sharded copy; for a plain copy of a part, copy it before "
+        "wrapping, or build one and load its keys of model.full_state_dict() (every rank "
+        "calls it) into it."
     )
 
 

@@ -219,3 +219,27 @@ def test_a_copy_over_a_tensor_parallel_mesh_is_refused_naming_the_fix() -> None:
             copy.deepcopy(m)
 
     run_mesh_ranks((2, 2), ("dp", "tp"), fn)
+
+
+def test_a_copy_or_save_of_a_submodule_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """``copy.deepcopy`` of a submodule holding pieces (a unit, a layer inside one, or
+    ``fuse_conv_bn_eval`` copying a layer) gave a module of this rank's pieces that carried
+    shardwrap's hooks (a layer copied silently; calling it gathered the original model's
+    units, on the rank that called it), or torch's "cannot pickle ProcessGroup"; ``torch.save``
+    of a unit raised "Can't pickle local object". Each is refused naming what to do, the file
+    not opened; the model trains on."""
+    path = tmp_path / "block.pt"
+    path.write_bytes(b"kept")
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(_gpt(), process_group=pg, auto_wrap=Block)
+        for part in (m.blocks[0], m.blocks[0].mlp, m.lm_head):
+            with pytest.raises(TypeError, match="copy.deepcopy of a submodule.*full_state_dict"):
+                copy.deepcopy(part)
+        with pytest.raises(TypeError, match="pickling blocks.0.*full_state_dict"):
+            torch.save(m.blocks[0], path)
+        idx, targets = BATCHES[0]
+        m(idx.chunk(WORLD)[rank], targets.chunk(WORLD)[rank]).backward()
+
+    run_ranks(WORLD, fn, timeout=30)
+    assert path.read_bytes() == b"kept"

@@ -8,8 +8,9 @@ Design note. A rank's pieces (:class:`~shardwrap.engine.optim.pieces.ShardPiece`
 would be gone. So the first piece of each kind made registers its class here, and the first
 registration wraps ``torch.save`` (``torch.save`` and ``torch.serialization.save``, the same
 function) once in the process: the object is searched through its dicts, lists and tuples for
-an instance of a registered class, whose own refusal (its ``__reduce_ex__``) raises before
-torch's save runs. Every other object is saved by torch's function as it was.
+an instance of a registered class (a module's parameters too: a submodule of a sharded model
+holds pieces), whose own refusal (its ``__reduce_ex__``) raises before torch's save runs.
+Every other object is saved by torch's function as it was.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 __all__ = ["guard_torch_save"]
 
@@ -56,4 +58,6 @@ def _find(obj: object) -> Any:
         if isinstance(item, Mapping | list | tuple) and id(item) not in seen:
             seen.add(id(item))  # a state dict may hold the same list twice
             stack.extend(item.values() if isinstance(item, Mapping) else item)
+        elif isinstance(item, nn.Module):  # a submodule of a sharded model holds pieces
+            stack.extend(item.parameters())
     return None
