@@ -77,7 +77,7 @@ class _Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_later_trainer_asking_other_options_is_refused_naming_them() -> None:
+def test_a_later_trainer_asking_other_options_is_refused_naming_them(tmp_path: Path) -> None:
     """A ``LightningModule`` sharded by one ``Trainer``'s strategy keeps how it was sharded: a
     later ``Trainer`` whose strategy asks other options (``stage=1`` after ``stage=2``) raises
     naming both, where they were dropped without a word; one given none reuses the model, as
@@ -85,7 +85,9 @@ def test_a_later_trainer_asking_other_options_is_refused_naming_them() -> None:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
     torch.manual_seed(0)
     model = _Tiny()
-    _trainer(strategy=ShardwrapStrategy(stage=2), max_steps=2).fit(model, data)
+    _trainer(strategy=ShardwrapStrategy(stage=2), max_steps=2, default_root_dir=tmp_path).fit(
+        model, data
+    )
     with pytest.raises(ValueError, match=r"earlier Trainer with stage=2.*Trainer's stage=1"):
         _trainer(strategy=ShardwrapStrategy(stage=1)).validate(model, data, verbose=False)
     for strategy in ("shardwrap", ShardwrapStrategy(stage=2)):
@@ -103,5 +105,7 @@ def test_resuming_from_a_weights_only_checkpoint_says_so(tmp_path: Path) -> None
     _trainer(strategy="shardwrap", max_steps=2, callbacks=[saving]).fit(_Tiny(), data)
     last = str(tmp_path / "last.ckpt")
     with pytest.raises(KeyError, match="save_weights_only"):
-        _trainer(strategy="shardwrap", max_steps=4).fit(_Tiny(), data, ckpt_path=last)
+        _trainer(strategy="shardwrap", max_steps=4, default_root_dir=tmp_path).fit(
+            _Tiny(), data, ckpt_path=last
+        )
     _trainer(strategy="shardwrap").validate(_Tiny(), data, ckpt_path=last, verbose=False)
