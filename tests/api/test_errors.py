@@ -161,6 +161,17 @@ def test_a_parameter_with_a_layout_of_its_own_is_refused_naming_it(
         run_ranks(world_size, fn, timeout=30)
 
 
+def test_a_lazy_module_not_yet_run_is_refused_naming_the_fix() -> None:
+    """A lazy module's parameters have no shape before its first forward: wrapping failed in
+    torch's ``numel`` of an uninitialized parameter. Now refused naming the tensor and the fix,
+    before any collective; after one forward it wraps and trains."""
+    m = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"'0\.weight' is uninitialized .*before wrapping"):
+        ShardedModule(m)
+    m(torch.randn(3, 5))
+    ShardedModule(m)(torch.randn(3, 5)).sum().backward()
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
 def test_an_embedding_that_renormalises_its_weight_in_forward_is_refused(

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ...comm.collectives import Group, all_reduce, group_size
@@ -74,14 +75,22 @@ def warn_shadowed(module: nn.Module, names: list[str]) -> None:
 
 
 def check_wrappable(module: nn.Module) -> None:
-    """Refuse, before any collective, a model wrapped already (or a part of it), holding a
-    parameter with a layout of its own, which the flat shards cannot hold, or an embedding
-    that renormalises its weight in place during forward."""
+    """Refuse, before any collective, a model wrapped already (or a part of it), holding an
+    uninitialized (lazy) tensor or a parameter with a layout of its own, which the flat shards
+    cannot hold, or an embedding that renormalises its weight in place during forward."""
     for name, m in module.named_modules():
         if hasattr(m, ROOT_ATTR) or hasattr(m, UNIT_ATTR):
             already_wrapped("the model" if not name else f"its submodule '{name}'")
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
             _renorming_embedding(name, m)
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if isinstance(t, UninitializedTensorMixin):
+            raise ValueError(
+                f"ShardedModule: '{name}' is uninitialized (a lazy module, nn.Lazy*): its shape "
+                "is known only after the module's first forward, and shards are cut from "
+                "shapes. Run one forward with a batch of the real shapes before wrapping, or "
+                "build the module with its sizes."
+            )
     for name, p in module.named_parameters():
         if getattr(p, SHARD_ATTR, False):
             already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
