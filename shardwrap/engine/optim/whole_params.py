@@ -264,6 +264,28 @@ def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     whole = _steps.get(optimizer)
     if whole is not None:
         whole.after()
+    for ref in _groups_of(optimizer):
+        group = ref()
+        if group is not None:
+            group.steps += 1
+
+
+# per optimizer: its parameter groups' sizes, and the flat groups of its pieces (weakly: an
+# optimizer outliving its model must not keep the model)
+_groups: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _groups_of(optimizer: Optimizer) -> list[Any]:
+    """References to the flat groups whose pieces ``optimizer`` steps (looked up again when
+    its parameter groups change size: ``add_param_group``)."""
+    key = tuple(len(g["params"]) for g in optimizer.param_groups)
+    known = _groups.get(optimizer)
+    if known is None or known[0] != key:
+        refs = {id(ref()): ref for ref, *_ in (getattr(p, PIECE_ATTR) for p in _pieces(optimizer))}
+        known = _groups[optimizer] = (key, list(refs.values()))
+    return known[1]
 
 
 def _classify(optimizer: Optimizer) -> _WholeStep | None:

@@ -177,6 +177,9 @@ class FlatGroup:
         # (the unit's lifetime: ``Unit.release_after_backward``).
         self.release_after_backward = False
         self.gathered_version = -1
+        # Optimizer steps over its pieces (``engine/optim/whole_params.py``'s step hook): a view
+        # autograd saved before one is not what its backward would read (``shards/saved.py``).
+        self.steps = 0
         # Inside ``gathered(writeback=True)``: the buffer holds the full parameters exactly, in
         # the shards' dtype, to be written back; no gather may replace it in another dtype.
         self.exact_only = False

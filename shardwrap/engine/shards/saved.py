@@ -37,6 +37,7 @@ class _SavedView(NamedTuple):
     offset: int
     shape: torch.Size
     stride: tuple[int, ...]
+    steps: int  # the group's optimizer steps when saved
 
 
 class _SavedDTensor(NamedTuple):
@@ -59,6 +60,15 @@ _REFUSED = (
     "with create_graph=True works); run a forward without gradients under torch.no_grad() "
     "(torch.func.vmap works there). "
     "The model is left as it was: training goes on."
+)
+
+
+_STEPPED = (
+    "shardwrap: one of the variables needed for gradient computation has been modified by an "
+    "inplace operation: an optimizer stepped {names} since the forward that saved them, as "
+    "torch raises for the unwrapped model. A graph kept with retain_graph=True computed with "
+    "the weights before the step: run the forward again after the step, or step after the "
+    "last backward through it."
 )
 
 
@@ -122,7 +132,7 @@ class SavedViews:
             return t
         if group is None:
             return t
-        return _SavedView(weakref.ref(group), t.storage_offset(), t.shape, t.stride())
+        return _SavedView(weakref.ref(group), t.storage_offset(), t.shape, t.stride(), group.steps)
 
     def _unpack(self, saved: Any) -> Tensor:
         if isinstance(saved, _SavedDTensor):
@@ -142,6 +152,8 @@ class SavedViews:
         group = saved.group()
         if group is None:
             raise RuntimeError("backward through a sharded model that has been deleted")
+        if group.steps != saved.steps:
+            raise RuntimeError(_STEPPED.format(names=", ".join(group.names[:3])))
         if not group.is_allocated:
             self.regather(group)
         return group.full_data.as_strided(saved.shape, saved.stride, saved.offset)

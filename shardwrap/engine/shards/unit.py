@@ -104,6 +104,13 @@ class Unit:
         self._sink: Callable[[], GradSink | None] = lambda: None
 
     @property
+    def holds_buffers(self) -> bool:
+        """Whether every group holds its full buffer: a group releases its own once a
+        backward last reads its views, while another graph (retained, run through later in the
+        same backward) may still read saved views of it."""
+        return all(g.is_allocated for g in self.groups)
+
+    @property
     def trainable(self) -> list[FlatGroup]:
         """The groups that get a flat gradient (a frozen one may start to: see ``Root``)."""
         return [g for g in self.groups if g.requires_grad]

@@ -520,7 +520,7 @@ class Root:
     def ensure_gathered(self, unit: Unit, backward: bool) -> None:
         if unit.state is ShardState.GATHERING and not unit.is_stale:
             unit.finish_gather()
-        if unit.state is ShardState.GATHERED and not unit.is_stale:
+        if unit.state is ShardState.GATHERED and not unit.is_stale and unit.holds_buffers:
             return
         self._stage_after(self.schedule.gather(unit, backward)[-1], backward)
         unit.finish_gather()

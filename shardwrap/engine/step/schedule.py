@@ -446,7 +446,7 @@ class Schedule:
         apart: list[Callable[[], None]] = []
         served: list[Unit] = []
         for unit in units:
-            if unit.state is not ShardState.SHARDED and not unit.is_stale:
+            if unit.state is not ShardState.SHARDED and not unit.is_stale and unit.holds_buffers:
                 apart.append(unit.gather_apart(batch))
                 continue
             if serving and unit.state is ShardState.SHARDED:
