@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.testing._internal.two_tensor import TwoTensor
 
@@ -656,3 +656,27 @@ def test_tracing_scripting_and_exporting_are_refused_and_introspection_works() -
     with pytest.raises(TypeError, match="torch.export of a sharded model .*full_state_dict"):
         torch.export.export(m, (x,))
     m(x).sum().backward()
+
+
+def test_a_cast_that_would_change_only_buffers_is_refused_with_nothing_changed() -> None:
+    """``model.float()`` of a float32 model holding float64 and bfloat16 buffers: the
+    parameters need no cast, so it was taken as a no-op, and the buffers stayed float64 and
+    bfloat16 where the plain model casts them (its output float64 where the plain model's is
+    float32). It now raises naming the buffer, before anything changes; a cast that changes
+    nothing (``.float()`` of an all-float32 model, ``.to("cpu")``) is still a no-op."""
+
+    class WithBuffers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.lin(x) * self.scale
+
+    m = ShardedModule(WithBuffers())
+    with pytest.raises(ValueError, match=r"buffer 'scale' \(torch.float64, cpu\) to torch.float32"):
+        m.float()
+    assert m.scale.dtype == torch.float64
+    plain = ShardedModule(nn.Linear(4, 4))
+    assert plain.float() is plain and plain.to("cpu") is plain

@@ -49,6 +49,16 @@ class Moves:
                         "device=...), and the compute dtype with "
                         "mixed_precision=MixedPrecision(...)."
                     )
+        for name, b in self.named_buffers():
+            probe = torch.empty(0, dtype=b.dtype, device=b.device)
+            out = fn(probe)
+            if out.dtype != probe.dtype or not _same_device(out.device, probe.device):
+                raise ValueError(
+                    f"ShardedModule: moving or casting a sharded model would change its buffer "
+                    f"'{name}' ({probe.dtype}, {probe.device}) to {out.dtype}, {out.device}, "
+                    "while its parameters stay as wrapped: nothing was changed. Cast or move "
+                    "the model before wrapping it."
+                )
         return self
 
 
