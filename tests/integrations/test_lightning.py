@@ -12,11 +12,13 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_ligh
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision as AutocastPrecision
 
@@ -24,6 +26,16 @@ from shardwrap import MixedPrecision, ShardedGradScaler
 from shardwrap.lightning import ShardwrapStrategy
 
 pytestmark = pytest.mark.stage3  # no stage involved
+
+
+@pytest.fixture(autouse=True)
+def no_default_group_left() -> Iterator[None]:
+    """A ``Trainer`` that fits or validates starts torch.distributed's default group (of this
+    process alone) and leaves it: ended after each test, so that the tests that run after it in
+    this process find none."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _trainer(**kw: object) -> pl.Trainer:
