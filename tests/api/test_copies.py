@@ -130,15 +130,16 @@ def test_an_average_inside_the_model_updates_where_its_pieces_line_up(stage: int
     other ranges, and ``update_parameters`` raises on every rank naming the fixes, changing
     nothing (before: torch's bare size mismatch, or, where two pieces' sizes agreed, elements
     of one parameter blended into others of another)."""
-    plain = _with_average()
+    base = _with_average()  # here: ranks as threads share the default generator
+    plain = copy.deepcopy(base)
     _train_inside(plain, 0, 1)
 
     def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
         apart = ShardedModule(
-            _with_average(), process_group=pg, stage=stage, auto_wrap=(AveragedModel, Tracked)
+            copy.deepcopy(base), process_group=pg, stage=stage, auto_wrap=(AveragedModel, Tracked)
         )
         _train_inside(apart, rank, WORLD)
-        together = ShardedModule(_with_average(), process_group=pg, stage=stage)
+        together = ShardedModule(copy.deepcopy(base), process_group=pg, stage=stage)
         before = together.full_state_dict()
         with pytest.raises(ValueError, match="are not held alike") as error:
             together.ema.update_parameters(together.module)
