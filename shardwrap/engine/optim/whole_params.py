@@ -264,6 +264,8 @@ def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     whole = _steps.get(optimizer)
     if whole is not None:
         whole.after()
+        if whole.idle:  # DCP's step that changes nothing (see _WholeStep.before)
+            return
     for ref in _groups_of(optimizer):
         group = ref()
         if group is not None:
@@ -345,6 +347,11 @@ class _WholeStep:
 
     def _loaded(self, optimizer: Optimizer) -> None:
         self._settled = True
+
+    @property
+    def idle(self) -> bool:
+        """Whether the step just taken exchanged and changed nothing."""
+        return self._idle
 
     def before(self, args: Any, kwargs: Any) -> None:
         optimizer = self._optimizer()
