@@ -96,12 +96,14 @@ def test_a_retained_graph_run_through_after_another_forward_trains_like_the_plai
     _parity(retained_then_forward)
 
 
-@pytest.mark.stage3
 def test_a_gradient_penalty_then_another_forward_trains_like_the_plain_model() -> None:
     """WGAN-GP's critic step: the penalty's double-backward graph is kept while the model runs
-    another forward, then one backward goes through both (it raised that a group was not
-    gathered). At stages 1 and 2 torch refuses it (see docs/precision-and-recomputation.md)."""
-    _parity(penalty_then_forward, stage=3)
+    another forward, then one backward goes through both. At stage 3 it raised that a group
+    was not gathered; at stages 1 and 2 torch raised that a tensor it saved was modified in
+    place: the penalty's backward marked the units to gather again, and the forward gathered
+    into the buffer the penalty's graph holds. A backward that gives no parameter a gradient
+    now leaves them gathered (an optimizer step marks what it steps)."""
+    _parity(penalty_then_forward)
 
 
 def test_a_retained_graph_run_through_after_an_optimizer_step_raises_as_torch_does() -> None:

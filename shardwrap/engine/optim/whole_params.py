@@ -270,6 +270,7 @@ def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         group = ref()
         if group is not None:
             group.steps += 1
+            group.mark_stale()  # a fused step changes the shard without counting it
 
 
 # per optimizer: its parameter groups' sizes, and the flat groups of its pieces (weakly: an

@@ -460,16 +460,20 @@ class Root:
         for unit in self.units:
             if unit.state is not ShardState.SHARDED:
                 unit.after_backward()
-            if self.reductions.sync:
-                # The optimizer steps next, and not every write to a shard is counted in its
-                # version counter (``.data`` writes are not); a unit that stays gathered
-                # gathers again before it is next read.
-                for g in unit.trainable:
-                    g.mark_stale()
         # Only a backward that reduces shares buffers (DDP's forward after a synced one).
         moved = self.buffers.moved() if self.reductions.sync else []
         if self.schedule.finish_backward(any(moved)):
             self.buffers.share(moved)
+        if self.reductions.sync and any(self.schedule.used_anywhere):
+            # The optimizer steps next, and not every write to a shard is counted in its
+            # version counter (a fused optimizer's are not); a unit that stays gathered
+            # gathers again before it is next read. A backward that gave no parameter a
+            # gradient (torch.autograd.grad of inputs: a gradient penalty) leaves them be, so
+            # a graph it made over the gathered buffers stays valid; an optimizer step after
+            # it marks what it steps (``engine/optim/whole_params.py``).
+            for unit in self.units:
+                for g in unit.trainable:
+                    g.mark_stale()
         if not self.reductions.sync:
             for unit in self.units:
                 for g in unit.trainable:

@@ -481,6 +481,12 @@ class Schedule:
         reductions.finish(self._used_anywhere, seen)
         return self._buffers_moved_anywhere
 
+    @property
+    def used_anywhere(self) -> list[bool]:
+        """Per group, whether any rank used it in the backward just finished (or under
+        ``no_sync`` since its last reduction)."""
+        return self._used_anywhere
+
     def _seen_anywhere(self) -> list[list[bool]]:
         """Per group, which parameters any rank gave a gradient in what it reduced now (one
         small all-reduce, made only where some rank left a parameter of a used group without
