@@ -33,6 +33,7 @@ from torch import nn
 
 from ..checkpoint.export import write_export
 from ..comm.collectives import all_reduce
+from ..engine.optim.callers import caller_frame
 from ..engine.shards.unit import Unit
 from ..engine.step.inference import decoding_alone
 from ..engine.step.recompute import guard_recompute
@@ -81,19 +82,14 @@ def refuse_stock_trainer() -> None:
     Raises:
         TypeError: naming ``shardwrap.hf.Trainer``.
     """
-    frame = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            return
-        owner = frame.f_locals.get("self")
-        if owner is not None and _is_stock_trainer(type(owner)):
-            raise TypeError(
-                f"{type(owner).__name__} (transformers) saves the model on rank 0 alone, and a "
-                "sharded model holds a piece on every rank: its first checkpoint would wait for "
-                "good. Use shardwrap.hf.Trainer (or shardwrap.hf.Seq2SeqTrainer), or mix "
-                "shardwrap.hf.ShardedTrainerMixin into your Trainer class ahead of it."
-            )
-        frame = frame.f_back
+    frame = caller_frame(lambda f: _is_stock_trainer(type(f.f_locals.get("self"))), 16, skip=1)
+    if frame is not None:
+        raise TypeError(
+            f"{type(frame.f_locals['self']).__name__} (transformers) saves the model on rank 0 "
+            "alone, and a sharded model holds a piece on every rank: its first checkpoint would "
+            "wait for good. Use shardwrap.hf.Trainer (or shardwrap.hf.Seq2SeqTrainer), or mix "
+            "shardwrap.hf.ShardedTrainerMixin into your Trainer class ahead of it."
+        )
 
 
 def _refuse_stock_trainer_moving(model: nn.Module) -> None:

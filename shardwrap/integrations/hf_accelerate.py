@@ -39,7 +39,6 @@ methods are wrapped, on that accelerator only.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,6 +49,7 @@ from torch import nn
 
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
+from ..engine.optim.callers import caller_frame
 from ..engine.optim.grad_scaler import ShardedGradScaler
 from ..engine.step.root import Root
 from ..engine.wrap import extensions
@@ -138,15 +138,8 @@ def check_trainer_arguments(root: Root, args: Any) -> None:
 
 def _accelerator_of_caller() -> Any:
     """The ``accelerate.Accelerator`` among the last few callers, or ``None``."""
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if owner is not None and _is_accelerator(type(owner)):
-            return owner
-        frame = frame.f_back
-    return None
+    frame = caller_frame(lambda f: _is_accelerator(type(f.f_locals.get("self"))), 8, skip=2)
+    return None if frame is None else frame.f_locals["self"]
 
 
 def _is_accelerator(cls: type) -> bool:

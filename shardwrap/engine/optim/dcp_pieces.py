@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from ...comm.collectives import all_reduce, group_rank, group_size
+from .callers import caller_frame
 from .save_guard import guard_torch_save
 
 if TYPE_CHECKING:
@@ -367,19 +368,15 @@ def dcp_call(depth: int = 64) -> DCPCall | None:
     if getattr(_serving, "on", False) or "torch.distributed.checkpoint" not in sys.modules:
         return None  # nobody imported DCP: it is not asking
     entries = _dcp_entries()
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        options = entries.get(frame.f_code)
-        if options is not None:
-            info = frame.f_locals.get("info") if options else None
-            full = bool(getattr(info, "full_state_dict", False))
-            offload = bool(getattr(info, "cpu_offload", False))
-            rank0 = full and offload and torch.distributed.is_initialized()
-            return DCPCall(full, rank0, frame.f_locals.get("model") if options else None)
-        frame = frame.f_back
-    return None
+    frame = caller_frame(lambda f: f.f_code in entries, depth, skip=2)
+    if frame is None:
+        return None
+    options = entries[frame.f_code]
+    info = frame.f_locals.get("info") if options else None
+    full = bool(getattr(info, "full_state_dict", False))
+    offload = bool(getattr(info, "cpu_offload", False))
+    rank0 = full and offload and torch.distributed.is_initialized()
+    return DCPCall(full, rank0, frame.f_locals.get("model") if options else None)
 
 
 def dcp_filling_empty_state(depth: int = 16) -> bool:
@@ -391,14 +388,7 @@ def dcp_filling_empty_state(depth: int = 16) -> bool:
     from torch.distributed.checkpoint import state_dict
 
     code = inspect.unwrap(state_dict._init_optim_state).__code__
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return caller_frame(lambda f: f.f_code is code, depth, skip=2) is not None
 
 
 def refuse_tensor_parallel(mesh: Any, call: DCPCall) -> None:

@@ -10,7 +10,6 @@ and the hooks do nothing; inside ``gathered()`` (``paused``) every parameter is 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -19,6 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
+from ..optim.callers import caller_frame
 from ..shards.eager import eager
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
@@ -134,18 +134,13 @@ def _refuse_removal(module: nn.Module, depth: int = 12) -> None:
     """Raise where ``remove_parametrizations`` computes the weight of ``module``, a module's
     parametrization, to replace its parameters: it would then register a new parameter, which a
     sharded model refuses only once the parametrization is gone, and the weight with it."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return
-        if frame.f_code is _REMOVE:
-            raise ValueError(
-                "remove_parametrizations on a sharded model: it replaces the parametrized "
-                "parameters by a new one, which cannot join the model's shards after wrapping. "
-                "Remove it before wrapping, or on the unwrapped model after loading "
-                "model.full_state_dict() into it. Nothing was changed."
-            )
-        frame = frame.f_back
+    if caller_frame(lambda f: f.f_code is _REMOVE, depth, skip=2) is not None:
+        raise ValueError(
+            "remove_parametrizations on a sharded model: it replaces the parametrized "
+            "parameters by a new one, which cannot join the model's shards after wrapping. "
+            "Remove it before wrapping, or on the unwrapped model after loading "
+            "model.full_state_dict() into it. Nothing was changed."
+        )
 
 
 def ready(unit: Unit, grad: bool) -> bool:
