@@ -38,9 +38,9 @@ class Moves:
         check_move(self)
         for unit in self._shardwrap_root.units:
             for g in unit.groups:
-                probe = torch.empty(0, dtype=g.dtype, device=g.home.device)
-                out = fn(probe)
-                if out.dtype != probe.dtype or not _same_device(out.device, probe.device):
+                moved = _moved(fn, g.dtype, g.home.device)
+                if moved is not None:
+                    probe, out = moved
                     raise ValueError(
                         f"ShardedModule: moving or casting a sharded model (to {out.device}, "
                         f"{out.dtype}; it computes on {probe.device}, its shards are "
@@ -50,9 +50,9 @@ class Moves:
                         "mixed_precision=MixedPrecision(...)."
                     )
         for name, b in self.named_buffers():
-            probe = torch.empty(0, dtype=b.dtype, device=b.device)
-            out = fn(probe)
-            if out.dtype != probe.dtype or not _same_device(out.device, probe.device):
+            moved = _moved(fn, b.dtype, b.device)
+            if moved is not None:
+                probe, out = moved
                 raise ValueError(
                     f"ShardedModule: moving or casting a sharded model would change its buffer "
                     f"'{name}' ({probe.dtype}, {probe.device}) to {out.dtype}, {out.device}, "
@@ -60,6 +60,18 @@ class Moves:
                     "the model before wrapping it."
                 )
         return self
+
+
+def _moved(
+    fn: Any, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An empty tensor of ``dtype`` on ``device`` and what ``fn`` makes of it, where that moves
+    or casts it; ``None`` where it changes nothing."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    out = fn(probe)
+    if out.dtype == probe.dtype and _same_device(out.device, probe.device):
+        return None
+    return probe, out
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
