@@ -65,17 +65,11 @@ def recompute_activations(root: Regathers, unit: Unit) -> None:
         # around every forward) gives each back as a tensor of its own: one tensor passed
         # twice (attention's query, key and value) would be recomputed as different ones, on
         # another path (MultiheadAttention's packed projection). So each goes in once.
-        tensors: list[torch.Tensor] = []
-        seen: dict[int, int] = {}
-        places = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                places.append(seen.setdefault(id(a), len(tensors)))
-                if places[-1] == len(tensors):
-                    tensors.append(a)
-            else:
-                places.append(None)
-        others = [None if isinstance(a, torch.Tensor) else a for a in args]
+        distinct = {id(a): a for a in args if isinstance(a, torch.Tensor)}  # in first use order
+        place = {key: i for i, key in enumerate(distinct)}
+        tensors = list(distinct.values())
+        places = [place[id(a)] if isinstance(a, torch.Tensor) else None for a in args]
+        others = [None if isinstance(a, torch.Tensor) else a for a in args]  # no tensor held
 
         def run(*given: torch.Tensor) -> Any:
             again = [a if i is None else given[i] for a, i in zip(others, places)]
