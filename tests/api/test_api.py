@@ -512,15 +512,21 @@ def test_load_full_state_dict_rejects_wrong_keys_and_shapes(world_size: int) -> 
         with pytest.raises(KeyError) as keys:  # a RuntimeError too, as torch raises
             m.load_full_state_dict(wrong_keys)
         assert isinstance(keys.value, RuntimeError)
-        with pytest.raises(ValueError) as shape:
+        with pytest.raises(ValueError) as shape:  # a RuntimeError too, as torch raises
             m.load_full_state_dict(wrong_shape)
-        return keys.value.args[0], str(shape.value), m.full_state_dict()
+        assert isinstance(shape.value, RuntimeError)
+        return str(keys.value), str(shape.value), m.full_state_dict()
 
     for key_message, shape_message, state in run_ranks(world_size, fn):
-        assert 'Missing key(s) in state_dict: "blocks.1.ln_2.bias".' in key_message
-        assert 'Unexpected key(s) in state_dict: "blocks.1.ln_3.bias".' in key_message
-        assert "blocks.2.mlp.0.weight" in shape_message
-        assert "(144, 36)" in shape_message and "(144, 35)" in shape_message
+        # torch's words, and read as plainly: a KeyError's str() would quote them
+        assert key_message.startswith("load_full_state_dict: Error(s) in loading state_dict ")
+        assert '\n\tMissing key(s) in state_dict: "blocks.1.ln_2.bias".' in key_message
+        assert '\n\tUnexpected key(s) in state_dict: "blocks.1.ln_3.bias".' in key_message
+        assert (
+            "size mismatch for blocks.2.mlp.0.weight: copying a param with shape "
+            "torch.Size([144, 35]) from checkpoint, the shape in current model is "
+            "torch.Size([144, 36])." in shape_message
+        )
         _assert_state_dicts_equal(state, before)  # a rejected dict leaves the model untouched
 
 

@@ -19,6 +19,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_state_dict.py
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_a_partial_full_state_dict_loads_with_strict_false(world_size: int) -> N
         for k, v in pretrained.items():  # one key at a time
             m.load_state_dict({k: v}, strict=False)
         after_each = m.full_state_dict()
-        with pytest.raises(ValueError, match=r"lm_head.weight: \(3, 3\)"):
+        with pytest.raises(ValueError, match=r"size mismatch for lm_head.weight: .*\[3, 3\]"):
             m.load_state_dict({"lm_head.weight": torch.zeros(3, 3)}, strict=False)
         return keys, after_backbone, after_each, m.full_state_dict()
 
@@ -286,19 +287,139 @@ def test_load_hooks_run_as_on_the_unwrapped_model(how: str) -> None:
         getattr(model, how)(old)
         calls = list(calls)
         state = model.full_state_dict()
-        # load_state_dict tells a full state dict from this rank's pieces by the shapes first
-        refused = ValueError if how == "load_state_dict" else RuntimeError
-        with pytest.raises(refused) as error:
+        with pytest.raises(RuntimeError) as error:
             getattr(model, how)(wrong)
         return state, calls, str(error.value)
 
     for state, calls, said in _run(2, fn):
         assert calls == loaded_calls
         torch.testing.assert_close(state, other, atol=0, rtol=0)
-        if how == "load_state_dict":
-            assert "blocks.0.mlp.0.weight: (144, 35)" in said
-        else:
-            assert (
-                f"{shape_said}torch.Size([144, 35]) from checkpoint, the shape in current model "
-                "is torch.Size([144, 36])." in said
-            )
+        assert (
+            f"{shape_said}torch.Size([144, 35]) from checkpoint, the shape in current model "
+            "is torch.Size([144, 36])." in said
+        )
+
+
+class _Scale(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g
+
+
+def test_a_value_of_the_pieces_shape_that_is_no_piece_is_refused_as_torch_refuses_it() -> None:
+    """A tensor of the wrong size that happens to have this rank's piece shape (a ``Scale(5)``'s
+    checkpoint loaded into a ``Scale(10)`` on two ranks; a file of pieces written by
+    safetensors, which knows nothing of pieces) loaded silently as this rank's piece, even with
+    ``strict=True``: both ranks took the same five values. torch refuses it, ``strict=False``
+    too, naming both shapes; now so does the sharded model, on every rank, loading nothing.
+    This rank's own ``state_dict()`` still loads, also as a copy without its metadata
+    (``dict(sd)``, its tensors cloned), and another rank's copy is refused by its pieces'
+    elements."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(10, 10), _Scale(10))
+    wrong = {"1.g": torch.arange(5.0)}
+    with pytest.raises(RuntimeError) as plain:
+        copy.deepcopy(base).load_state_dict(wrong, strict=False)
+    said = (
+        "size mismatch for 1.g: copying a param with shape torch.Size([5]) from checkpoint, "
+        "the shape in current model is torch.Size([10])."
+    )
+    assert said in str(plain.value)
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=_Scale, process_group=pg)
+        assert m.state_dict()["1.g"].shape == (5,)
+        before = m.full_state_dict()
+        for strict in (True, False):
+            with pytest.raises(RuntimeError, match=f"^load_state_dict: {re.escape(said)} .*"):
+                m.load_state_dict(wrong, strict=strict)
+        pieces = {k: v.as_subclass(torch.Tensor).clone() for k, v in m.state_dict().items()}
+        with pytest.raises(RuntimeError, match="size mismatch for 0.weight"):
+            m.load_state_dict(pieces)  # what safetensors.load_file of a rank's pieces gives
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        kept[rank] = {k: v.clone() for k, v in m.state_dict().items()}  # no metadata
+        pg.allreduce([torch.zeros(1)]).wait()  # both ranks have kept theirs
+        assert m.load_state_dict(kept[rank]).missing_keys == []
+        with pytest.raises(ValueError, match=f"elements .* another rank's piece.* rank {rank}"):
+            m.load_state_dict(kept[1 - rank])
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+def test_safetensors_of_a_ranks_pieces_is_refused_before_it_writes(tmp_path) -> None:  # noqa: ANN001
+    """``safetensors.torch.save_file(model.state_dict(), path)`` (the habit of a script that
+    saved its unwrapped model so) wrote this rank's pieces under the full names, the other
+    ranks' elements lost: safetensors reads a tensor's memory, never pickling it, so the
+    refusal of ``torch.save`` did not reach it. Now refused, naming the calls that save the
+    whole model, and nothing is written; ``full_state_dict()`` saves as before."""
+    st = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False))
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=nn.Linear, process_group=pg)
+        path = tmp_path / f"rank{rank}.safetensors"
+        with pytest.raises(TypeError, match="safetensors was given this rank's piece.*export"):
+            st.save_file(m.state_dict(), str(path))
+        assert not path.exists()
+        st.save_file(m.full_state_dict(), str(path))
+        torch.testing.assert_close(st.load_file(str(path)), base.state_dict(), atol=0, rtol=0)
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+class _Normed(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(7, 13), nn.BatchNorm1d(13))
+
+
+def test_a_batch_norm_checkpoint_without_num_batches_tracked_loads_as_in_torch() -> None:
+    """Checkpoints older than ``num_batches_tracked`` lack it; torch's batch norm fills it in
+    as it loads, so the unwrapped model loads them strictly. The sharded model checked the keys
+    itself and refused one (``strict=False``: reported it missing). Now torch's own loading
+    runs: the same result, and the same values."""
+    torch.manual_seed(0)
+    base = nn.Sequential(_Normed(), nn.Linear(13, 5))
+    torch.manual_seed(1)
+    other = nn.Sequential(_Normed(), nn.Linear(13, 5))
+    with torch.no_grad():
+        other[0][1].running_mean.normal_()
+    old = {k: v for k, v in other.state_dict().items() if not k.endswith("num_batches_tracked")}
+    plain = copy.deepcopy(base)
+    assert plain.load_state_dict(old) == plain.load_state_dict(old, strict=False)
+    assert plain.load_state_dict(old).missing_keys == []
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        for strict in (True, False):
+            m = ShardedModule(copy.deepcopy(base), auto_wrap=_Normed, process_group=pg)
+            result = m.load_state_dict(old, strict=strict)
+            assert (result.missing_keys, result.unexpected_keys) == ([], [])
+            torch.testing.assert_close(m.full_state_dict(), plain.state_dict(), atol=0, rtol=0)
+
+    run_ranks(2, fn, timeout=30.0)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load_full_state_dict"])
+def test_tied_keys_holding_different_values_load_the_last_as_torch_does(how: str) -> None:
+    """A state dict with different values under two tied names (an untied checkpoint loaded
+    into a tied model): torch copies each key in turn, so the tied parameter ends with the
+    last key's value (``lm_head.weight``); the sharded model kept the first."""
+    torch.manual_seed(0)
+    base = GPT(tied=True)
+    state = dict(base.state_dict())
+    state["wte.weight"], state["lm_head.weight"] = torch.randn(2, *state["wte.weight"].shape)
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(state)
+    assert torch.equal(plain.wte.weight, state["lm_head.weight"])
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        getattr(m, how)(state)
+        torch.testing.assert_close(m.full_state_dict(), plain.state_dict(), atol=0, rtol=0)
+
+    run_ranks(2, fn, timeout=30.0)

@@ -71,6 +71,8 @@ DCP_FIX = (
     "get_optimizer_state_dict(model, optimizer) (or the model and optimizer themselves): they "
     "show it where each piece lies in the whole tensor. See docs/dcp.md"
 )
+# safetensors' own files, whose save reads a tensor's memory directly
+_SAFETENSORS = os.path.join("", "safetensors", "")
 # torch's helpers that copy a state dict's tensors into plain ones (async_save's CPU staging)
 _STAGING = os.path.join("torch", "distributed", "_state_dict_utils.py")
 
@@ -101,8 +103,17 @@ class ShardPiece(Tensor):
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         """As any tensor, but refusing to be copied into a plain tensor by DCP's staging (the
-        copy would be written as the whole tensor), to be sent by ``torch.distributed``, and a
-        copy of a whole tensor's value into it (naming ``load_state_dict``)."""
+        copy would be written as the whole tensor), to be read by ``safetensors`` (which
+        writes its memory as the whole tensor), to be sent by ``torch.distributed``, and a
+        copy of a whole tensor's value into it (naming ``load_state_dict``). What is computed
+        from a piece, element for element (``.clone()``, ``.cpu()``), holds the same elements."""
+        if _SAFETENSORS in sys._getframe(1).f_code.co_filename:
+            piece = first_among(ShardPiece, args, kwargs)
+            raise TypeError(
+                f"shardwrap: safetensors was given {piece._held()}: it would write it as the "
+                f"whole tensor, and the other ranks' pieces would be lost. {SAVE_FIXES}; "
+                "shardwrap.export(path, model) writes safetensors of the whole model."
+            )
         if is_collective(func):
             piece = first_among(ShardPiece, args, kwargs)
             raise TypeError(
@@ -132,7 +143,12 @@ class ShardPiece(Tensor):
                 f"shardwrap: staging {args[1]._held()} for torch.distributed.checkpoint copies "
                 f"it into a plain tensor, which DCP would write as the whole tensor. {DCP_FIX}."
             )
-        return super().__torch_function__(func, types, args, kwargs or {})
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        source = args[0] if args else None
+        if type(out) is ShardPiece and not hasattr(out, "start") and hasattr(source, "start"):
+            if out.shape == source.shape:
+                out.full_shape, out.start, out.stop = source.full_shape, source.start, source.stop
+        return out
 
     def __create_write_items__(self, fqn: str, obj: Any) -> Any:
         """Refused: DCP would write the piece as the whole tensor ``fqn``."""

@@ -15,9 +15,16 @@ the pieces DCP loaded too, where DCP reached the model through another module
 The model's own load of a full state dict checks every key and shape first and loads nothing
 where one is wrong, then copies each rank's pieces. Where a module changes how it loads (a
 ``load_state_dict`` hook of the user's: renamed keys of an older checkpoint, a conversion; a
-``_load_from_state_dict`` of a class outside torch), the model loads through torch's own
-``load_state_dict`` instead, so those run as on the unwrapped model, with the pre-hooks above
-run last on each module: they see what the user's made of the state dict.
+class's own ``_load_from_state_dict``, as torch's batch norms fill in ``num_batches_tracked``,
+which older checkpoints lack), the model loads through torch's own ``load_state_dict`` instead,
+so those run as on the unwrapped model, with the pre-hooks above run last on each module: they
+see what the user's made of the state dict.
+
+A value of this rank's piece shape is loaded as a piece only where the state dict says it is
+this rank's own: its ``state_dict()``'s metadata, or the piece's own tensor (a copy of one
+included). Any other (a file of pieces written by another library, a tensor of another size
+that happens to share the piece's shape) is refused with torch's size mismatch, as the
+unwrapped model refuses it.
 """
 
 from __future__ import annotations
@@ -31,11 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from ..optim.dcp_pieces import DCPPiece, local_piece, local_pieces
+from ..optim.pieces import ShardPiece
 from ..step.edits import write_through
 
 __all__ = [
     "SHARDS_OF",
     "StateDictKeysError",
+    "StateDictShapeError",
     "guard_submodule_loads",
     "load_full",
     "load_state",
@@ -49,13 +58,15 @@ def load_state(model: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
     """``model.load_state_dict(state_dict, strict)``: see :meth:`ShardedModule.load_state_dict`."""
     own = nn.Module.state_dict(model, keep_vars=True)
     index = model._shardwrap_root.param_of
-    if any(isinstance(v, DCPPiece) for v in state_dict.values()):  # set_model_state_dict
+    checked = {k for k, v in state_dict.items() if isinstance(v, DCPPiece)}  # this rank's
+    if checked:  # set_model_state_dict
         ranges = {
             k: (p.shape, p.group.pieces[p.index])
             for k, v in own.items()
             if (p := index.get(id(v))) is not None
         }
         state_dict = local_pieces(state_dict, ranges)
+    vouched = _own_shards_noted(model, state_dict)
     full, shard, neither, itself = [], [], [], []
     for key, value in state_dict.items():
         param = index.get(id(own.get(key)))
@@ -70,20 +81,20 @@ def load_state(model: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
             continue
         if is_full:
             full.append(key)
-        elif is_shard:
+        elif is_shard and (vouched or key in checked or _own_piece(model, key, value, param)):
             shard.append(key)
         else:
-            neither.append(f"{key}: {shape}")
+            neither.append(_size_mismatch(key, value.shape, param.shape))
     if neither or (full and shard):
-        raise ValueError(
-            "load_state_dict: a sharded model takes either the unwrapped model's full state "
-            "dict or its own shards; got "
-            + (f"shapes of neither for {neither[:4]}" if neither else "both kinds mixed")
-            + ". Use model.load_full_state_dict(sd) for a full state dict, or "
-            "shardwrap.save_checkpoint / load_checkpoint to resume at any world size."
+        raise StateDictShapeError(
+            "load_state_dict: "
+            + (" ".join(neither[:4]) if neither else "full values and pieces mixed.")
+            + " A sharded model takes the unwrapped model's full state dict, or this rank's "
+            "own state_dict() (a tensor shaped as this rank's piece is taken for one only from "
+            "it, or from a copy of its tensors). Use model.load_full_state_dict(sd) for a full "
+            "state dict, or shardwrap.save_checkpoint / load_checkpoint to resume at any world "
+            "size."
         )
-    if shard:
-        _check_own_shards(model, state_dict)
     if full and itself:  # keep what DCP stood in with, as it is: the rest is a full state
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -103,7 +114,7 @@ def customises_loading(model: nn.Module) -> bool:
             _is_cut(h) for h in m._load_state_dict_pre_hooks.values()
         ):
             return True
-        if not type(m)._load_from_state_dict.__module__.startswith("torch."):
+        if type(m)._load_from_state_dict is not nn.Module._load_from_state_dict:
             return True
     return False
 
@@ -131,35 +142,74 @@ class StateDictKeysError(KeyError, RuntimeError):
     """Keys missing from a full state dict, or unknown to the model, with ``strict``: a
     ``KeyError`` naming them, and the ``RuntimeError`` torch's ``load_state_dict`` raises."""
 
+    def __str__(self) -> str:
+        return str(self.args[0])  # as a RuntimeError reads, not quoted as a KeyError's key
+
+
+class StateDictShapeError(ValueError, RuntimeError):
+    """Values of the wrong shape, named as torch names them (``size mismatch for ...``): the
+    ``RuntimeError`` torch's ``load_state_dict`` raises, and a ``ValueError``."""
+
 
 def _keys_error(model: Any, missing: list[str], unexpected: list[str]) -> StateDictKeysError:
     """Named as torch names them (``Missing key(s) in state_dict: ...``), with the fix."""
     said = [
         f"{kind} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
-        for kind, keys in (("Unexpected", unexpected), ("Missing", missing))
+        for kind, keys in (("Missing", missing), ("Unexpected", unexpected))
         if keys
     ]
     return StateDictKeysError(
-        f"load_full_state_dict: Error(s) in loading state_dict for {type(model).__name__}: "
-        + " ".join(said)
-        + " Pass the state dict of the same model class and configuration "
+        f"load_full_state_dict: Error(s) in loading state_dict for {type(model).__name__}:"
+        + "".join(f"\n\t{line}" for line in said)
+        + "\nPass the state dict of the same model class and configuration "
         "(model.full_state_dict() or the unwrapped model's state_dict()), or "
         "strict=False to load only the keys given."
     )
 
 
-def _check_own_shards(model: Any, state_dict: Mapping[str, Any]) -> None:
+def _own_shards_noted(model: Any, state_dict: Mapping[str, Any]) -> bool:
+    """Whether ``state_dict`` records that it holds this rank's shards (``state_dict()``'s
+    metadata); one recording another rank's is refused."""
     metadata = getattr(state_dict, "_metadata", None) or {}
     saved = (metadata.get("") or {}).get(SHARDS_OF)
     mesh = model._shardwrap_root.mesh
     here = (mesh.shard_rank, mesh.shard_size)
     if saved is not None and tuple(saved) != here:
-        raise ValueError(
-            f"load_state_dict: the state dict holds the shards of rank {saved[0]} of "
-            f"{saved[1]}, and this is rank {here[0]} of {here[1]}: each rank loads only its "
-            "own state_dict(). Use shardwrap.save_checkpoint / load_checkpoint (any world "
-            "size), or save model.full_state_dict() and load it with load_state_dict."
-        )
+        raise _other_ranks(f"the shards of rank {saved[0]} of {saved[1]}", here)
+    return saved is not None
+
+
+def _own_piece(model: Any, key: str, value: Tensor, param: Any) -> bool:
+    """Whether ``value``, of this rank's piece shape, is one of this rank's pieces: a tensor of
+    a sharded model's ``state_dict()`` (or a copy of one) that holds this rank's elements.
+    Another rank's piece is refused; a plain tensor (a file of pieces another library wrote,
+    a checkpoint of another size) is not a piece."""
+    if not isinstance(value, ShardPiece):
+        return False
+    start = getattr(value, "start", None)
+    piece = param.group.pieces[param.index]
+    if start is not None and (start, value.stop) != (piece.start, piece.stop):
+        mesh = model._shardwrap_root.mesh
+        held = f"elements {start}:{value.stop} of {key}, another rank's piece,"
+        raise _other_ranks(held, (mesh.shard_rank, mesh.shard_size))
+    return True
+
+
+def _other_ranks(held: str, here: tuple[int, int]) -> ValueError:
+    return ValueError(
+        f"load_state_dict: the state dict holds {held} and this is rank {here[0]} of "
+        f"{here[1]}: each rank loads only its own state_dict(). Use shardwrap.save_checkpoint "
+        "/ load_checkpoint (any world size), or save model.full_state_dict() and load it "
+        "with load_state_dict."
+    )
+
+
+def _size_mismatch(key: str, given: torch.Size, shape: Any) -> str:
+    """torch's words for a value of the wrong shape."""
+    return (
+        f"size mismatch for {key}: copying a param with shape {torch.Size(given)} from "
+        f"checkpoint, the shape in current model is {torch.Size(shape)}."
+    )
 
 
 def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any:
@@ -180,13 +230,17 @@ def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any
     for k, v in own.items():
         shape = index[id(v)].shape if id(v) in index else v.shape
         if tuple(state_dict[k].shape) != tuple(shape):
-            wrong.append(f"{k}: expected {tuple(shape)}, got {tuple(state_dict[k].shape)}")
+            wrong.append(_size_mismatch(k, state_dict[k].shape, shape))
     if wrong:
-        raise ValueError("load_full_state_dict: shape mismatch for " + "; ".join(wrong))
+        raise StateDictShapeError(
+            f"load_full_state_dict: Error(s) in loading state_dict for {type(model).__name__}:"
+            + "".join(f"\n\t{line}" for line in wrong)
+            + "\nNothing was loaded."
+        )
     done: set[int] = set()
     loaded = []
     with torch.no_grad():
-        for k, v in own.items():
+        for k, v in reversed(own.items()):  # of tied keys, the last one's value, as in torch
             if id(v) in done:
                 continue
             done.add(id(v))

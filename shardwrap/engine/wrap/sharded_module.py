@@ -450,9 +450,10 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
            (``set_model_state_dict``), once checked to be this rank's.
 
         Raises:
-            ValueError: parameters of neither shape, or of both kinds mixed, or another
-                rank's ``state_dict()`` (it records whose shards it holds), naming them and
-                the calls that load checkpoints.
+            ValueError: parameters of neither shape (also a ``RuntimeError``, in torch's words:
+                ``size mismatch for ...``), or of both kinds mixed, or another rank's
+                ``state_dict()`` (it records whose shards it holds), naming them and the calls
+                that load checkpoints.
         """
         return load_state(self, state_dict, strict)
 
