@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup
 import shardwrap
 from shardwrap import MixedPrecision, Offload, ShardedModule
 from shardwrap.engine.optim import whole_params
+from shardwrap.engine.optim.pieces import piece_of
 from tests.support.parity import (
     GLOBAL_BATCH,
     STEPS,
@@ -605,3 +606,58 @@ def test_bf16_parameters_with_fp32_gradients_are_stepped_whole_like_the_plain_mo
 
     for state in run_ranks(2, fn):
         torch.testing.assert_close(state, ref.state_dict(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_optimizers_own_step_hooks_see_the_pieces_as_every_other_call(name: str) -> None:
+    """Step hooks of the user's own (``opt.register_step_pre_hook``, ``register_step_post_hook``)
+    ran while the exchange had made each owner's parameter whole (torch runs process-wide
+    pre-hooks first and post-hooks last, and the exchange was such a pair): clipping in a
+    pre-hook took each rank's own part of the norm and clipped the ranks differently; an
+    average kept per parameter in a post-hook failed on the whole parameter's shape; and
+    ``zero_grad()`` in a post-hook was undone, the gradients summed into the next step. Now the
+    exchange is the optimizer's innermost pair of hooks, and each of these trains as on the
+    plain model: the same norms, averages (sliced as the pieces), and parameters."""
+    make, atol = OPTIMIZERS[name]
+    model = build()
+
+    def train(m: nn.Module, rank: int, world: int) -> tuple[list[float], dict[str, Tensor]]:
+        opt = make(m.parameters())
+        optimizers = opt.optimizers if isinstance(opt, Both) else (opt,)
+        norms: list[float] = []
+        average = {n: p.detach().clone() for n, p in m.named_parameters()}
+        params = dict(m.named_parameters())
+
+        def clip(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05).item())
+
+        def keep(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            with torch.no_grad():
+                for n, a in average.items():
+                    a.lerp_(params[n], 0.5)
+
+        optimizers[0].register_step_pre_hook(clip)
+        optimizers[-1].register_step_post_hook(keep)
+        for o in optimizers:
+            o.register_step_post_hook(lambda o, args, kwargs: o.zero_grad())
+        for x, y in BATCHES:
+            loss_fn(m, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            opt.step()  # no zero_grad here: the post-hooks clear the gradients
+        assert all(p.grad is None for p in m.parameters())
+        return norms, average
+
+    plain = copy.deepcopy(model)
+    plain_norms, plain_average = train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], dict[str, Tensor], Any]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        norms, average = train(m, rank, 2)
+        pieces = {n: piece_of(p) for n, p in m.named_parameters()}
+        return norms, average, pieces, m.full_state_dict()
+
+    for rank, (norms, average, pieces, state) in enumerate(run_ranks(2, fn, timeout=30.0)):
+        assert norms == pytest.approx(plain_norms, rel=1e-5)
+        for n, (_, start, stop, shape) in pieces.items():
+            want = plain_average[n].flatten()[start:stop].reshape(shape)
+            torch.testing.assert_close(average[n], want, atol=atol, rtol=0, msg=n)
+        _assert_same(plain.state_dict(), state, atol, rank)

@@ -9,12 +9,13 @@ given an *owner* rank among the ranks that shard it: the rank holding most of it
 least moves, while owned elements stay within 1.1x an even split (``ownership.owners``).
 Around each step:
 
-1. before it (a step pre-hook): each rank sends the owners its pieces of their parameters'
-   values and gradients, in one all-to-all; the owner's shard parameter then *is* the whole
-   parameter (``p.data`` and ``p.grad`` in the parameter's shape) and every other rank's has no
-   ``.grad``, so torch's optimizer steps it on the owner alone and skips it elsewhere;
-2. after it (a step post-hook): the owners send each rank its pieces of the new values, in one
-   all-to-all, and every shard parameter is its piece again.
+1. before it (a step pre-hook, the optimizer's last): each rank sends the owners its pieces of
+   their parameters' values and gradients, in one all-to-all; the owner's shard parameter then
+   *is* the whole parameter (``p.data`` and ``p.grad`` in the parameter's shape) and every other
+   rank's has no ``.grad``, so torch's optimizer steps it on the owner alone and skips it
+   elsewhere;
+2. after it (a step post-hook, the optimizer's first): the owners send each rank its pieces of
+   the new values, in one all-to-all, and every shard parameter is its piece again.
 
 The optimizer's state is made on the owner, in the parameter's shape: 1/N of it per rank, as
 balanced as the parameters' sizes allow. There the whole gradient is typed as a gradient
@@ -36,10 +37,13 @@ tensor parallelism (each tp rank steps its copy alike).
 Which optimizers are which: torch's own are known (``ELEMENTWISE``, ``WHOLE``, ``REFUSED``); a
 subclass that keeps its base's ``step`` is what its base is; any other class is *undeclared*:
 it steps the pieces, with a warning at its first step naming :func:`declare_optimizer`, since
-shardwrap cannot tell whether it reads shapes. The hooks are torch's process-wide step hooks,
-registered while any sharded model lives: they must see an optimizer's first step whenever it
-was built, to never let a shape-aware one step pieces. An optimizer over other parameters
-costs one dictionary lookup per step; its kind is looked up once.
+shardwrap cannot tell whether it reads shapes. What finds them is a pair of torch's
+process-wide step hooks, registered while any sharded model lives: they must see an
+optimizer's first step whenever it was built, to never let a shape-aware one step pieces. An
+optimizer over other parameters costs one dictionary lookup per step; its kind is looked up
+once. The exchanges themselves are the optimizer's own step hooks, kept innermost (its last
+pre-hook, its first post-hook), so the user's step hooks, which torch runs after the
+process-wide pre-hooks and before the process-wide post-hooks, see the pieces.
 """
 
 from __future__ import annotations
@@ -234,7 +238,7 @@ def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     refuse_unreduced(optimizer, args, kwargs)
     whole = stepped_whole(optimizer)
     if whole is not None:
-        whole.before(args, kwargs)
+        whole.innermost(optimizer)
     else:
         check_held_state(optimizer)
 
@@ -262,10 +266,8 @@ def _piece_name(p: nn.Parameter) -> str | None:
 
 def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     whole = _steps.get(optimizer)
-    if whole is not None:
-        whole.after()
-        if whole.idle:  # DCP's step that changes nothing (see _WholeStep.before)
-            return
+    if whole is not None and whole.idle:  # DCP's step that changes nothing (see before)
+        return
     for ref in _groups_of(optimizer):
         group = ref()
         if group is not None:
@@ -345,6 +347,19 @@ class _WholeStep:
         self._settled = False
         self._idle = False  # this step exchanges and changes nothing
         optimizer.register_load_state_dict_post_hook(self._loaded)
+        self._hooks = (
+            optimizer.register_step_pre_hook(lambda o, args, kwargs: self.before(args, kwargs)),
+            optimizer.register_step_post_hook(lambda o, args, kwargs: self.after()),
+        )
+
+    def innermost(self, optimizer: Optimizer) -> None:
+        """Make the exchange the innermost of ``optimizer``'s step hooks: the user's own (a
+        clipping pre-hook, an average kept in a post-hook, ``zero_grad`` after the step) run
+        around it and see the pieces, as every other call does. Called by the process-wide
+        pre-hook, which runs before any of the optimizer's own."""
+        pre, post = self._hooks
+        optimizer._optimizer_step_pre_hooks.move_to_end(pre.id)  # type: ignore[attr-defined]
+        optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # type: ignore[attr-defined]
 
     def _loaded(self, optimizer: Optimizer) -> None:
         self._settled = True
