@@ -570,7 +570,8 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
     plain model's gradient of its slice's input and leave the parameters' ``.grad`` ``None``;
     the next plain backward and step train as the plain model. A gradient with respect to the
     parameters (the shard parameters, in no graph of the model's) is refused naming
-    ``loss.backward()``: ``autograd.grad`` would say only that they are unused, and
+    ``loss.backward()``: ``autograd.grad`` would say only that they are unused, or with
+    ``allow_unused`` / ``materialize_grads`` answer ``None`` / zeros for every one, and
     ``backward(inputs=...)`` would leave their ``.grad`` as it was. A graph built on a piece
     itself is differentiated as usual."""
     torch.manual_seed(0)
@@ -600,8 +601,14 @@ def test_gradients_with_respect_to_inputs_and_not_parameters(world_size: int) ->
         torch.testing.assert_close(inp.grad, want[rank], atol=ATOL, rtol=0)
         assert all(p.grad is None for p in m.parameters())
         fix = r"no graph holds a piece\. Call loss\.backward\(\)"
-        with pytest.raises(RuntimeError, match=r"torch\.autograd\.grad with respect to 0\.weight"):
-            torch.autograd.grad(loss_of(m, xs, ys), list(m.parameters()))
+        for lenient in ({}, {"allow_unused": True}, {"materialize_grads": True}):
+            # where torch would answer None or zeros for every parameter, refused too
+            with pytest.raises(RuntimeError, match=r"autograd\.grad with respect to 0\.weight"):
+                torch.autograd.grad(loss_of(m, xs, ys), list(m.parameters()), **lenient)
+        inp = xs.clone().requires_grad_(True)
+        unused = torch.ones(3, requires_grad=True)  # and materialized as torch does
+        got = torch.autograd.grad(loss_of(m, inp, ys), [inp, unused], materialize_grads=True)
+        torch.testing.assert_close(got, (want[rank], torch.zeros(3)), atol=ATOL, rtol=0)
         with pytest.raises(RuntimeError, match=fix):
             loss_of(m, xs, ys).backward(inputs=list(m.parameters()))
         assert all(p.grad is None for p in m.parameters())
@@ -819,3 +826,35 @@ def test_forward_hooks_registered_after_wrapping_see_the_full_parameters(world_s
         assert len(seen) == len(want) == 4 * len(data)
         for got, expected in zip(seen, want, strict=True):
             torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_backward_that_would_differentiate_the_gradients_again_is_refused(
+    world_size: int,
+) -> None:
+    """``loss.backward(create_graph=True)`` gave each piece the right ``.grad``, but a graph
+    through it (a Hessian-vector product, a penalty on the parameters' gradients) held only
+    this rank's share of the averaged gradient, and a second backward gave wrong values,
+    silently. Refused as backward reaches the parameters, naming what works (a penalty on the
+    gradient of inputs), before any gradient is written; training then goes on in parity."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    F.mse_loss(ref(x), y).backward()
+    opt.step()
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg)
+        xs, ys = _slice(x, rank, world_size), _slice(y, rank, world_size)
+        with pytest.raises(RuntimeError, match=r"create_graph=True\) reached the parameters"):
+            F.mse_loss(m(xs), ys).backward(create_graph=True)
+        assert all(p.grad is None for p in m.parameters())
+        opt = _sgd(m)
+        F.mse_loss(m(xs), ys).backward()
+        opt.step()
+        return m.full_state_dict()
+
+    for got in run_ranks(world_size, fn):
+        _assert_close(got, ref.state_dict())

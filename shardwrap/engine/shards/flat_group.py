@@ -541,6 +541,18 @@ def views_of(buffer: Tensor, group: FlatGroup) -> list[Tensor]:
     ]
 
 
+# A backward with create_graph=True that reaches the parameters.
+CREATE_GRAPH = (
+    "backward(create_graph=True) reached the parameters of a sharded model: their gradients are "
+    "averaged over the ranks and cut to each rank's piece outside autograd, so a graph through "
+    "p.grad (a Hessian-vector product, a penalty on the parameters' gradients) would hold only "
+    "this rank's share of it, and differentiate to wrong values. Refused before any gradient "
+    "was written. A penalty on the gradient of inputs works as on the plain model "
+    "(torch.autograd.grad(out, inputs, create_graph=True), then backward of the loss with it); "
+    "for the parameters' gradients call loss.backward() without create_graph."
+)
+
+
 class _FullParams(torch.autograd.Function):
     """The full parameters as views of a gathered buffer, differentiable as the group's leaf.
 
@@ -565,5 +577,7 @@ class _FullParams(torch.autograd.Function):
         group: FlatGroup | None = ctx.group()
         if group is None:
             raise RuntimeError("backward through a sharded model that has been deleted")
+        if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
+            raise RuntimeError(CREATE_GRAPH)
         group.views_backward_done()
         return group.flat_grad(grads), None, None
