@@ -389,6 +389,41 @@ def test_clip_grad_norm_matches_torch_and_clipped_steps_keep_parity(
         _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
 
 
+def test_the_norm_of_the_gradients_joined_into_one_vector_is_the_whole_models() -> None:
+    """Clipping written by hand over ``parameters_to_vector`` of the gradients (``torch.cat`` of
+    their views): the joined pieces were a plain tensor, so its norm was each rank's own part,
+    different on each rank, and the ranks clipped differently. Shard gradients of one group
+    joined are now this rank's pieces of the joined vector: its norm is the whole model's."""
+    model = _gpt()
+
+    def train(m: nn.Module, rank: int, world: int) -> list[float]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        norms = []
+        for step in range(STEPS):
+            idx, targets = make_batch(step, GLOBAL_BATCH)
+            m(idx.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+            grads = [p.grad for p in m.parameters()]
+            norm = torch.nn.utils.parameters_to_vector(grads).norm()
+            for g in grads:
+                g.mul_(torch.clamp(0.5 / (norm + 1e-6), max=1.0))
+            norms.append(norm.item())
+            opt.step()
+            opt.zero_grad()
+        return norms
+
+    ref = copy.deepcopy(model)
+    ref_norms = train(ref, 0, 1)
+    assert all(n > 0.5 for n in ref_norms)  # every step clips
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], dict[str, Tensor]]:
+        m = _wrap(model, pg)
+        return train(m, rank, pg.size()), m.full_state_dict()
+
+    for norms, state in run_ranks(2, fn):
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_clip_grad_norm_of_a_float64_model_is_reduced_in_float64(norm_type: float) -> None:
     model = _gpt().double()

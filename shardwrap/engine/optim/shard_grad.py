@@ -24,7 +24,9 @@ torch's own scaler as with :class:`~shardwrap.ShardedGradScaler`.
 
 Any other operation on a ``ShardGrad`` (the optimizer's) runs as on a plain tensor, at the cost
 of one Python call per torch call, and returns plain tensors; aliases of a ``ShardGrad``
-(``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``. Zeroing one in
+(``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``, and so do
+shard gradients of one group joined into one tensor (``torch.cat``: ``parameters_to_vector`` of
+the gradients, whose norm is then the whole vector's). Zeroing one in
 place (``zero_grad(set_to_none=False)``) is noted on it, for the engine's unreduced gradients.
 """
 
@@ -144,6 +146,27 @@ _GRAD_ALIASES = {
 }
 
 
+# Calls that join tensors into one holding all of their elements: shard gradients of one group
+# joined (``parameters_to_vector`` of the gradients) are this rank's pieces of the joined whole.
+_JOINS = {
+    torch.cat,
+    torch.concat,
+    torch.concatenate,
+    torch.hstack,
+    torch.stack,
+    torch._C._nn.flatten_dense_tensors,
+}
+
+
+def _common_owner(tensors: Any) -> _Owner | None:
+    """The owner of shard gradients ``tensors`` where all of them are sharded over one group;
+    ``None`` where any is not a shard gradient, or their groups differ."""
+    owners = [getattr(t, "_shardwrap_owner", None) for t in tensors]
+    if not owners or any(o is None or o.group is not owners[0].group for o in owners):
+        return None
+    return owners[0]
+
+
 class ShardGrad(Tensor):
     """The gradient of a shard parameter: this rank's piece of the averaged gradient."""
 
@@ -170,6 +193,10 @@ class ShardGrad(Tensor):
             out = func(*args, **kwargs)
         if func in _GRAD_ALIASES and isinstance(out, Tensor):
             return as_shard_grad(out, args[0]._shardwrap_owner)
+        if func in _JOINS and isinstance(out, Tensor):
+            joined = _common_owner(args[0] if args else kwargs.get("tensors", ()))
+            if joined is not None:
+                return as_shard_grad(out, joined)
         if func in _ZEROING:
             _note_zeroed(args[0])
         count_fused_write(func, args)
