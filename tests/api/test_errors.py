@@ -195,6 +195,48 @@ def test_an_embedding_that_renormalises_its_weight_in_forward_is_refused(
     assert "w.copy_(torch.renorm(w, 2.0, 0, 1.5))" in message
 
 
+class _Aliased(nn.Module):
+    """A linear layer with a buffer or a second parameter over its weight's memory."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        if kind == "buffer":
+            self.register_buffer("weight_seen", self.lin.weight.data)
+        elif kind == "parameter":
+            self.first_rows = nn.Parameter(self.lin.weight.data[:2])
+        else:  # the same parameter under two names, and two parameters of one flat storage
+            self.tied = nn.Linear(8, 8)
+            self.tied.weight = self.lin.weight
+            flat = torch.zeros(16)
+            self.front, self.back = nn.Parameter(flat[:8]), nn.Parameter(flat[8:])
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", ["buffer", "parameter"])
+def test_a_tensor_sharing_a_parameters_memory_is_refused(world_size: int, kind: str) -> None:
+    """A buffer registered as ``weight.data``, or a parameter made of a slice of another's data,
+    changes with the parameter on the plain model. Wrapping moved the parameter into its flat
+    shard and the other stayed: the buffer kept its values and the parameters trained apart,
+    silently. Now refused before any collective, naming both and the fix; a parameter tied by
+    assignment, and parameters that are disjoint parts of one storage, are taken."""
+    message = _error_on_rank0(
+        world_size,
+        ValueError,
+        lambda m, group: ShardedModule(m, process_group=group),
+        lambda group: nn.Sequential(_Aliased(kind), nn.Linear(8, 2)),  # a copy would not alias
+    )
+    other = "'0.weight_seen'" if kind == "buffer" else "'0.first_rows'"
+    assert " shares memory with parameter " in message and "(one views the other's data)" in message
+    assert other in message and "'0.lin.weight'" in message
+    assert "assigning the same nn.Parameter" in message
+    taken = ShardedModule(nn.Sequential(_Aliased("tied"), nn.Linear(8, 2)))
+    assert set(taken.full_state_dict()) == {
+        *("0.front", "0.back", "0.lin.weight", "0.lin.bias", "0.tied.weight", "0.tied.bias"),
+        *("1.weight", "1.bias"),
+    }
+
+
 # auto_wrap ---------------------------------------------------------------------------
 
 

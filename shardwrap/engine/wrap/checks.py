@@ -91,6 +91,7 @@ def check_wrappable(module: nn.Module) -> None:
                 "shapes. Run one forward with a batch of the real shapes before wrapping, or "
                 "build the module with its sizes."
             )
+    _refuse_shared_memory(module)
     for name, p in module.named_parameters():
         if getattr(p, SHARD_ATTR, False):
             already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
@@ -108,7 +109,51 @@ def check_wrappable(module: nn.Module) -> None:
             )
 
 
+def _refuse_shared_memory(module: nn.Module) -> None:
+    """Refuse a parameter whose memory another parameter or a buffer also views (a buffer
+    registered as ``weight.data``, a parameter made of a slice of another's data): on the
+    plain model they change together; wrapping moves each parameter into its unit's flat shard,
+    and they would part ways without a word. The same ``nn.Parameter`` under two names (tied
+    weights) is one parameter, and taken."""
+    spans: dict[int, list[tuple[int, int, str, bool]]] = {}
+    tensors = [(n, t, True) for n, t in module.named_parameters()]
+    tensors += [(n, t, False) for n, t in module.named_buffers()]
+    for name, t, is_param in tensors:
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        try:
+            storage = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a subclass without plain storage
+            continue
+        size = t.element_size()
+        start = t.storage_offset()
+        stop = start + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        spans.setdefault(storage, []).append((start * size, stop * size, name, is_param))
+    for entries in spans.values():
+        if len(entries) < 2 or not any(is_param for *_, is_param in entries):
+            continue
+        entries.sort()
+        reach, held = entries[0][1], entries[0]
+        for entry in entries[1:]:
+            if entry[0] < reach and (entry[3] or held[3]):
+                param, other = (held, entry) if held[3] else (entry, held)
+                kind = "parameter" if other[3] else "buffer"
+                apart = "they would part ways" if other[3] else "the buffer would stay as it is"
+                raise ValueError(
+                    f"ShardedModule: {kind} '{other[2]}' shares memory with parameter "
+                    f"'{param[2]}' (one views the other's data): on the plain model they change "
+                    "together, but wrapping moves each parameter into its unit's flat shard, so "
+                    f"{apart}, silently. Before wrapping, tie "
+                    "parameters by assigning the same nn.Parameter (module.b = module.a), and "
+                    "take a view of a parameter in forward (self.weight[:2]) instead of "
+                    "registering it."
+                )
+            if entry[1] > reach:
+                reach, held = entry[1], entry
+
+
 def _renorming_embedding(name: str, m: nn.Module) -> None:
+
     kind, norm = type(m).__name__, m.max_norm
     where = f"submodule '{name}'" if name else "the model"
     raise ValueError(
