@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..engine.optim.pieces import piece_of
 from ..engine.optim.whole_params import stepped_whole
 from .files import few
 from .packed_state import pack
@@ -111,8 +112,17 @@ def plan_optimizer(
     names = names_by_id(model)
     whole = stepped_whole(optimizer) is not None
     plan = OptimizerPlan(type(optimizer).__name__, {}, {}, [], whole)
-    for group in optimizer.param_groups:
+    for j, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        for key, value in hyper.items():
+            if key not in optimizer.defaults and not _fits(value, _ANY):
+                raise ValueError(
+                    f"{call}: parameter group {j} holds '{key}' = {value!r} (a "
+                    f"{type(value).__name__}), an entry of the group's own: a checkpoint keeps "
+                    "those as plain values (numbers, bools, strings, None, 0-d tensors, and "
+                    "lists, tuples and string-keyed dicts of them), which load back. Nothing "
+                    "was written; keep such objects outside the optimizer"
+                )
         group_names = []
         for p in group["params"]:
             if id(p) not in names:
@@ -128,6 +138,7 @@ def plan_optimizer(
                 if _is_scalar(value):
                     scalars[key] = value
                 elif isinstance(value, Tensor) and whole:  # a subclass as its plain parts
+                    _check_declared_state(optimizer, p, name, key, value, call)
                     parts, packed[key] = pack(key, value)
                     tensors.update(parts)
                 elif isinstance(value, Tensor) and value.shape == p.shape:
@@ -150,6 +161,25 @@ def plan_optimizer(
                     plan.packed[name] = packed
         plan.groups.append({**hyper, "params": group_names})
     return plan
+
+
+def _check_declared_state(
+    optimizer: torch.optim.Optimizer, p: Tensor, name: str, key: str, value: Tensor, call: str
+) -> None:
+    """Refuse, before anything is written, a declared optimizer's state tensor that
+    :func:`check_whole_state` would refuse to load."""
+    held = piece_of(p)
+    shape = tuple(held[0]) if held is not None else tuple(p.shape)
+    if whole_state_shapes(optimizer, shape) is None and not declared_state_fits(
+        tuple(value.shape), shape
+    ):
+        raise ValueError(
+            f"{call}: {type(optimizer).__name__} keeps state '{key}' of '{name}' with shape "
+            f"{tuple(value.shape)}, for a parameter of shape {shape}: a checkpoint holds a "
+            f"declared optimizer's state tensors {DECLARED_BOUND} (what a load checks before "
+            "it takes memory for them), so this one would not load back. Nothing was written; "
+            "save with shardwrap.full_optimizer_state_dict(model, optimizer) instead"
+        )
 
 
 def plan_optimizers(
@@ -281,7 +311,9 @@ def check_hyperparameters(
     """Raise unless every hyperparameter ``optimizer.pt`` (``where``) gives a parameter group
     is of the kind the optimizer holds there: a number for a number (``lr`` may be a 0-d
     tensor), a bool for a bool, a string for a string, as many for a tuple; one the optimizer
-    does not hold, a plain value. Checked before anything changes: ``load_state_dict`` takes
+    does not hold (a scheduler's ``initial_lr``, the user's own), a plain value, a 0-d tensor,
+    or lists, tuples and string-keyed dicts of them (what a save writes, see
+    :func:`plan_optimizer`). Checked before anything changes: ``load_state_dict`` takes
     any value, and a string ``lr`` failed only in the next step."""
     cls = type(optimizer).__name__
     for j, (live, group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
@@ -307,6 +339,10 @@ def _fits(value: Any, expected: Any) -> bool:
     number = (int, float)
     if expected is _ANY or expected is None:  # a choice left open (foreach=None, say)
         plain = (bool, *number, str, type(None))
+        if isinstance(value, torch.Tensor):  # a tensor lr's initial_lr, a scale
+            return value.dim() == 0 and not value.is_complex()
+        if isinstance(value, dict):
+            return all(isinstance(k, str) and _fits(v, _ANY) for k, v in value.items())
         return isinstance(value, plain) or (
             isinstance(value, (tuple, list)) and all(_fits(v, _ANY) for v in value)
         )
@@ -363,6 +399,27 @@ def _steps_like(optimizer: torch.optim.Optimizer, name: str) -> bool:
     return cls is not None and (inspect.unwrap(type(optimizer).step) is inspect.unwrap(cls.step))
 
 
+_DECLARED_COPIES = 8  # a declared optimizer's state tensor: up to this many parameters' elements
+# What a state tensor of a declared shape-aware optimizer may be, for a parameter of any shape.
+DECLARED_BOUND = (
+    "of at most as many dimensions as the parameter (or 2), none larger than its largest, or "
+    f"of at most {_DECLARED_COPIES} times its elements, or of at most {_ONE_BYTE_TABLE} elements"
+)
+
+
+def declared_state_fits(got: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether a state tensor of shape ``got`` is one a declared shape-aware optimizer may keep
+    for a parameter of ``shape``: a preconditioner over its dimensions (no more dimensions than
+    the parameter, at least 2, as a vector's is a matrix, none larger than its largest), a few
+    moments or gradients kept flat or stacked (up to 8 times its elements), or a lookup table of
+    one byte's codes. The bound a load checks before it takes any memory for the state."""
+    size = math.prod(got)
+    if size <= max(_ONE_BYTE_TABLE, _DECLARED_COPIES * math.prod(shape)):
+        return True
+    largest = max(shape, default=1)
+    return len(got) <= max(len(shape), 2) and all(d <= largest for d in got)
+
+
 def whole_state_shapes(
     optimizer: torch.optim.Optimizer, shape: tuple[int, ...]
 ) -> dict[str, tuple[int, ...]] | None:
@@ -392,9 +449,8 @@ def check_whole_state(
     a load allocate what the model never would.
 
     1. Muon, Adafactor: each key one of theirs, at the shape they make it.
-    2. A class declared ``reads_shapes=True``: no more dimensions than the parameter has (at
-       least 2: a preconditioner of a vector is a matrix) and none larger than its largest,
-       unless it has at most 256 elements (a lookup table of one byte's codes).
+    2. A class declared ``reads_shapes=True``: :func:`declared_state_fits` (which its save
+       checks too, so that what it writes loads).
     3. State saved as its parts (``packed``, see :mod:`.packed_state`): the tensor each record
        rebuilds is held to rule 2, and each part to as many elements as the parameter has, or
        256 (a lookup table of one byte's codes), whichever is more.
@@ -429,12 +485,10 @@ def check_whole_state(
                 f"{got}, but {cls} keeps for a parameter of shape {shape} {what}. The file was "
                 "altered or written for another model: load a checkpoint saved for this one"
             )
-        largest = max(shape, default=1)
-        table = math.prod(got) <= _ONE_BYTE_TABLE
-        if not table and (len(got) > max(len(shape), 2) or any(d > largest for d in got)):
+        if not declared_state_fits(got, shape):
             raise ValueError(
                 f"load_checkpoint: {where} holds {cls} state '{key}' of '{name}' with shape "
-                f"{got}, larger than any state of a parameter of shape {shape} (at most "
-                f"{max(len(shape), 2)} dimensions of at most {largest}). The file was altered "
-                "or written for another model: load a checkpoint saved for this one"
+                f"{got}, larger than any state of a parameter of shape {shape} (a declared "
+                f"optimizer's state tensors are {DECLARED_BOUND}). The file was altered or "
+                "written for another model: load a checkpoint saved for this one"
             )

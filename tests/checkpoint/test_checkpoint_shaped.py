@@ -398,3 +398,52 @@ def test_whole_and_elementwise_checkpoints_do_not_mix(tmp_path: Path) -> None:
         run_ranks(2, fn)
     finally:
         shardwrap.declare_optimizer(Declared, reads_shapes=True)
+
+
+class _Stacked(torch.optim.Optimizer):
+    """A shape-aware optimizer of the user's: each update is the momentum normalised by its
+    whole norm; the momentum is kept flat, the last two gradients stacked, and a scale of
+    ``copies`` times the parameter's elements (none by default)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], copies: int = 0) -> None:
+        super().__init__(params, {"lr": 1e-2})
+        self.copies = copies
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["flat"] = torch.zeros(p.numel())
+                    state["last"] = torch.zeros(2, *p.shape)
+                    if self.copies:
+                        state["scale"] = torch.ones(self.copies * p.numel())
+                state["last"][0].copy_(state["last"][1])
+                state["last"][1].copy_(p.grad)
+                flat = state["flat"].mul_(0.9).add_(p.grad.flatten())
+                flat.add_(state["last"][0].flatten(), alpha=0.1)
+                p.add_((flat / (flat.norm() + 1e-8)).view_as(p), alpha=-group["lr"])
+
+
+def test_a_declared_optimizers_flat_and_stacked_state_resumes_and_larger_is_refused_at_save(
+    tmp_path: Path,
+) -> None:
+    """A declared shape-aware optimizer keeping its state flat (``(numel,)``) or stacked
+    (``(2, *shape)``) saved, then ``load_checkpoint`` refused what it wrote, at any world size:
+    such shapes were outside the bound it checks before taking memory. The bound now also takes
+    up to 8 times the parameter's elements, and the resumed run matches the unwrapped one;
+    state past the bound is refused at the save, on every rank, with nothing written, where it
+    was committed and could not be loaded."""
+    shardwrap.declare_optimizer(_Stacked, reads_shapes=True)
+    model = build()
+    _save(tmp_path / "ckpt", model, _Stacked)
+    for world in (4, 1):
+        ref = _reference(model, _Stacked, [2, 2, world, world])
+        for state, _ in _resume(tmp_path / "ckpt", model, _Stacked, world):
+            _assert_same(ref, state, 1e-5)
+    with pytest.raises(AssertionError, match=r"keeps state 'scale' of .*full_optimizer_state_dict"):
+        _save(tmp_path / "larger", model, lambda params: _Stacked(params, copies=9))
+    assert not (tmp_path / "larger").exists()

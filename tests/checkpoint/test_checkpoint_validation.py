@@ -424,6 +424,43 @@ def test_hyperparameters_of_another_kind_are_refused_before_anything_changes(
     run_ranks(2, fn, timeout=30.0)
 
 
+def test_a_groups_own_entries_load_back_and_what_would_not_is_refused_at_save(
+    tmp_path: Path,
+) -> None:
+    """Entries a parameter group holds beyond its optimizer's options (a scheduler's
+    ``initial_lr``, a 0-d tensor where ``lr`` is one; the user's own notes, a dict) were saved,
+    then refused by ``load_checkpoint`` as written by other code, where the fresh optimizer
+    lacked them: the scheduler was built after the load, as torch allows. Now they load back,
+    as ``optimizer.load_state_dict`` takes them; an entry that would not (an object of the
+    user's) is refused at the save, on every rank, before anything is written."""
+    torch.manual_seed(0)
+    base = GPT()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(base), auto_wrap=Block, process_group=pg)
+        opt = torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2))
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        opt.param_groups[0]["notes"] = {"layer": 0, "tags": ["all", 1.5]}
+        opt.step()
+        sched.step()
+        save_checkpoint(tmp_path / "ckpt", m, opt, scheduler=sched.state_dict())
+        fresh = torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2))
+        extra = load_checkpoint(tmp_path / "ckpt", m, fresh)
+        group = fresh.param_groups[0]
+        assert group["notes"] == {"layer": 0, "tags": ["all", 1.5]}
+        assert torch.equal(group["initial_lr"], torch.tensor(1e-2))
+        resumed = torch.optim.lr_scheduler.StepLR(fresh, 1, 0.5)
+        resumed.load_state_dict(extra["scheduler"])
+        assert torch.equal(group["lr"], opt.param_groups[0]["lr"])
+        assert group["lr"].item() == pytest.approx(5e-3)
+        opt.param_groups[0]["notes"] = object()
+        with pytest.raises(ValueError, match=r"group 0 holds 'notes' = <object object .*load back"):
+            save_checkpoint(tmp_path / "other", m, opt)
+        assert not (tmp_path / "other").exists()
+
+    run_ranks(2, fn, timeout=30.0)
+
+
 # a save killed between its two renames -------------------------------------------------
 
 
