@@ -55,6 +55,7 @@ before each of them (the step pre-hook of each optimizer over the shards,
 from __future__ import annotations
 
 import fcntl
+import gc
 import math
 import mmap
 import os
@@ -63,7 +64,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -267,21 +268,33 @@ class DiskHome(Home):
         super().__init__(device)
         self.memory = torch.device("cpu")
         self.folder = Path(folder) / f"rank-{rank:05d}"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.folder / "lock", "a+")  # noqa: SIM115 (held while the home lives)
-        try:
-            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
+        lock = self._take_folder()
+        if lock is None:  # a model of this process deleted but not yet collected may hold it
+            gc.collect()  # (its home then removes the folder: taken afresh after)
+            lock = self._take_folder()
+        if lock is None:
             raise RuntimeError(
-                f"Offload: {self.folder} is in use by another run (or another model of this "
-                "one); give each model its own Offload(path=...)."
-            ) from None
+                f"Offload: {self.folder} is in use by another run (or another live model of "
+                "this one); give each model its own Offload(path=...)."
+            )
+        self._lock = lock
         for stale in self.folder.glob("*.bin"):  # left by a run that was killed
             stale.unlink()
         self._maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
         self._files = [_File(self.folder / "lock", _inode(os.fstat(self._lock.fileno())), 0)]
         self.nbytes = 0
+
+    def _take_folder(self) -> IO[str] | None:
+        """The folder's lock file, made and locked (held while the home lives); ``None`` where
+        another live home holds it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lock = open(self.folder / "lock", "a+")  # noqa: SIM115
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
+        return lock
 
     def tensor(self, numel: int, dtype: torch.dtype, name: str = "") -> Tensor:
         """A new 1-D tensor of ``numel`` zeros whose memory is a file of this home.
