@@ -316,3 +316,48 @@ def test_bad_mixed_precision_arguments() -> None:
         MixedPrecision(torch.bfloat16)  # type: ignore[misc]
     with pytest.raises(TypeError, match="mixed_precision takes a shardwrap.MixedPrecision"):
         ShardedModule(_gpt(), mixed_precision=torch.bfloat16)  # type: ignore[arg-type]
+
+
+class _DtypeFromParameters(nn.Module):
+    """Casts its input to the dtype of its first parameter, as read from ``parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.linear(x.to(next(self.parameters()).dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_dtype_read_from_the_pieces_fails_naming_where_to_read_it(dtype: torch.dtype) -> None:
+    """Code that takes the compute dtype from ``next(self.parameters())`` reads the float32
+    pieces, while its unit computes in the low precision: torch failed on the dtypes alone
+    ("mat1 and mat2 must have the same dtype"). Now the error says why and where to read the
+    dtype; a dtype error of another kind (bfloat16 alone) passes as torch raised it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_DtypeFromParameters(), nn.Linear(8, 2))
+    name = str(dtype).removeprefix("torch.")
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(
+            copy.deepcopy(model),
+            auto_wrap=_DtypeFromParameters,
+            process_group=pg,
+            mixed_precision=MixedPrecision(param_dtype=dtype),
+        )
+        with pytest.raises(RuntimeError) as error:
+            m(torch.randn(2, 8))
+        said = str(error.value)
+        assert said.startswith(f"shardwrap: forward failed on mixing float32 with {name}")
+        assert "next(self.parameters()).dtype" in said and "self.linear.weight.dtype" in said
+        assert "must have the same dtype" in said  # torch's own words, kept
+
+        def unsupported(module: nn.Module, args: Any) -> None:
+            raise RuntimeError(f"unsupported scalar type {name}")
+
+        m.register_forward_pre_hook(unsupported)
+        with pytest.raises(RuntimeError, match=f"^unsupported scalar type {name}$"):
+            m(torch.randn(2, 8))
+
+    run_ranks(2, fn, timeout=30.0)

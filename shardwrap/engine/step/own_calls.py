@@ -10,6 +10,7 @@ and the hooks do nothing; inside ``gathered()`` (``paused``) every parameter is 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -23,7 +24,7 @@ from ..shards.eager import eager
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 
-__all__ = ["Driver", "OwnCalls", "piece_hint", "ready"]
+__all__ = ["Driver", "OwnCalls", "piece_hint", "precision_hint", "ready"]
 
 
 class Driver(Protocol):
@@ -179,6 +180,41 @@ def piece_hint(units: list[Unit], error: BaseException) -> str | None:
         "own forward. Use it inside that unit's forward (call the module that holds it), or make "
         "a module enclosing both uses the unit (auto_wrap), or share the parameter by tying it "
         f"before wrapping. The error: {message}"
+    )
+
+
+# How torch's dtype errors name the low-precision compute dtypes, and float32 (whole words:
+# "BFloat16" holds "Float", "bfloat16" "float16").
+_SPELLINGS = {
+    torch.bfloat16: re.compile(r"\bBFloat16\b|\bbfloat16\b"),
+    torch.float16: re.compile(r"\bHalf\b|\bfloat16\b"),
+    torch.float32: re.compile(r"\bFloat\b|\bfloat32\b|\(float\)"),
+}
+
+
+def precision_hint(precision: Any, error: BaseException) -> str | None:
+    """What to say when a forward under mixed precision failed on mixing float32 with the
+    compute dtype: the dtype taken from ``model.parameters()`` (the float32 pieces), where
+    inside forward the unit computes with parameters gathered in the compute dtype. ``None``
+    where there is no mixed precision, or ``error`` names no such pair."""
+    compute = getattr(precision, "param_dtype", None)
+    if compute is None or compute not in _SPELLINGS or compute == torch.float32:
+        return None
+    message = str(error)
+    if "type" not in message or not all(
+        _SPELLINGS[d].search(message) for d in (compute, torch.float32)
+    ):
+        return None
+    name = str(compute).removeprefix("torch.")
+    return (
+        f"shardwrap: forward failed on mixing float32 with {name}, under "
+        f"MixedPrecision(param_dtype=torch.{name}): inside forward each unit computes with its "
+        f"parameters gathered in {name}, but model.parameters() (and each module's "
+        "parameters()) are this rank's float32 pieces everywhere, so code taking the compute "
+        "dtype from them (next(self.parameters()).dtype, a Hugging Face model's self.dtype) "
+        f"gets float32. Read it from the module's own attribute inside forward "
+        f"(self.linear.weight.dtype, {name} there), or cast the inputs to {name} yourself. "
+        f"The error: {message}"
     )
 
 
