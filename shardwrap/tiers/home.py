@@ -54,6 +54,7 @@ before each of them (the step pre-hook of each optimizer over the shards,
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import math
@@ -423,12 +424,19 @@ class DiskHome(Home):
         )
 
     def close(self) -> None:
-        """Release the lock and delete the files (the model is being freed)."""
+        """Release the lock and delete the files it made, then the folder if nothing else is in
+        it (the model is being freed). A file at one of their paths that is another (the
+        folder removed and taken by a newer model meanwhile) is left alone."""
         if self._lock.closed:
             return
         self._maps.clear()
+        for file in self._files:
+            with contextlib.suppress(OSError):
+                if _inode(os.stat(file.path)) == file.inode:
+                    file.path.unlink()
         self._files.clear()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.folder.rmdir()
         self._lock.close()
 
 

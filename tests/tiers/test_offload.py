@@ -20,6 +20,8 @@ whole global batch:
   both hooked, an optimizer over other parameters is never touched, the hook goes with the
   model; an optimizer built after a backward is hooked at the next one, one handed to
   ``load_checkpoint`` at once;
+- SGD with momentum over a block unfrozen mid-training (the fused kernel given zeros for its
+  first buffers); a model freed late leaves a newer model's files in its folder alone;
 - errors: a stage other than 3, a store folder another live model holds, a malformed
   ``Offload``; the cpu tier on a CPU device says it changes nothing; a store file deleted,
   replaced or truncated under a live model raises ``StoreError`` naming it at the next
@@ -34,6 +36,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -526,3 +529,69 @@ def test_a_unit_kept_gathered_by_a_no_grad_forward_sees_the_fused_step(tmp_path:
         with torch.no_grad():
             outputs.append(net(x, y))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_over_a_block_unfrozen_mid_training_trains_like_the_plain_model(
+    tmp_path: Path, nesterov: bool
+) -> None:
+    """The disk tier steps SGD with its fused kernel, which makes momentum buffers only where
+    no parameter has one: a block unfrozen after the others had buffers failed in torch's
+    kernel ("expected Tensor as element 0 in argument 2, but got NoneType"), where the plain
+    model's loop starts the new parameters' momentum at their first gradient. Now they are
+    given zeros, which the kernel turns into exactly that."""
+    torch.manual_seed(0)
+    model = GPT()
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+
+    def train(m: nn.Module, rank: int, world: int) -> list[float]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=nesterov)
+        losses = []
+        for step in range(4):
+            if step == 2:
+                for p in m.blocks[0].parameters():
+                    p.requires_grad_(True)
+            x, y = make_batch(step, GLOBAL_BATCH)
+            loss = m(x.chunk(world)[rank], y.chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    plain = copy.deepcopy(model)
+    train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Any]:
+        offload = Offload(device="disk", path=tmp_path)
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, offload=offload)
+        train(m, rank, 2)
+        return m.full_state_dict()
+
+    for state in run_ranks(2, fn, timeout=60.0):
+        torch.testing.assert_close(state, plain.state_dict(), atol=1e-5, rtol=0)
+
+
+def test_a_model_freed_late_leaves_a_newer_models_files_alone(tmp_path: Path) -> None:
+    """A model is freed when the garbage collector breaks its reference cycles, which may be
+    long after ``del``: its store's folder, removed by the user meanwhile and taken by a new
+    model, was deleted whole then, the new model's files with it (its next step raised
+    ``StoreError``). Now a freed store deletes only its own files."""
+    torch.manual_seed(0)
+    model = GPT()
+    old = ShardedModule(
+        copy.deepcopy(model), auto_wrap=Block, offload=Offload(device="disk", path=tmp_path)
+    )
+    shutil.rmtree(tmp_path)
+    new = ShardedModule(
+        copy.deepcopy(model), auto_wrap=Block, offload=Offload(device="disk", path=tmp_path)
+    )
+    held = sorted(os.listdir(tmp_path / "rank-00000"))
+    del old
+    gc.collect()
+    assert sorted(os.listdir(tmp_path / "rank-00000")) == held
+    _train(new, _sgd(new.parameters()), 0, 1)
+    del new
+    gc.collect()
+    assert not (tmp_path / "rank-00000").exists()
