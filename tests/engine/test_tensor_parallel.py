@@ -171,6 +171,65 @@ def test_sequence_parallel_norms_count_their_replicated_gradients_once() -> None
         torch.testing.assert_close(run.state, want.state, atol=1e-5, rtol=0)
 
 
+def test_the_norm_of_split_and_replicated_gradients_joined_into_one_vector_is_global() -> None:
+    """``parameters_to_vector`` of a tensor-parallel model's gradients joins split ones (reduced
+    over dp x tp) and replicated ones (over dp): the joined vector was a plain tensor, its norm
+    each rank's own part, different on every rank. Now each part's norm is completed over its
+    own group: the vector's norm is the whole model's, as ``get_total_norm`` gives it."""
+    torch.manual_seed(0)
+    model = SPStack()
+    batches = stack_batches()
+
+    def norms(m: nn.Module, opt: Any, mesh: DeviceMesh) -> tuple[float, ...]:
+        stack_loss(m, *batches[0], mesh).backward()
+        grads = [p.grad for p in m.parameters()]
+        joined = torch.nn.utils.parameters_to_vector(grads)
+        return tuple(
+            value.item()
+            for order in (2.0, float("inf"))
+            for value in (torch.nn.utils.get_total_norm(grads, order), joined.norm(order))
+        )
+
+    runs = train_tp(
+        model, parallelize_stack, *DP_TP, sgd, batches, stack_loss, clip=CLIP,
+        finish=norms, auto_wrap=SPBlock, split_loss=True,
+    )  # fmt: skip
+    first = runs[0].finished
+    for run in runs:
+        whole, joined, whole_inf, joined_inf = run.finished
+        assert joined == pytest.approx(whole, rel=1e-6) and joined_inf == whole_inf
+        assert run.finished == pytest.approx(first, rel=1e-6)  # every rank alike
+
+
+def test_a_split_state_dict_and_a_split_after_wrapping_are_refused_naming_the_fix() -> None:
+    """A tensor-parallel model's own ``state_dict()`` (DTensor blocks) given to the sharded
+    model's ``load_state_dict`` failed in torch ("got mixed torch.Tensor and DTensor") after
+    the plain keys before it had loaded; ``parallelize_module`` on the sharded model was
+    refused as if a resize. Now each is refused naming the fix, nothing loaded or changed."""
+    torch.manual_seed(0)
+    model = SPStack()
+    torch.manual_seed(1)
+    other = SPStack()
+
+    def fn(rank: int, mesh: DeviceMesh) -> None:
+        m = ShardedModule(
+            parallelize_stack(copy.deepcopy(model), mesh["tp"]),
+            process_group=mesh,
+            auto_wrap=SPBlock,
+        )
+        before = m.full_state_dict()
+        split = parallelize_stack(copy.deepcopy(other), mesh["tp"]).state_dict()
+        for load in (m.load_state_dict, m.load_full_state_dict):
+            with pytest.raises(ValueError, match=r"are DTensors .* v\.full_tensor\(\)"):
+                load(split)
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+        wrapped_first = ShardedModule(copy.deepcopy(model), process_group=mesh, auto_wrap=SPBlock)
+        with pytest.raises(ValueError, match=r"a DTensor .*Apply tensor parallelism first"):
+            parallelize_stack(wrapped_first, mesh["tp"])
+
+    run_mesh_ranks(*DP_TP, fn)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_muon_steps_each_split_matrix_whole_on_one_of_the_four_ranks(stage: int) -> None:
     _, want = train_recipe(MODEL, 2, torch.float32, make_optimizer=MuonAndSGD)

@@ -146,8 +146,31 @@ _GRAD_ALIASES = {
 }
 
 
-# Calls that join tensors into one holding all of their elements: shard gradients of one group
-# joined (``parameters_to_vector`` of the gradients) are this rank's pieces of the joined whole.
+class _NoHome:
+    """Where what is made from joined gradients lives: where torch makes it."""
+
+    def made_from_grad(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return None
+
+
+class _Joined(_Owner):
+    """Shard gradients joined into one tensor along its first dimension (``torch.cat``:
+    ``parameters_to_vector`` of the gradients), each one's elements in turn: ``segments``, the
+    owner and number of elements of each, whose groups may differ (a tensor-parallel model's
+    split and replicated gradients). Its norm is each segment's completed over its own group,
+    then combined."""
+
+    def __init__(self, segments: list[tuple[_Owner, int]]) -> None:
+        first = segments[0][0]
+        self.group = None
+        self.stats = first.stats
+        self.device = first.device
+        self.home = _NoHome()  # type: ignore[assignment]
+        self.enter = _nothing
+        self.segments = segments
+
+
+# Calls that join tensors into one holding all of their elements (along the first dimension).
 _JOINS = {
     torch.cat,
     torch.concat,
@@ -158,13 +181,25 @@ _JOINS = {
 }
 
 
-def _common_owner(tensors: Any) -> _Owner | None:
-    """The owner of shard gradients ``tensors`` where all of them are sharded over one group;
-    ``None`` where any is not a shard gradient, or their groups differ."""
-    owners = [getattr(t, "_shardwrap_owner", None) for t in tensors]
-    if not owners or any(o is None or o.group is not owners[0].group for o in owners):
+def _joined(func: Callable[..., Any], args: tuple, kwargs: dict) -> _Joined | None:
+    """What shard gradients joined by ``func`` make: each one's elements in turn; ``None``
+    where not every input is a shard gradient, or they are not joined along the first
+    dimension (only then does each keep its elements together)."""
+    tensors = list(args[0] if args else kwargs.get("tensors", ()))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    if func is torch.hstack:
+        dim = 0 if all(t.dim() == 1 for t in tensors) else 1
+    elif func is torch._C._nn.flatten_dense_tensors:
+        dim = 0
+    if not tensors or dim != 0:
         return None
-    return owners[0]
+    segments: list[tuple[_Owner, int]] = []
+    for t in tensors:
+        owner = getattr(t, "_shardwrap_owner", None)
+        if owner is None:
+            return None
+        segments += owner.segments if isinstance(owner, _Joined) else [(owner, t.numel())]
+    return _Joined(segments)
 
 
 class ShardGrad(Tensor):
@@ -194,7 +229,7 @@ class ShardGrad(Tensor):
         if func in _GRAD_ALIASES and isinstance(out, Tensor):
             return as_shard_grad(out, args[0]._shardwrap_owner)
         if func in _JOINS and isinstance(out, Tensor):
-            joined = _common_owner(args[0] if args else kwargs.get("tensors", ()))
+            joined = _joined(func, args, kwargs)
             if joined is not None:
                 return as_shard_grad(out, joined)
         if func in _ZEROING:
@@ -272,6 +307,10 @@ def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: di
     grads = args[0] if foreach else [args[0]]
     out = []
     for g in grads:
+        owner = getattr(g, "_shardwrap_owner", None)
+        if isinstance(owner, _Joined):
+            out.append(_joined_norm(g, order, owner, kwargs.get("dtype")))
+            continue
         if g.numel() == 0:
             dtype = (kwargs.get("dtype") or g.dtype).to_real()
             n = torch.full((), identity, dtype=dtype, device=g.device)
@@ -279,9 +318,35 @@ def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: di
             with _DisableSubclass():
                 n = func([g] if foreach else g, *args[1:], **kwargs)
                 n = n[0] if foreach else n
-        owner = getattr(g, "_shardwrap_owner", None)
         out.append(n if owner is None else _partial(n, order, owner))
     return out if foreach else out[0]
+
+
+def _joined_norm(g: Tensor, order: float, joined: _Joined, dtype: torch.dtype | None) -> Tensor:
+    """The norm of joined shard gradients ``g``: each segment's, completed over its group
+    (several of a group with one all-reduce), combined as the parts of one norm are."""
+    identity = float("inf") if order == float("-inf") else 0.0
+    with _DisableSubclass():
+        pieces = g.reshape(-1).split([n for _, n in joined.segments])
+        parts = [
+            _partial(
+                torch.linalg.vector_norm(piece, order, dtype=dtype)
+                if piece.numel()
+                else torch.full((), identity, dtype=(dtype or piece.dtype).to_real()),
+                order,
+                owner,
+            )
+            for piece, (owner, _) in zip(pieces, joined.segments)
+        ]
+    _complete_together(parts)
+    wholes = torch.stack([part.complete() for part in parts])
+    if order == float("inf"):
+        return wholes.max()
+    if order == float("-inf"):
+        return wholes.min()
+    if order == 0.0:
+        return wholes.sum()
+    return wholes.pow(order).sum().pow(1.0 / order)
 
 
 def _partial(local: Tensor, order: float, owner: _Owner | None) -> Tensor:

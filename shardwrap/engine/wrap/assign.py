@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..shards.flat_group import FlatGroup
@@ -102,6 +103,15 @@ class Assignments:
                 f"{len(group.slots[i]) - 1} other use(s) sharing one flat shard. Untie before "
                 "wrapping, or write the new value into the shared parameter inside "
                 "model.gathered(writeback=True)."
+            )
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{where}: the new parameter is a DTensor (tensor parallelism applied after "
+                "wrapping, parallelize_module(model, ...) on the sharded model): wrapping "
+                "already cut every parameter into this rank's flat shard, which a later split "
+                "cannot follow. Apply tensor parallelism first, then wrap over the mesh: "
+                "parallelize_module(model, mesh['tp'], plan), then ShardedModule(model, "
+                "process_group=mesh)."
             )
         shape, dtype = tuple(group.shapes[i]), group.dtype
         if tuple(param.shape) != shape or param.dtype != dtype:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ..optim.dcp_pieces import DCPPiece, local_piece, local_pieces
 from ..optim.pieces import ShardPiece
@@ -56,6 +57,7 @@ SHARDS_OF = "shardwrap_shards_of"
 
 def load_state(model: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
     """``model.load_state_dict(state_dict, strict)``: see :meth:`ShardedModule.load_state_dict`."""
+    _refuse_split(state_dict)
     own = nn.Module.state_dict(model, keep_vars=True)
     index = model._shardwrap_root.param_of
     checked = {k for k, v in state_dict.items() if isinstance(v, DCPPiece)}  # this rank's
@@ -167,6 +169,20 @@ def _keys_error(model: Any, missing: list[str], unexpected: list[str]) -> StateD
     )
 
 
+def _refuse_split(state_dict: Mapping[str, Any]) -> None:
+    """Refuse, before anything is loaded, a state dict holding DTensors (a tensor-parallel
+    model's own ``state_dict()``): each holds this rank's block of the tensor."""
+    split = [k for k, v in state_dict.items() if isinstance(v, DTensor)]
+    if split:
+        more = f" and {len(split) - 3} more" if len(split) > 3 else ""
+        raise ValueError(
+            f"load_state_dict: {', '.join(split[:3])}{more} are DTensors (a tensor-parallel "
+            "model's state_dict(), each this rank's block of the tensor); nothing was loaded. "
+            "Give the whole tensors: {k: v.full_tensor() if isinstance(v, DTensor) else v for "
+            "k, v in sd.items()} on every rank, or the sharded model's full_state_dict()."
+        )
+
+
 def _own_shards_noted(model: Any, state_dict: Mapping[str, Any]) -> bool:
     """Whether ``state_dict`` records that it holds this rank's shards (``state_dict()``'s
     metadata); one recording another rank's is refused."""
@@ -217,6 +233,7 @@ def load_full(model: Any, state_dict: Mapping[str, Tensor], strict: bool) -> Any
     :meth:`ShardedModule.load_full_state_dict`."""
     root = model._shardwrap_root
     root.check_state()
+    _refuse_split(state_dict)
     if customises_loading(model):
         return load_through_torch(model, state_dict, strict)
     own = nn.Module.state_dict(model, keep_vars=True)
