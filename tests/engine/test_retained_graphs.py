@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -133,3 +134,67 @@ def test_a_retained_graph_run_through_after_an_optimizer_step_raises_as_torch_do
 
     for said in run_ranks(WORLD, fn, timeout=30):
         assert "an optimizer stepped" in said
+
+
+class _Pair(nn.Module):
+    """A generator and a critic in one module, whose root unit holds a parameter of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = nn.Sequential(Residual(), nn.Linear(8, 8))
+        self.critic = nn.Sequential(Residual(), nn.Linear(8, 1))
+
+
+def _gan_round(m: nn.Module, z: Tensor, real: Tensor, gen_opt: Any, critic_opt: Any) -> None:
+    """DCGAN's order: the fake made once, the critic stepped, then the generator's loss
+    through the graph made before the critic's step."""
+    fake = m.gen(z)
+    (m.critic(fake.detach()).mean() - m.critic(real).mean()).backward()
+    critic_opt.step()
+    critic_opt.zero_grad()
+    (-m.critic(fake).mean()).backward()
+    gen_opt.step()
+    gen_opt.zero_grad()
+    critic_opt.zero_grad()
+
+
+def test_a_graph_over_parameters_no_step_changed_runs_as_on_the_plain_model() -> None:
+    """A step was taken to change every parameter of each flat group it touched: the
+    generator's graph, made before the critic's optimizer stepped, was refused as modified
+    ("an optimizer stepped gen.1.weight"), where the two share the root unit, and so was a
+    graph followed by a step in which no parameter had a gradient. Now only the parameters a
+    step changes (those with a gradient) count: both run as on the unwrapped model, and a
+    graph whose own weights were stepped is still refused."""
+    torch.manual_seed(0)
+    base = _Pair()
+    rounds = [(torch.randn(8, 8, generator=_g), torch.randn(8, 8, generator=_g)) for _ in range(3)]
+
+    def train(m: nn.Module, rank: int, world: int) -> None:
+        gen_opt = torch.optim.SGD(m.gen.parameters(), lr=0.1, momentum=0.9)
+        critic_opt = torch.optim.SGD(m.critic.parameters(), lr=0.1, momentum=0.9)
+        for z, real in rounds:
+            _gan_round(m, z.chunk(world)[rank], real.chunk(world)[rank], gen_opt, critic_opt)
+        loss = m.gen(rounds[0][0].chunk(world)[rank]).square().mean()
+        gen_opt.step()  # no gradient: changes nothing
+        loss.backward()
+
+    plain = copy.deepcopy(base)
+    train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(base), process_group=pg, auto_wrap=Residual)
+        assert len(m._shardwrap_root.units) == 3  # the root holds gen.1 and critic.1
+        train(m, rank, WORLD)
+        state = m.full_state_dict()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt.zero_grad()
+        loss = m.gen(rounds[0][0].chunk(WORLD)[rank]).square().mean()
+        loss.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match=r"an optimizer stepped gen\."):
+            loss.backward()
+        return state
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        for name, want in plain.state_dict().items():
+            torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=name)

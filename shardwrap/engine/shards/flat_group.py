@@ -19,7 +19,7 @@ local block; its view is shown to the module as the DTensor it was (``tensor_par
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -177,9 +177,12 @@ class FlatGroup:
         # (the unit's lifetime: ``Unit.release_after_backward``).
         self.release_after_backward = False
         self.gathered_version = -1
-        # Optimizer steps over its pieces (``engine/optim/whole_params.py``'s step hook): a view
-        # autograd saved before one is not what its backward would read (``shards/saved.py``).
+        # Optimizer steps over its pieces (``engine/optim/whole_params.py``'s step hook), and
+        # for each parameter the count after the last step that changed it (one it had a
+        # gradient for): a view autograd saved before such a step is not what its backward
+        # would read (``shards/saved.py``).
         self.steps = 0
+        self.stepped = [0] * len(names)
         # Inside ``gathered(writeback=True)``: the buffer holds the full parameters exactly, in
         # the shards' dtype, to be written back; no gather may replace it in another dtype.
         self.exact_only = False
@@ -228,6 +231,22 @@ class FlatGroup:
         if self._buffer is None:
             raise RuntimeError(f"flat group {self.names[:2]}... is not gathered")
         return self._buffer
+
+    def stepped_since(
+        self, steps: int, offset: int, shape: Sequence[int], stride: Sequence[int]
+    ) -> list[str]:
+        """The parameters an optimizer stepped after the group's ``steps``-th step that a view
+        of the gathered buffer (``offset``, ``shape``, ``stride``) reads, by name."""
+        if 0 in shape:
+            return []
+        stop = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        return [
+            name
+            for name, at, n, last in zip(
+                self.names, self.layout.offsets, self.layout.numels, self.stepped
+            )
+            if last > steps and at < stop and offset < at + n
+        ]
 
     @property
     def is_allocated(self) -> bool:

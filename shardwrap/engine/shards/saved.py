@@ -153,7 +153,9 @@ class SavedViews:
         if group is None:
             raise RuntimeError("backward through a sharded model that has been deleted")
         if group.steps != saved.steps:
-            raise RuntimeError(_STEPPED.format(names=", ".join(group.names[:3])))
+            stepped = group.stepped_since(saved.steps, saved.offset, saved.shape, saved.stride)
+            if stepped:
+                raise RuntimeError(_STEPPED.format(names=", ".join(stepped[:3])))
         if not group.is_allocated:
             self.regather(group)
         return group.full_data.as_strided(saved.shape, saved.stride, saved.offset)
