@@ -149,9 +149,7 @@ def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
         for p in group["params"]:
             state = optimizer.state.get(p)
             if state and "step" in state:
-                state["step"] = torch.as_tensor(
-                    state["step"], dtype=torch.float32, device=p.device
-                )
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
         group["fused"] = True
     if isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group.get("momentum"):
         _complete_momentum(optimizer, group)

@@ -619,6 +619,68 @@ def test_a_step_before_the_synced_backward_is_refused_changing_nothing(
         torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_closure_leaving_gradients_unreduced_is_refused_before_the_update(stage: int) -> None:
+    """A step given a closure was not checked (the closure computes the gradients inside the
+    step): one whose backward ran under ``no_sync()``, or given after such a backward, stepped
+    on none of them, momentum and decay alone, without a word. Now the closure is followed by
+    the check, which raises on every rank before the update, naming ``no_sync``."""
+    torch.manual_seed(0)
+    model = GPT()
+    x, y = make_batch(0, 4)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        before = m.full_state_dict()
+
+        def unsynced() -> Tensor:
+            with m.no_sync():
+                loss = m(x.chunk(2)[rank], y.chunk(2)[rank])
+                loss.backward()
+            return loss
+
+        refused = r"SGD.step\(\) after a backward under"
+        with pytest.raises(RuntimeError, match=refused):
+            opt.step(unsynced)  # the closure's own backward under no_sync
+        loss = unsynced()
+        with pytest.raises(RuntimeError, match=refused):
+            opt.step(closure=lambda: loss)  # given after one
+        assert opt.state == {}
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
+
+    run_ranks(2, fn, timeout=60.0)
+
+
+def test_a_gradient_norm_between_no_sync_backwards_is_refused_naming_when_to_take_it() -> None:
+    """Between backwards under ``no_sync()`` the gradients are unreduced, outside ``.grad``:
+    ``clip_grad_norm_`` there returned 0.0 (the norm of the zeros standing in), and its
+    in-place scaling made the next backward raise that a ``.grad`` was changed. Now the norm
+    raises, on every rank, saying to take it after the synced backward; there it is the plain
+    model's."""
+    torch.manual_seed(0)
+    model = GPT()
+    micro = [make_batch(i, 4) for i in range(2)]
+    ref = copy.deepcopy(model)
+    for x, y in micro:
+        (ref(x, y) / 2).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+
+    def fn(rank: int, pg: ProcessGroup) -> Tensor:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        (x, y), (x2, y2) = micro
+        with m.no_sync():
+            (m(x.chunk(2)[rank], y.chunk(2)[rank]) / 2).backward()
+            for clip in (torch.nn.utils.clip_grad_norm_, lambda ps, n: m.clip_grad_norm_(n)):
+                with pytest.raises(RuntimeError, match="after the synced backward"):
+                    clip(m.parameters(), 1.0)
+        (m(x2.chunk(2)[rank], y2.chunk(2)[rank]) / 2).backward()
+        return torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+
+    for norm in run_ranks(2, fn, timeout=60.0):
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_ranks_that_differ_in_grad_sync_raise_on_every_rank(stage: int) -> None:
     torch.manual_seed(0)

@@ -305,6 +305,8 @@ def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: di
     identity = float("inf") if order == float("-inf") else 0.0
     foreach = func is torch._foreach_norm
     grads = args[0] if foreach else [args[0]]
+    if any(_stands_in(g) for g in grads):
+        raise RuntimeError(_UNREDUCED_NORM)
     out = []
     for g in grads:
         owner = getattr(g, "_shardwrap_owner", None)
@@ -320,6 +322,21 @@ def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: di
                 n = n[0] if foreach else n
         out.append(n if owner is None else _partial(n, order, owner))
     return out if foreach else out[0]
+
+
+def _stands_in(grad: Tensor) -> bool:
+    """Whether ``grad`` stands in for a gradient a backward under ``no_sync`` left unreduced
+    (``engine/shards/shard_grads.py``), not cleared since."""
+    return getattr(grad, "_shardwrap_unreduced", False) and not grad._shardwrap_zeroings
+
+
+_UNREDUCED_NORM = (
+    "shardwrap: a gradient norm (clip_grad_norm_) between backwards under no_sync() (or "
+    "require_backward_grad_sync=False): this rank's gradients since the last synced backward "
+    "are unreduced and kept outside .grad (which holds zeros, or what it held before) until "
+    "the synced backward, so the norm would be of none of them. Take the norm, and clip, after "
+    "the synced backward (the last micro-batch's, outside no_sync()): once per optimizer step."
+)
 
 
 def _joined_norm(g: Tensor, order: float, joined: _Joined, dtype: torch.dtype | None) -> Tensor:

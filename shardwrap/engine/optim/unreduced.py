@@ -8,8 +8,9 @@ weight decay and momentum alone, without a word; on a plain model or under DDP i
 local gradients. So the step is refused, on every rank alike (every rank steps where the others
 do), before it changes anything. Checked from the process-wide step pre-hook
 (``whole_params.py``): one look per shard parameter, a few microseconds for a model's. A step
-given a closure is not checked: the closure computes the gradients inside the step (Lightning
-runs the synced backward of a step with gradient accumulation so), after the hook.
+given a closure is checked once the closure has run, before the update: the closure computes
+the gradients inside the step (Lightning runs the synced backward of a step with gradient
+accumulation so), after the hook, so the hook hands the step the closure followed by the check.
 """
 
 from __future__ import annotations
@@ -23,16 +24,34 @@ from .pieces import PIECE_ATTR
 __all__ = ["refuse_unreduced"]
 
 
-def refuse_unreduced(optimizer: Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
+def refuse_unreduced(
+    optimizer: Optimizer, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]] | None:
     """Refuse a step of ``optimizer`` (``optimizer.step(*args[1:], **kwargs)``) over shard
-    parameters whose gradients a backward under ``no_sync`` left unreduced, unless the step is
-    given a closure, which computes them.
+    parameters whose gradients a backward under ``no_sync`` left unreduced. A step given a
+    closure, which computes them, is checked once it has run: returned are the step's
+    arguments with the closure followed by the check (what a step pre-hook returns to change
+    them); ``None`` where it is checked now.
 
     Raises:
         RuntimeError: naming the optimizer, a parameter and the fix; nothing is changed.
     """
-    if args[1:] or kwargs.get("closure") is not None:  # args[0]: the optimizer itself
-        return
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
+    if closure is None:
+        _check(optimizer)
+        return None
+
+    def checked(*a: Any, **k: Any) -> Any:
+        loss = closure(*a, **k)
+        _check(optimizer)
+        return loss
+
+    if len(args) > 1:
+        return (args[0], checked, *args[2:]), kwargs
+    return args, {**kwargs, "closure": checked}
+
+
+def _check(optimizer: Optimizer) -> None:
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             piece = getattr(p, PIECE_ATTR, None)

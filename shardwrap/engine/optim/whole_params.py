@@ -234,13 +234,17 @@ def _pieces(optimizer: Optimizer) -> Iterator[nn.Parameter]:
                 yield p
 
 
-def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    refuse_unreduced(optimizer, args, kwargs)
+def _before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> Any:
+    checked = refuse_unreduced(optimizer, args, kwargs)
+    _with_grads[optimizer] = [
+        getattr(p, PIECE_ATTR)[:2] for p in _pieces(optimizer) if p.grad is not None
+    ]
     whole = stepped_whole(optimizer)
     if whole is not None:
         whole.innermost(optimizer)
     else:
         check_held_state(optimizer)
+    return checked
 
 
 def stepped_whole(optimizer: Optimizer) -> _WholeStep | None:
@@ -266,6 +270,7 @@ def _piece_name(p: nn.Parameter) -> str | None:
 
 def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     whole = _steps.get(optimizer)
+    stepped = _with_grads.pop(optimizer, [])
     if whole is not None and whole.idle:  # DCP's step that changes nothing (see before)
         return
     for ref in _groups_of(optimizer):
@@ -273,7 +278,16 @@ def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if group is not None:
             group.steps += 1
             group.mark_stale()  # a fused step changes the shard without counting it
+    for ref, index in stepped:  # torch's optimizers change only what has a gradient
+        group = ref()
+        if group is not None:
+            group.stepped[index] = group.steps
 
+
+# per optimizer about to step: its pieces with a gradient, (their flat group weakly, index)
+_with_grads: weakref.WeakKeyDictionary[Optimizer, list[tuple[Any, int]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 # per optimizer: its parameter groups' sizes, and the flat groups of its pieces (weakly: an
 # optimizer outliving its model must not keep the model)

@@ -31,6 +31,13 @@ __all__ = ["ShardGrads"]
 AsGrads = Callable[[list[tuple[int, Tensor]]], list[Tensor]]
 
 
+def _unmark(mark: tuple[weakref.ReferenceType[Tensor], int] | None) -> None:
+    """The ``.grad`` a mark notes stands in no more."""
+    grad = mark[0]() if mark is not None else None
+    if grad is not None:
+        grad._shardwrap_unreduced = False
+
+
 class ShardGrads:
     """The ``.grad`` of a flat group's shard params.
 
@@ -159,6 +166,7 @@ class ShardGrads:
             self._marks.append((weakref.ref(p.grad), p.grad._version) if h else None)
             if h:
                 p.grad._shardwrap_zeroings = 0  # counted by the shard gradients
+                p.grad._shardwrap_unreduced = True  # its norm would be of none of them
 
     def cleared(self) -> list[int]:
         """The shard params noted by :meth:`stand_in` whose ``.grad`` was cleared since
@@ -199,6 +207,7 @@ class ShardGrads:
                 if grad._shardwrap_zeroings == 0:
                     continue  # untouched (a neighbour in its buffer may have been zeroed)
             out.append(i)
+            _unmark(mark)
             marks[i] = None
         if all(m is None for m in marks):
             self._marks = None
@@ -217,6 +226,8 @@ class ShardGrads:
     def forget(self) -> None:
         """The unreduced gradients are gone (reduced, or dropped with a backward that raised):
         note nothing more."""
+        for mark in self._marks or ():
+            _unmark(mark)
         self._marks = None
 
     def _dtypes(self) -> list[torch.dtype]:
