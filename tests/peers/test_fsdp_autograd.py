@@ -237,7 +237,8 @@ def test_optimizer_steps_inside_post_accumulate_grad_hooks(stage: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(MLP(11), MLP(11))
     batches = make_batches(6, (8, 11), (8, 11))
-    in_backward: dict[int, dict[Tensor, Any]] = {}  # by side: each parameter's optimizer
+    # by side (sharded, rank): each parameter's optimizer
+    in_backward: dict[tuple[bool, int], dict[Tensor, Any]] = {}
 
     def attach(side: Side) -> dict[Tensor, Any]:
         steppers: dict[Tensor, Any] = {}
@@ -255,8 +256,8 @@ def test_optimizer_steps_inside_post_accumulate_grad_hooks(stage: int) -> None:
         return steppers
 
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
-        if id(side) not in in_backward:
-            in_backward[id(side)] = attach(side)
+        if (side.sharded, side.rank) not in in_backward:  # not id(side): a side can take a
+            in_backward[side.sharded, side.rank] = attach(side)  # finished one's address
         loss = _mse(side.model, side.local(batch[0]), side.local(batch[1]))
         loss.backward()
         kept = [n for n, p in side.model.named_parameters() if p.grad is not None]

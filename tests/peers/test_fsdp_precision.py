@@ -726,15 +726,18 @@ def test_gradient_scaler_skips_the_step_on_every_rank(
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(2)])
     batches = make_batches(3, (4, 4), (4, 4))
-    scalers: dict[int, torch.amp.GradScaler] = {}
+    # by side, not id(side): a rank's side can take the finished reference's address, and so
+    # its scaler, whose scale differs from the other rank's (the reduction then mixes scales)
+    scalers: dict[tuple[bool, int], torch.amp.GradScaler] = {}
 
     def step(side: Side, opt: torch.optim.Optimizer, batch: Batch) -> Tensor:
-        if id(side) not in scalers:
+        key = (side.sharded, side.rank)
+        if key not in scalers:
             if side.sharded:
-                scalers[id(side)] = scaler_class("cpu", init_scale=2.0)
+                scalers[key] = scaler_class("cpu", init_scale=2.0)
             else:
-                scalers[id(side)] = torch.amp.GradScaler("cpu", init_scale=2.0)
-        scaler = scalers[id(side)]
+                scalers[key] = torch.amp.GradScaler("cpu", init_scale=2.0)
+        scaler = scalers[key]
         loss = F.mse_loss(side.model(side.local(batch[0])), side.local(batch[1]))
         scaler.scale(loss).backward()
         grad = side.model[0].weight.grad
