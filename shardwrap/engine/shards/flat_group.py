@@ -233,20 +233,13 @@ class FlatGroup:
         return self._buffer
 
     def stepped_since(
-        self, steps: int, offset: int, shape: Sequence[int], stride: Sequence[int]
+        self, steps: int, at: int, shape: Sequence[int], stride: Sequence[int]
     ) -> list[str]:
         """The parameters an optimizer stepped after the group's ``steps``-th step that a view
-        of the gathered buffer (``offset``, ``shape``, ``stride``) reads, by name."""
-        if 0 in shape:
-            return []
-        stop = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-        return [
-            name
-            for name, at, n, last in zip(
-                self.names, self.layout.offsets, self.layout.numels, self.stepped
-            )
-            if last > steps and at < stop and offset < at + n
-        ]
+        of the gathered buffer (``at``, ``shape``, ``stride``) reads, by name."""
+        stop = at + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if 0 not in shape else at
+        spans = zip(self.names, self.layout.offsets, self.layout.numels, self.stepped)
+        return [name for name, o, n, last in spans if last > steps and o < stop and at < o + n]
 
     @property
     def is_allocated(self) -> bool:
@@ -560,15 +553,13 @@ def views_of(buffer: Tensor, group: FlatGroup) -> list[Tensor]:
     ]
 
 
-# A backward with create_graph=True that reaches the parameters.
-CREATE_GRAPH = (
+CREATE_GRAPH = (  # a backward with create_graph=True that reaches the parameters
     "backward(create_graph=True) reached the parameters of a sharded model: their gradients are "
     "averaged over the ranks and cut to each rank's piece outside autograd, so a graph through "
     "p.grad (a Hessian-vector product, a penalty on the parameters' gradients) would hold only "
-    "this rank's share of it, and differentiate to wrong values. Refused before any gradient "
-    "was written. A penalty on the gradient of inputs works as on the plain model "
-    "(torch.autograd.grad(out, inputs, create_graph=True), then backward of the loss with it); "
-    "for the parameters' gradients call loss.backward() without create_graph."
+    "this rank's share of it. Refused before any gradient was written. A penalty on the "
+    "gradient of inputs works as on the plain model (torch.autograd.grad(out, inputs, "
+    "create_graph=True)); for the parameters' gradients call loss.backward()."
 )
 
 

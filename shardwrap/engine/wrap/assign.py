@@ -27,10 +27,10 @@ import weakref
 from collections.abc import Callable
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..shards.flat_group import FlatGroup
+from ..shards.tensor_parallel import is_dtensor
 from ..shards.unit import Unit
 from ..step.edits import fingerprint
 from .checks import SHARD_ATTR
@@ -104,7 +104,7 @@ class Assignments:
                 "wrapping, or write the new value into the shared parameter inside "
                 "model.gathered(writeback=True)."
             )
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             raise ValueError(
                 f"{where}: the new parameter is a DTensor (tensor parallelism applied after "
                 "wrapping, parallelize_module(model, ...) on the sharded model): wrapping "

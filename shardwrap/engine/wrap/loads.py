@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from ..optim.dcp_pieces import DCPPiece, local_piece, local_pieces
 from ..optim.pieces import ShardPiece
+from ..shards.tensor_parallel import is_dtensor
 from ..step.edits import write_through
 
 __all__ = [
@@ -172,7 +172,7 @@ def _keys_error(model: Any, missing: list[str], unexpected: list[str]) -> StateD
 def _refuse_split(state_dict: Mapping[str, Any]) -> None:
     """Refuse, before anything is loaded, a state dict holding DTensors (a tensor-parallel
     model's own ``state_dict()``): each holds this rank's block of the tensor."""
-    split = [k for k, v in state_dict.items() if isinstance(v, DTensor)]
+    split = [k for k, v in state_dict.items() if is_dtensor(v)]
     if split:
         more = f" and {len(split) - 3} more" if len(split) > 3 else ""
         raise ValueError(
