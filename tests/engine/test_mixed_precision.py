@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 
 from shardwrap import MixedPrecision, ShardedGradScaler, ShardedModule
 from tests.support import parity
+from tests.support.hybrid import hybrid_mesh
 from tests.support.models import (
     GPT,
     Block,
@@ -361,3 +362,35 @@ def test_a_dtype_read_from_the_pieces_fails_naming_where_to_read_it(dtype: torch
             m(torch.randn(2, 8))
 
     run_ranks(2, fn, timeout=30.0)
+
+
+@pytest.mark.parametrize("scaler_class", [ShardedGradScaler, torch.amp.GradScaler])
+def test_an_overflow_one_replica_alone_sees_skips_the_step_on_every_replica(
+    scaler_class: type[torch.amp.GradScaler],
+) -> None:
+    """With hybrid sharding the check agreed over the shard group alone: a non-finite value
+    that one replica's rank alone held after the reduction (a gradient hook's, a faulty
+    device's) skipped the step on that replica, while the other stepped and kept its scale,
+    and the replicas parted ways. Now the flag is agreed over the replicas too."""
+    model = _gpt()
+    fp16 = MixedPrecision(param_dtype=torch.float16)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[float, dict[str, Tensor]]:
+        sharded = ShardedModule(
+            copy.deepcopy(model), process_group=hybrid_mesh(pg), auto_wrap=Block,
+            mixed_precision=fp16,
+        )  # fmt: skip
+        optimizer = _adamw(sharded.parameters())
+        scaler = scaler_class("cpu", init_scale=1024.0)
+        inputs, targets = BATCHES[0]
+        scaler.scale(sharded(inputs.chunk(4)[rank], targets.chunk(4)[rank])).backward()
+        if rank == 0:
+            next(p for p in sharded.parameters() if p.numel()).grad[0] = float("inf")
+        stepped, scale = scaled_step(scaler, optimizer, sharded)
+        assert not stepped, f"rank {rank}"
+        return scale, sharded.full_state_dict()
+
+    runs = run_ranks(4, fn, timeout=30.0)
+    for scale, state in runs:
+        assert scale == 512.0
+        torch.testing.assert_close(state, runs[0][1], atol=0, rtol=0)

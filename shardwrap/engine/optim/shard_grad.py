@@ -19,8 +19,9 @@ gradients and looks for an inf or NaN with ``torch._amp_foreach_non_finite_check
 (from ``unscale_``, and from ``step`` for an optimizer that unscales in its own fused kernel);
 on pieces, an overflow would show on one rank only, which would skip the step while the others
 took it. Given shard gradients, that call is followed by one all-reduce (max) of its flag over
-each group they are sharded over, so every rank skips alike and lowers the scale alike, with
-torch's own scaler as with :class:`~shardwrap.ShardedGradScaler`.
+each group they are sharded over (and, with hybrid sharding, over the replicas), so every rank
+skips alike and lowers the scale alike, with torch's own scaler as with
+:class:`~shardwrap.ShardedGradScaler`.
 
 Any other operation on a ``ShardGrad`` (the optimizer's) runs as on a plain tensor, at the cost
 of one Python call per torch call, and returns plain tensors; aliases of a ``ShardGrad``
@@ -69,8 +70,9 @@ class _Owner:
     ``INF_CHECK``), and the gradient's home (state an optimizer makes from it may belong
     there)."""
 
-    def __init__(self, group: Group, stats: CommStats, home: Home) -> None:
+    def __init__(self, group: Group, stats: CommStats, home: Home, replicas: Group = None) -> None:
         self.group = group
+        self.replicas = replicas  # hybrid sharding: the ranks holding the same shard
         self.stats = stats
         self.device = home.device  # where the group's collectives take tensors
         self.home = home
@@ -94,11 +96,11 @@ def as_shard_grads(views: list[Tensor], owners: list[_Owner]) -> list[Tensor]:
     return [as_shard_grad(v, o) for v, o in zip(views, owners)]
 
 
-def shard_grad_owner(group: Group, stats: CommStats, home: Home) -> _Owner:
-    """What :func:`as_shard_grad` records for gradients sharded over ``group`` that live in
-    ``home``, whose collectives take tensors on its compute device (the gradients may be on
-    the host)."""
-    return _Owner(group, stats, home)
+def shard_grad_owner(group: Group, stats: CommStats, home: Home, replicas: Group = None) -> _Owner:
+    """What :func:`as_shard_grad` records for gradients sharded over ``group`` (and replicated
+    over ``replicas``, with hybrid sharding) that live in ``home``, whose collectives take
+    tensors on its compute device (the gradients may be on the host)."""
+    return _Owner(group, stats, home, replicas)
 
 
 def _norm_order(func: Callable[..., Any], args: tuple, kwargs: dict) -> float | None:
@@ -294,6 +296,8 @@ def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor
         with _DisableSubclass():
             flag = found_inf.to(owner.device, copy=True)
         all_reduce(flag, owner.group, dist.ReduceOp.MAX, owner.stats).wait()
+        if owner.replicas is not None:  # a value one replica alone has: every replica skips
+            all_reduce(flag, owner.replicas, dist.ReduceOp.MAX, owner.stats).wait()
         with _DisableSubclass():
             found_inf.copy_(flag)
 

@@ -120,11 +120,13 @@ class Reductions:
         alone = reduces_alone(self.codec is not None, mesh.shard_size)
         self._bucket_bytes = 0 if alone else bucket_bytes
         self.refresh()
-        self.grad_owner = shard_grad_owner(mesh.shard, stats, home)
+        self.grad_owner = shard_grad_owner(mesh.shard, stats, home, mesh.replicate)
         # a tensor-parallel block's gradient is sharded over the tp ranks too: its norms sum
         # over both (a replicated parameter's only over shard: each tp rank holds all of it)
         self.split_grad_owner = (
-            shard_grad_owner(mesh.model, stats, home) if mesh.tp is not None else self.grad_owner
+            shard_grad_owner(mesh.model, stats, home, mesh.replicate)
+            if mesh.tp is not None
+            else self.grad_owner
         )
         self.reset()
 
