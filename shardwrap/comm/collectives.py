@@ -48,6 +48,7 @@ __all__ = [
     "all_reduce",
     "as_sent",
     "broadcast",
+    "divides_first",
     "packing",
     "group_rank",
     "group_size",
@@ -216,11 +217,21 @@ def _exchange_all_gather(out: Tensor, shard: Tensor, group: dist.ProcessGroup) -
     return Pending(None, _finisher(recvs, sends, group, "all-gather"), "all-gather", group)
 
 
+def divides_first(dtype: torch.dtype) -> bool:
+    """Whether an average over ranks in ``dtype`` divides each rank's part before the sum:
+    float16's, whose sum of the ranks' gradients can overflow where their average fits (the
+    divide is exact at a power-of-two world size, but for subnormals)."""
+    return dtype == torch.float16
+
+
 def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> Pending:
     rank, world, n = group.rank(), group.size(), out.numel()
     tag = _next_tag(group)
     if n == 0:
         return Pending(None)
+    first = divides_first(full.dtype)
+    if first:
+        full.div_(world)
     peers = _peers(rank, world)
     sends = [(peer, group.send([full[peer * n : (peer + 1) * n]], peer, tag)) for peer in peers]
     own = full[rank * n : (rank + 1) * n]
@@ -241,7 +252,8 @@ def _exchange_reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup
                 _wait(work, peer, later, group, "reduce-scatter")
 
             out.copy_(_sum_in_rank_order(rank, own, dict(zip(peers, buffers)), arrive))
-        out.div_(world)
+        if not first:
+            out.div_(world)
         for peer, work in sends:
             _wait(work, peer, [], group, "reduce-scatter")
 
@@ -333,6 +345,9 @@ def reduce_scatter_many(
     if total == 0:
         return Pending(None)
     peers = _peers(rank, world)
+    for full in fulls:
+        if divides_first(full.dtype):
+            full.div_(world)
     packs: dict[int, Tensor] = {}
     for peer in peers:
         pack = packs[peer] = torch.empty(total, dtype=torch.uint8)
@@ -355,7 +370,8 @@ def reduce_scatter_many(
                 out.copy_(pieces[0]).add_(own)
             else:
                 out.copy_(_sum_in_rank_order(rank, own, dict(zip(peers, pieces))))
-            out.div_(world)
+            if not divides_first(out.dtype):
+                out.div_(world)
 
     return Pending(None, finish, "reduce-scatter", group)
 

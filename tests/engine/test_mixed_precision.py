@@ -37,6 +37,7 @@ from tests.support.models import (
 )
 from tests.support.optimizers import scaled_step
 from tests.support.parity import fused_adamw, train_recipe
+from tests.support.peers import full_param
 from tests.support.ranks import run_ranks
 
 STEPS = 4
@@ -394,3 +395,40 @@ def test_an_overflow_one_replica_alone_sees_skips_the_step_on_every_replica(
     for scale, state in runs:
         assert scale == 512.0
         torch.testing.assert_close(state, runs[0][1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["", "hybrid"])
+def test_float16_gradients_whose_sum_overflows_average_to_their_finite_mean(hybrid: bool) -> None:
+    """A float16 reduction summed the ranks' gradients, then divided: where each rank's and
+    their mean fit in float16 but a sum of two does not, the reduced gradients were inf (a loss
+    scaler then skipped the step and halved the scale for nothing). Each rank's part is now
+    divided first, exactly at a power-of-two world size: every rank given the same batch, the
+    mean is each rank's own gradient, bit for bit."""
+    world = 4 if hybrid else 2
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+    fp16 = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16)
+
+    def backward(m: nn.Module, scale: float) -> None:
+        m(x.half() if m is work else x).float().square().sum().mul(scale).backward()
+
+    work = copy.deepcopy(model).half()
+    backward(work, 1.0)
+    scale = 1.5 * 65504 / (2 * max(p.grad.abs().max().item() for p in work.parameters()))
+    work.zero_grad()
+    backward(work, scale)  # each rank's gradient fits float16; a sum of two does not
+    own = [p.grad.clone() for p in work.parameters()]
+    assert all(torch.isfinite(g).all() for g in own)
+    assert not all(torch.isfinite(g + g).all() for g in own)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[Tensor]:
+        group = hybrid_mesh(pg) if hybrid else pg
+        m = ShardedModule(copy.deepcopy(model), process_group=group, mixed_precision=fp16)
+        backward(m, scale)
+        with m.gathered(with_grads=True):  # the module attributes: whole parameters
+            return [full_param(m, n).grad.clone() for n, _ in m.named_parameters()]
+
+    for grads in run_ranks(world, fn, timeout=30.0):
+        for got, want in zip(grads, own):
+            torch.testing.assert_close(got.half(), want, atol=0, rtol=0)

@@ -39,7 +39,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...comm.buckets import bucket_ends
-from ...comm.collectives import CommStats, Pending, all_reduce, reduce_scatter_many
+from ...comm.collectives import (
+    CommStats,
+    Pending,
+    all_reduce,
+    divides_first,
+    reduce_scatter_many,
+)
 from ...comm.compressed import all_reduce_quantized, reduce_scatter_quantized
 from ...comm.mesh import Mesh
 from ...comm.quantize import Codec
@@ -273,8 +279,12 @@ class Reductions:
                     out, self.mesh.replicate, self.codec, residual, self.stats
                 ).wait()
             elif self.mesh.replicate is not None:
+                first = divides_first(out.dtype)
+                if first:
+                    out.div_(self.mesh.replicate_size)
                 all_reduce(out, self.mesh.replicate, dist.ReduceOp.SUM, self.stats).wait()
-                out.div_(self.mesh.replicate_size)
+                if not first:
+                    out.div_(self.mesh.replicate_size)
             landed = self.home.land(out, group.free_home_grad(), group.param_grad_dtype)
             self._landed.append((i, landed))
 
