@@ -123,7 +123,8 @@ def load_full_optimizer_state_dict(
     Raises:
         TypeError: ``model`` is not wrapped, or ``optimizer`` holds none of its parameters.
         ValueError: a state tensor shaped neither like its parameter nor like this rank's
-            piece; groups of other sizes (as ``load_state_dict`` says).
+            piece; groups of other sizes (as ``load_state_dict`` says); a dict that is no
+            optimizer state (``{}``, what ``rank0_only`` gives ranks other than 0).
     """
     model = sharded_model(model)
     root = vars(model).get("_shardwrap_root")
@@ -136,6 +137,16 @@ def load_full_optimizer_state_dict(
         raise TypeError(
             "load_full_optimizer_state_dict: the optimizer holds none of the sharded model's "
             "parameters; build it from model.parameters() after wrapping"
+        )
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        empty = " (empty: full_optimizer_state_dict(..., rank0_only=True) gives the other ranks {})"
+        raise ValueError(
+            "load_full_optimizer_state_dict: the state dict has no "
+            + " and no ".join(f"'{key}'" for key in missing)
+            + (empty if not state_dict else "")
+            + ". Every rank loads the whole state: torch.load the file rank 0 saved on every "
+            "rank, or take full_optimizer_state_dict without rank0_only. Nothing was loaded."
         )
     stepped_whole(optimizer)  # hooks its load_state_dict, which cuts full state to pieces
     optimizer.load_state_dict(state_dict)

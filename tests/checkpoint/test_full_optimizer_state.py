@@ -268,3 +268,27 @@ def test_none_in_the_optimizer_state_is_kept(tmp_path: Path) -> None:
             i: {k: v for k, v in s.items() if k != "held"} for i, s in want["state"].items()
         }
         torch.testing.assert_close(strip, want_stripped, atol=1e-5, rtol=0)
+
+
+def test_the_empty_dict_rank0_only_gives_other_ranks_is_refused_naming_it() -> None:
+    """``full_optimizer_state_dict(..., rank0_only=True)`` gives ranks other than 0 ``{}``;
+    handed to ``load_full_optimizer_state_dict`` there it raised a bare ``KeyError: 'state'``.
+    Now it says what the dict is and how every rank gets the whole state, loading nothing."""
+    model = build()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        opts = adamw(m.parameters())
+        _step(m, opts, 2, rank, 0)
+        state = shardwrap.full_optimizer_state_dict(m, opts[0], rank0_only=True)
+        fresh = adamw(m.parameters())[0]
+        if rank == 0:
+            shardwrap.load_full_optimizer_state_dict(m, fresh, state)
+            assert len(fresh.state) == len(opts[0].state)
+            return
+        assert state == {}
+        with pytest.raises(ValueError, match=r"no 'state' and no 'param_groups' \(empty: .*rank0"):
+            shardwrap.load_full_optimizer_state_dict(m, fresh, state)
+        assert fresh.state == {}
+
+    run_ranks(2, fn, timeout=60.0)
