@@ -124,40 +124,39 @@ def prefer_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
 
     1. The optimizer is one of torch's with a fused CPU kernel (Adam, AdamW, SGD, Adagrad, or
        a subclass), the group left ``fused`` and ``foreach`` unset (``None``), is not
-       ``differentiable`` (nor SGD with ``dampening``), and all its parameters are floating
-       point on the CPU with their gradients in their own dtype (the fused kernels refuse
-       another ``grad_dtype``): ``fused`` becomes ``True``. State made before (a step already
-       taken, a checkpoint loaded) keeps working: each ``step`` count becomes the fp32 tensor
-       the fused kernels count in.
+       ``differentiable`` (nor SGD with ``dampening``: see :func:`_complete_momentum`), and
+       all its parameters are floating point on the CPU with their gradients in their own dtype
+       (the fused kernels refuse another ``grad_dtype``): ``fused`` becomes ``True``. State
+       made before (a step already taken, a checkpoint loaded) keeps working: each ``step``
+       count becomes the fp32 tensor the fused kernels count in.
     2. Anything else, an explicit ``fused=False`` or ``foreach=...`` included: unchanged.
-
-    SGD's fused kernel makes momentum buffers only where no parameter has one yet, and fails
-    on a parameter with its first gradient beside others that have one (a block unfrozen
-    mid-training). Such a parameter is given a buffer of zeros first: the kernel's update of
-    it, ``momentum * 0 + grad``, is exactly the buffer torch's loop makes at a first gradient
-    (``dampening`` would scale it, so such groups are not fused).
     """
     if (
-        isinstance(optimizer, _FUSED_OPTIMIZERS)
-        and group.get("fused", False) is None
-        and group.get("foreach", False) is None
-        and not group.get("differentiable", False)
-        and not group.get("dampening", 0)
-        and all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"])
-        and grads_in_own_dtype(group["params"])
+        not isinstance(optimizer, _FUSED_OPTIMIZERS)
+        or group.get("fused", False) is not None
+        or group.get("foreach", False) is not None
+        or group.get("differentiable", False)
+        or group.get("dampening", 0)
+        or not all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"])
+        or not grads_in_own_dtype(group["params"])
     ):
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state and "step" in state:
-                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
-        group["fused"] = True
-    if isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group.get("momentum"):
-        _complete_momentum(optimizer, group)
+        return
+    for p in group["params"]:
+        state = optimizer.state.get(p)
+        if state and "step" in state:
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+    group["fused"] = True
 
 
 def _complete_momentum(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-    """Give each parameter of fused SGD ``group`` with a gradient and no momentum buffer, where
-    another has one, a buffer of zeros (see :func:`prefer_fused`)."""
+    """Before a fused SGD step with momentum: give each parameter of ``group`` with a gradient
+    and no momentum buffer, where another has one, a buffer of zeros. SGD's fused kernel makes
+    buffers only where no parameter has one yet, and fails on a parameter's first gradient
+    beside others' buffers (a block unfrozen mid-training); the kernel's update of zeros,
+    ``momentum * 0 + grad``, is exactly the buffer torch's loop makes at a first gradient
+    (``dampening`` would scale it, so :func:`prefer_fused` fuses no such group)."""
+    if not (isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group["momentum"]):
+        return
     stepped = [p for p in group["params"] if p.grad is not None]
     buffers = [optimizer.state.get(p, {}).get("momentum_buffer") for p in stepped]
     if any(b is None for b in buffers) and any(b is not None for b in buffers):
@@ -183,3 +182,4 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         home.check()
     for group in groups:
         prefer_fused(optimizer, group)
+        _complete_momentum(optimizer, group)

@@ -153,7 +153,6 @@ def _refuse_shared_memory(module: nn.Module) -> None:
 
 
 def _renorming_embedding(name: str, m: nn.Module) -> None:
-
     kind, norm = type(m).__name__, m.max_norm
     where = f"submodule '{name}'" if name else "the model"
     raise ValueError(
