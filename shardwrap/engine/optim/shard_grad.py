@@ -306,7 +306,6 @@ def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: di
     """``func``'s norms of this rank's pieces, as partial norms. An empty piece (a shard can
     be) adds nothing: its part is the identity of the combination, not an error, and real
     as every norm is (a complex piece's too)."""
-    identity = float("inf") if order == float("-inf") else 0.0
     foreach = func is torch._foreach_norm
     grads = args[0] if foreach else [args[0]]
     if any(_stands_in(g) for g in grads):
@@ -318,14 +317,20 @@ def _local_norms(func: Callable[..., Any], order: float, args: tuple, kwargs: di
             out.append(_joined_norm(g, order, owner, kwargs.get("dtype")))
             continue
         if g.numel() == 0:
-            dtype = (kwargs.get("dtype") or g.dtype).to_real()
-            n = torch.full((), identity, dtype=dtype, device=g.device)
+            n = _empty_norm(order, g, kwargs.get("dtype"))
         else:
             with _DisableSubclass():
                 n = func([g] if foreach else g, *args[1:], **kwargs)
                 n = n[0] if foreach else n
         out.append(n if owner is None else _partial(n, order, owner))
     return out if foreach else out[0]
+
+
+def _empty_norm(order: float, piece: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """The norm of an empty piece (a shard can be): the identity of the combination, not an
+    error, real as every norm is (a complex piece's too), where the piece is."""
+    identity = float("inf") if order == float("-inf") else 0.0
+    return torch.full((), identity, dtype=(dtype or piece.dtype).to_real(), device=piece.device)
 
 
 def _stands_in(grad: Tensor) -> bool:
@@ -346,14 +351,13 @@ _UNREDUCED_NORM = (
 def _joined_norm(g: Tensor, order: float, joined: _Joined, dtype: torch.dtype | None) -> Tensor:
     """The norm of joined shard gradients ``g``: each segment's, completed over its group
     (several of a group with one all-reduce), combined as the parts of one norm are."""
-    identity = float("inf") if order == float("-inf") else 0.0
     with _DisableSubclass():
         pieces = g.reshape(-1).split([n for _, n in joined.segments])
         parts = [
             _partial(
                 torch.linalg.vector_norm(piece, order, dtype=dtype)
                 if piece.numel()
-                else torch.full((), identity, dtype=(dtype or piece.dtype).to_real()),
+                else _empty_norm(order, piece, dtype),
                 order,
                 owner,
             )
