@@ -65,7 +65,7 @@ from torch import Tensor
 
 from ..comm.collectives import group_rank, group_size
 from ..comm.failures import Group, group_timeout
-from .files import LATEST, PeerFailed, agree
+from .files import LATEST, PeerFailed, PeerOSError, agree
 from .format import latest_checkpoint
 from .optimizer_state import OptimizerPlan
 
@@ -227,7 +227,7 @@ def raise_unseen(
     seen_here = previous._raised
     try:
         agree(group, device, caller, unseen)
-    except PeerFailed as e:
+    except (PeerFailed, PeerOSError) as e:
         if not seen_here:  # this rank's own error: the previous save's, raised by unseen()
             raise
         raise RuntimeError(

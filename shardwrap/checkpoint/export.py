@@ -54,7 +54,7 @@ from .files import (
     tensor_nbytes,
     write_file,
 )
-from .folder import saves_in
+from .folder import refuse_a_file_above, refuse_foreign_scratch, saves_in
 from .format import persistent_buffers
 
 __all__ = ["export", "load_pretrained", "write_export"]
@@ -369,6 +369,8 @@ def write_export(
 def _refuse(target: Path, caller: str, names: list[str]) -> None:
     """Raise unless an export may write into ``target``: new, or a folder holding none of
     shardwrap's other saves and no folder where the export writes a file."""
+    refuse_a_file_above(target, caller)
+    refuse_foreign_scratch(target, caller)
     folder = surviving(target)
     if os.path.lexists(folder) and not folder.is_dir():
         raise ValueError(f"{caller}: {target} is a file; give a folder to write the model into")

@@ -29,6 +29,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -50,6 +51,7 @@ __all__ = [
     "LOGBOOK",
     "Entry",
     "PeerFailed",
+    "PeerOSError",
     "SafetensorsWriter",
     "agree",
     "agree_path",
@@ -58,12 +60,14 @@ __all__ = [
     "fsync_path",
     "full_disk_error",
     "is_plain_name",
+    "left_by_shardwrap",
     "moved_aside_path",
     "partial_path",
     "point_latest",
     "remove_folder",
     "restore_moved_aside",
     "safetensors_nbytes",
+    "scratch_paths",
     "stage_latest",
     "surviving",
     "tensor_nbytes",
@@ -259,6 +263,21 @@ class PeerFailed(RuntimeError):
         self.errnos = errnos
 
 
+class PeerOSError(OSError):
+    """:class:`PeerFailed` where every rank that failed met an ``OSError``: it keeps the first
+    one's ``errno``, so that a handler of ``OSError`` (a read-only or missing folder, a full
+    disk) runs on every rank alike rather than on the failing ones only."""
+
+    def __init__(self, what: str, errnos: dict[int, int]) -> None:
+        number = errnos[min(errnos)]
+        super().__init__(
+            number,
+            f"{what} failed on rank(s) {sorted(errnos)} with {os.strerror(number).lower()} "
+            f"(errno {number}); see the error raised there",
+        )
+        self.errnos = errnos
+
+
 def agree(
     group: Group,
     device: torch.device,
@@ -279,8 +298,9 @@ def agree(
 
     Raises:
         Exception: whatever ``work`` raised on this rank.
-        PeerFailed: on the ranks where ``work`` succeeded, naming the ranks where it failed.
-            No rank proceeds past a failure anywhere.
+        PeerFailed: on the ranks where ``work`` succeeded, naming the ranks where it failed
+            (:class:`PeerOSError` where each of them met an ``OSError``). No rank proceeds
+            past a failure anywhere.
     """
     error: Exception | None = None
     try:
@@ -297,7 +317,7 @@ def agree(
     failed = {r: -c for r, c in enumerate(codes) if c <= 0}
     if not failed:
         return [c - 1 for c in codes]
-    raised = error if error is not None else PeerFailed(what, failed)
+    raised = error if error is not None else _peer_failed(what, failed)
     if undo is not None:
 
         def cleanup() -> int:
@@ -309,6 +329,12 @@ def agree(
         except Exception as e:
             raised.add_note(f"and its cleanup failed: {e}")
     raise raised
+
+
+def _peer_failed(what: str, errnos: dict[int, int]) -> PeerFailed | PeerOSError:
+    if all(n > 0 for n in errnos.values()):
+        return PeerOSError(what, errnos)
+    return PeerFailed(what, errnos)
 
 
 def agree_path(group: Group, device: torch.device, what: str, path: object) -> Path:
@@ -372,11 +398,46 @@ def moved_aside_path(target: Path) -> Path:
     return target.parent / f".{target.name}.old"
 
 
+def doomed_path(path: Path) -> Path:
+    """What :func:`remove_folder` renames ``path`` to before deleting it."""
+    return path.parent / f".{path.name}.deleting"
+
+
+def scratch_paths(target: Path) -> list[Path]:
+    """The hidden folders a save or an export to ``target`` may delete or move: its
+    temporary folder, the copy of ``target`` it moves aside, and what deleting any of them
+    (or ``target``) renames it to first."""
+    tmp, old = partial_path(target), moved_aside_path(target)
+    return [tmp, old, *(doomed_path(p) for p in (target, tmp, old))]
+
+
+# What a save or an export writes into its folder: all that the hidden folders a killed one
+# leaves (.NAME.partial, .NAME.deleting, .NAME.old) may hold. A folder of such a name holding
+# anything else is someone else's, never deleted or moved (tests/checkpoint/
+# test_checkpoint_foreign.py checks every name a save and an export write matches).
+_WRITTEN = re.compile(
+    r"metadata\.json|buffers\.safetensors|optimizer\.pt|\.optimizer-\d{5,}\.pt|extra-\d{5,}\.pt"
+    r"|(rank-\d{5,}-of-\d{5,}|residuals-\d{5,})\.safetensors|\.checksums-.+\.json"
+    r"|model(-\d{5,}-of-\d{5,})?\.safetensors|model\.safetensors\.index\.json"
+    r"|config\.json|generation_config\.json"
+)
+
+
+def left_by_shardwrap(folder: Path) -> bool:
+    """Whether ``folder`` is a folder itself (not a link) holding nothing but regular files
+    named as a save or an export names its own: a leftover shardwrap may delete or move."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    return all(
+        _WRITTEN.fullmatch(c.name) and c.is_file() and not c.is_symlink() for c in folder.iterdir()
+    )
+
+
 def surviving(target: Path) -> Path:
     """``target``, or the complete copy a replacing save moved aside, if it was killed between
     its two renames and left nothing at ``target``."""
     old = moved_aside_path(target)
-    if not target.exists() and old.is_dir():
+    if not target.exists() and left_by_shardwrap(old):
         return old
     return target
 
@@ -421,11 +482,24 @@ def commit_folder(tmp: Path, target: Path) -> None:
 
 
 def remove_folder(path: Path) -> None:
-    """Delete a folder, renaming it first so that a half-deleted one never looks complete."""
+    """Delete a folder of shardwrap's files, renaming it first so that a half-deleted one never
+    looks complete.
+
+    Raises:
+        FileExistsError: ``path``, or the name it would be renamed to, holds anything else
+            (nothing is deleted).
+    """
     if not path.exists():
         return
-    doomed = path.parent / f".{path.name}.deleting"
-    if doomed.exists():
+    doomed = doomed_path(path)
+    for folder in (path, doomed):
+        if os.path.lexists(folder) and not left_by_shardwrap(folder):
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{folder} holds what shardwrap did not write, so it does not delete it; "
+                "move or rename it",
+            )
+    if os.path.lexists(doomed):
         shutil.rmtree(doomed)
     os.rename(path, doomed)
     shutil.rmtree(doomed)
@@ -438,7 +512,11 @@ def stage_latest(folder: Path, name: str) -> Path:
     while nothing has changed; :func:`point_latest` then only renames.
     """
     staged = folder / f".{LATEST}.tmp"
-    write_file(staged, (name + "\n").encode())
+    try:
+        write_file(staged, (name + "\n").encode())
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
     return staged
 
 
@@ -463,11 +541,13 @@ def full_disk_error(
     would find.
     """
     ranks = ""
-    if isinstance(error, OSError) and error.errno in DISK_FULL:
-        number = error.errno
-    elif isinstance(error, PeerFailed) and set(error.errnos.values()) & set(DISK_FULL):
+    if isinstance(error, (PeerFailed, PeerOSError)):
         full = {r: n for r, n in error.errnos.items() if n in DISK_FULL}
+        if not full:
+            return None
         number, ranks = next(iter(full.values())), f" (met on rank(s) {sorted(full)})"
+    elif isinstance(error, OSError) and error.errno in DISK_FULL:
+        number = error.errno
     else:
         return None
     folder = next(f for f in (target, *target.parents) if f.exists())

@@ -5,8 +5,10 @@ Design note. The folder is shared with whoever else writes there: a person copyi
 checkpoint aside, a symbolic link to the best one, a notes file, a run's logbook. shardwrap
 counts as its own only what it can tell it wrote: a folder itself (never a link) holding
 shardwrap's ``metadata.json`` as a regular file and nothing but the files that metadata
-names; its hidden leftovers (``.NAME.partial``, ``.NAME.deleting``, ``.NAME.old``) only where
-they are folders themselves. Everything else is left alone. Pruning runs after the new
+names, under the name it was saved as (a copy or a renamed checkpoint is the user's); its
+hidden leftovers (``.NAME.partial``, ``.NAME.deleting``, ``.NAME.old``) only where they are
+folders themselves holding nothing but files named as a save names its own. Everything else
+is left alone. Pruning runs after the new
 checkpoint is committed, so nothing found there may fail the save: an old checkpoint that
 cannot be deleted, or holds a file it did not write, is kept and named in a warning.
 """
@@ -18,7 +20,16 @@ import shutil
 import warnings
 from pathlib import Path
 
-from .files import LATEST, LOGBOOK, few, remove_folder, restore_moved_aside, surviving
+from .files import (
+    LATEST,
+    LOGBOOK,
+    few,
+    left_by_shardwrap,
+    remove_folder,
+    restore_moved_aside,
+    scratch_paths,
+    surviving,
+)
 from .format import METADATA, metadata_of, own_files
 
 __all__ = [
@@ -26,6 +37,8 @@ __all__ = [
     "completed",
     "delete_checkpoint",
     "prune",
+    "refuse_a_file_above",
+    "refuse_foreign_scratch",
     "refuse_to_replace",
     "restore_all_moved_aside",
     "saves_in",
@@ -66,6 +79,8 @@ def refuse_to_replace(target: Path) -> None:
     ``target`` (or the copy of it a killed replacing save moved aside) must be new, an empty
     folder, or a checkpoint holding only its own files; never a symbolic link (replacing the
     link would leave what it leads to behind)."""
+    refuse_a_file_above(target, "save_checkpoint")
+    refuse_foreign_scratch(target, "save_checkpoint")
     folder = surviving(target)
     if folder.is_symlink():
         raise ValueError(
@@ -98,6 +113,35 @@ def refuse_to_replace(target: Path) -> None:
         )
 
 
+def refuse_a_file_above(target: Path, caller: str) -> None:
+    """Raise where the nearest of ``target``'s parents that exists is not a folder: no folder
+    can be made under it (the operating system's own error names only the path)."""
+    above = next((p for p in target.parents if os.path.lexists(p)), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(
+            f"{caller}: {above} is a file, not a folder, so no folder can be made under it for "
+            f"{target}. Move the file away, or save under another folder"
+        )
+
+
+def refuse_foreign_scratch(target: Path, caller: str) -> None:
+    """Raise where a hidden folder that a save or an export to ``target`` would delete or move
+    (its temporary folder, the copy of ``target`` it moves aside, their names while deleted)
+    is someone else's: not a folder of files named as shardwrap names its own."""
+    for path in scratch_paths(target):
+        if os.path.lexists(path) and not left_by_shardwrap(path):
+            if path.is_dir() and not path.is_symlink():
+                names = sorted(c.name for c in path.iterdir())
+                held = f"holds {few(names)}, which it did not write"
+            else:
+                held = "is not a folder of shardwrap's"
+            raise ValueError(
+                f"{caller}: {path} is named as shardwrap names the hidden folders it writes "
+                f"{target} through, which it deletes or moves, but it {held}. Rename or move "
+                "it, or save to another path"
+            )
+
+
 def check_latest(folder: Path) -> None:
     """Raise unless the save may replace ``folder/latest``: absent, or a regular file (what
     shardwrap writes). A link or a folder there is someone else's, which the save would
@@ -116,14 +160,16 @@ def completed(folder: Path) -> list[tuple[int, int, Path]]:
     """The complete checkpoints in ``folder``: (save sequence, save time, path), oldest first.
 
     Order is the sequence each save took as it completed; the clock only orders checkpoints
-    written before saves were numbered, all of which come first. Links are not checkpoints.
+    written before saves were numbered, all of which come first. Links are not checkpoints,
+    nor is a folder under another name than its checkpoint was saved as (a copy of one kept
+    aside, a renamed one: the user's); checkpoints saved before the name was recorded count.
     """
     found = []
     for child in folder.iterdir() if folder.is_dir() else ():
         if child.name.startswith("."):
             continue
         meta = metadata_of(child)
-        if meta is not None:
+        if meta is not None and meta.get("name", child.name) == child.name:
             sequence, saved = meta.get("sequence", 0), meta.get("saved_at_ns", 0)
             if _plain_int(sequence) and _plain_int(saved):
                 found.append((sequence, saved, child))
@@ -135,12 +181,10 @@ def _plain_int(v: object) -> bool:
 
 
 def _leftover(child: Path) -> bool:
-    """Whether ``child`` is a hidden folder that a killed save or delete left: a folder itself."""
+    """Whether ``child`` is a hidden folder that a killed save or delete left: named so, and a
+    folder itself holding nothing but files named as a save names its own."""
     return (
-        child.name.startswith(".")
-        and child.name.endswith(_LEFTOVERS)
-        and child.is_dir()
-        and not child.is_symlink()
+        child.name.startswith(".") and child.name.endswith(_LEFTOVERS) and left_by_shardwrap(child)
     )
 
 

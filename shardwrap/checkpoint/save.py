@@ -521,6 +521,7 @@ class _Save:
             "version": VERSION if split else UNSPLIT_VERSION,
             "saved_at_ns": time.time_ns(),
             "sequence": sequence,
+            "name": self.target.name,
             "world_size": world,
             "ranks": self.ranks,
             "files": files,

@@ -10,7 +10,13 @@ Proves at 2 ranks (threads):
   ``.partial`` folder is gone and its space free again; ``latest`` and the previous checkpoint
   are intact and load; after freeing space as the error says, the same save succeeds;
 - the same for ``export`` onto a full disk: the previous export there is unchanged;
-- a full disk met on one rank only (rank 1's writes raise ``ENOSPC``) is named on both.
+- a full disk met on one rank only (rank 1's writes raise ``ENOSPC``) is named on both;
+- a full disk met while writing the new ``latest`` pointer leaves no ``.latest.tmp`` behind
+  (before, an empty one stayed);
+- any other ``OSError`` met on one rank only (a folder it may not write into) is an ``OSError``
+  with that ``errno`` on every rank, so that ``except OSError`` runs on each alike (before, the
+  others raised a ``RuntimeError``, and a fallback save on the failing rank alone waited out the
+  timeout); a file where a parent folder should be is refused on every rank naming it.
 
 Run:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/checkpoint/test_checkpoint_full_disk.py -q``
@@ -34,7 +40,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, export, latest_checkpoint, load_checkpoint, save_checkpoint
-from shardwrap.checkpoint.files import SafetensorsWriter
+from shardwrap.checkpoint import files, save
+from shardwrap.checkpoint.files import PeerOSError, SafetensorsWriter
 from tests.support.models import GPT, Block, make_batch
 from tests.support.ranks import run_ranks
 
@@ -211,3 +218,71 @@ def test_a_full_disk_on_one_rank_is_named_on_every_rank(
     assert not partial0 and not partial1
     assert latest_checkpoint(tmp_path) == tmp_path / "step-1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
+
+
+def test_a_full_disk_at_the_latest_pointer_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    write_file = files.write_file
+
+    def full_at_latest(path: Path, data: bytes) -> int:
+        if path.name == ".latest.tmp" and (tmp_path / "step-1").exists():
+            path.write_bytes(data[:1])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_file(path, data)
+
+    monkeypatch.setattr(files, "write_file", full_at_latest)
+
+    def fn(rank: int, pg: ProcessGroup) -> int | None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        save_checkpoint(tmp_path / "step-1", m, step=1)
+        with pytest.raises(OSError) as error:
+            save_checkpoint(tmp_path / "step-2", m, step=2)
+        return error.value.errno
+
+    assert run_ranks(WORLD, fn) == [errno.ENOSPC] * WORLD
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
+
+
+def test_an_os_error_on_one_rank_is_an_os_error_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    begin = save.begin_folder
+
+    def read_only(target: Path) -> Path:
+        if target.parent.name == "read-only":
+            raise PermissionError(errno.EACCES, "Permission denied", str(target.parent))
+        return begin(target)
+
+    monkeypatch.setattr(save, "begin_folder", read_only)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[type, str]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        try:
+            save_checkpoint(tmp_path / "read-only" / "step-1", m, step=1)
+        except OSError as e:
+            assert e.errno == errno.EACCES
+            caught = type(e), str(e)
+            save_checkpoint(tmp_path / "fallback" / "step-1", m, step=1)  # every rank: no wait
+        return caught
+
+    (kind0, _), (kind1, message1) = run_ranks(WORLD, fn, timeout=30)
+    assert kind0 is PermissionError and kind1 is PeerOSError
+    assert "failed on rank(s) [0] with permission denied (errno 13)" in message1
+    assert latest_checkpoint(tmp_path / "fallback") == tmp_path / "fallback" / "step-1"
+
+
+def test_a_file_where_a_parent_folder_should_be_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_text("not a folder")
+    model = _model()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg)
+        for call in (save_checkpoint, export):
+            with pytest.raises(ValueError, match=r"ckpt is a file, not a folder, so no folder"):
+                call(tmp_path / "ckpt" / "run" / "step-1", m)
+
+    run_ranks(WORLD, fn)
+    assert (tmp_path / "ckpt").read_text() == "not a folder"
