@@ -373,9 +373,52 @@ def test_extra_parameter_on_one_rank(world_size: int) -> None:
     messages = run_ranks(world_size, fn, timeout=TIMEOUT)
     assert f"parameter #{count} 'lm_head.scale'" in messages[0]
     for message in messages[1:]:
-        assert f"no parameter #{count}" in message
+        assert f"has only {count} parameters and buffers" in message
     for message in messages:
         assert "differs across ranks" in message and "same model on every rank" in message
+
+
+@pytest.mark.parametrize(
+    ("change", "shown"),
+    [
+        ("shape", "buffer #0 'table' with shape (3,), dtype torch.float32"),
+        ("dtype", "buffer #0 'table' with shape (4,), dtype torch.float64"),
+        ("missing", "only"),
+        ("requires_grad", "and requires_grad=False"),
+    ],
+)
+def test_buffers_or_frozen_parameters_that_differ_across_ranks_are_named(
+    change: str, shown: str
+) -> None:
+    """A buffer of another shape, dtype or only on one rank, or a parameter frozen on one rank
+    only: every rank raises naming it, before any value is compared or copied (before, a
+    buffer only one rank had aborted the process inside gloo, one of another length was left
+    half overwritten with a warning saying rank 0's values were copied, and a frozen parameter
+    was named by its shape and dtype, which agreed)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = copy.deepcopy(model)
+        odd = rank == 1
+        if change == "shape":
+            m.register_buffer("table", torch.arange(4.0 if odd else 3.0))
+        elif change == "dtype":
+            m.register_buffer("table", torch.ones(4, dtype=torch.float64 if odd else None))
+        elif change == "missing" and odd:
+            m.register_buffer("table", torch.zeros(3))
+        elif change == "requires_grad" and odd:
+            m[0].weight.requires_grad_(False)
+        with pytest.raises(ValueError, match="the model differs across ranks") as info:
+            ShardedModule(m, process_group=pg)
+        return str(info.value)
+
+    messages = run_ranks(2, fn, timeout=TIMEOUT)
+    assert shown in messages[0] or shown in messages[1], messages
+
+
+def test_the_meta_device_as_where_shards_live_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"device='meta' would keep the shards on no device"):
+        ShardedModule(_gpt(), auto_wrap=Block, device="meta")
 
 
 # arguments that differ across ranks --------------------------------------------------

@@ -202,6 +202,14 @@ def check_device(module: nn.Module, device: torch.device | str | None) -> torch.
                     "are not; build the whole model under `with torch.device('meta'):`, or "
                     "none of it."
                 )
+    if device is not None and torch.device(device).type == "meta":
+        raise ValueError(
+            "ShardedModule: device='meta' would keep the shards on no device at all; device= "
+            "is where the shards live. To build a large model without memory, build it under "
+            "`with torch.device('meta'):` and pass the device its shards go to, e.g. "
+            "device='cpu' or 'cuda' (param_init_fn makes the weights where the model has no "
+            "reset_parameters)."
+        )
     if device is not None:
         return _as_made(torch.device(device))
     if devices:
@@ -236,7 +244,8 @@ def checkpoint_policy(
     try:
         selected = resolve_policy(module, value)
     except (TypeError, ValueError) as e:
-        raise type(e)(f"checkpoint_activations: {e}") from None
+        told = str(e).replace("auto_wrap", "checkpoint_activations")
+        raise type(e)(f"{told} (or True, to checkpoint every unit)") from None
     if not any(units(m) and selected(m) for m in module.modules() if m is not module):
         raise ValueError(
             f"checkpoint_activations={value!r} selects none of the units; it chooses among "
@@ -325,26 +334,31 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
 
 
-def _signature(name: str, p: Tensor) -> int:
-    return _digest(f"{name}|{tuple(p.shape)}|{p.dtype}|{p.requires_grad}")
+def _described(kind: str, i: int, name: str, t: Tensor) -> str:
+    """The ``i``-th parameter or buffer as the ranks compare it, and as a message names it."""
+    grad = f" and requires_grad={t.requires_grad}" if kind == "parameter" else ""
+    return f"{kind} #{i} '{name}' with shape {tuple(t.shape)}, dtype {t.dtype}{grad}"
 
 
 def check_same_model(
     module: nn.Module, group: Group, device: torch.device, options: Mapping[str, str]
 ) -> None:
-    """One small all-reduce: every rank must hold the same parameter names, shapes and dtypes,
-    and the same ``options`` (each argument of ``ShardedModule`` and the unit plan it leads to,
-    described as text, see :func:`describe` and :func:`unit_plan`).
+    """One small all-reduce: every rank must hold the same parameters and buffers (names,
+    shapes, dtypes, which parameters train), and the same ``options`` (each argument of
+    ``ShardedModule`` and the unit plan it leads to, described as text, see :func:`describe`
+    and :func:`unit_plan`). The collectives that follow (comparing and copying the values,
+    sharding) pair up only where these agree.
 
     Raises:
-        ValueError: on every rank alike: naming the first parameter that differs, or else
-            every option that differs with each rank's value (one more collective gathers
-            them).
+        ValueError: on every rank alike: naming the first parameter or buffer that differs, or
+            else every option that differs with each rank's value (one more collective
+            gathers them).
     """
     if group_size(group) == 1:
         return
-    named = list(module.named_parameters())
-    sigs = [_signature(n, p) for n, p in named]
+    named = [_described("parameter", i, *np) for i, np in enumerate(module.named_parameters())]
+    named += [_described("buffer", i, *nb) for i, nb in enumerate(module.named_buffers())]
+    sigs = [_digest(d) for d in named]
     texts = list(options.values())
     values = [len(sigs), _digest("|".join(map(str, sigs))), *map(_digest, texts)]
     length = len(_SEPARATOR.join(texts).encode())
@@ -430,23 +444,23 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _name_first_parameter_difference(
-    named: list[tuple[str, Tensor]],
+    named: list[str],
     sigs: list[int],
     longest: int,
     group: dist.ProcessGroup,
     device: torch.device,
 ) -> NoReturn:
-    """Every rank is here: find the first parameter that differs (one more all-reduce)."""
+    """Every rank is here: find the first parameter or buffer that differs (one more
+    all-reduce)."""
     padded = sigs + [-1] * (longest - len(sigs))
     t = torch.tensor(padded + [-s for s in padded], dtype=torch.int64, device=device)
     all_reduce(t, group, dist.ReduceOp.MIN).wait()
     values = t.tolist()
     first = next(i for i in range(longest) if values[i] != -values[longest + i])
     if first < len(named):
-        name, p = named[first]
-        here = f"parameter #{first} '{name}' with shape {tuple(p.shape)} and dtype {p.dtype}"
+        here = named[first]
     else:
-        here = f"no parameter #{first} (this rank has only {len(named)})"
+        here = f"only {len(named)} parameters and buffers"
     raise ValueError(
         f"ShardedModule: the model differs across ranks; rank {group.rank()} has {here}, "
         "which differs on another rank. Build the same model on every rank (same config, "
