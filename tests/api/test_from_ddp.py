@@ -751,6 +751,32 @@ def test_a_seed_per_rank_starts_every_rank_from_rank_0s_weights() -> None:
         torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("change", ["flipped", "transposed"])
+def test_the_same_values_in_another_order_on_one_rank_are_rank_0s_after_wrapping(
+    change: str,
+) -> None:
+    """Rank 1's weight holds rank 0's values reordered (rows flipped, a square matrix
+    transposed): its sum and norm agree, so only their order tells them apart. Every rank
+    starts from rank 0's, with the warning (before: no warning, and each rank kept its own
+    pieces of the two, a weight neither rank had)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+
+    def fn(rank: int, pg: ProcessGroup) -> Tensor:
+        m = copy.deepcopy(model)
+        if rank == 1:
+            w = m[0].weight
+            with torch.no_grad():
+                w.copy_(w.flip(0) if change == "flipped" else w.t().clone())
+        wrapped = ShardedModule(m, process_group=pg)
+        return wrapped.full_state_dict()["0.weight"]
+
+    with pytest.warns(UserWarning, match=r"\['0\.weight'\]\); rank 0's were copied"):
+        weights = run_ranks(2, fn, timeout=30.0)
+    for weight in weights:
+        torch.testing.assert_close(weight, model[0].weight.detach(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_evaluation_on_rank_0_alone_raises_at_that_forward(stage: int) -> None:
     torch.manual_seed(0)

@@ -4,8 +4,10 @@ Weights that differ across ranks before wrapping (a seed per rank, as DDP script
 weights loaded on rank 0 only, the habit ``sync_module_states`` serves in other wrappers) would
 otherwise become a patchwork: each rank keeps its own pieces of different values. DDP copies
 rank 0's parameters and buffers to every rank when it wraps; so does shardwrap by default, for
-the tensors that differ, with a warning naming them. :func:`differing_values` costs one pass
-over the weights and one small all-reduce (two float64 numbers per tensor);
+the tensors that differ, with a warning naming them. :func:`differing_values` costs two passes
+over the weights and one small all-reduce (three float64 numbers per tensor: its sum, its norm
+and a sum weighted by position, which tells apart the same values in another order, a
+transposed or flipped matrix);
 :func:`copy_from_rank0` broadcasts parameters and buffers from the model's first rank, one
 tensor at a time.
 
@@ -16,7 +18,6 @@ copied block by block from the first rank of each tp rank's shard group.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -43,14 +44,26 @@ def _tensors(module: nn.Module) -> list[tuple[str, Tensor, bool]]:
     ]
 
 
-def _summary(t: Tensor) -> tuple[float, float]:
-    """(sum, sum of squares) of ``t`` accumulated in float64, without a float64 copy of ``t``."""
+_STATS = 3  # numbers compared per tensor: see _summary
+_BLOCK = 1 << 20  # elements weighted at a time: a float64 copy of a block, never of the tensor
+
+
+def _summary(t: Tensor) -> tuple[float, float, float]:
+    """(sum, sum of squares, sum of each element times its position) of ``t``, accumulated in
+    float64 without a float64 copy of ``t``."""
     t = as_sent(t)  # a float8 tensor's bytes are summed, a complex one's parts
     if not t.is_floating_point():
         t = t.double()
+    flat = t.reshape(-1)
+    weighted = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, flat.numel(), _BLOCK):
+        part = flat[start : start + _BLOCK].double()
+        at = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.float64, device=t.device)
+        weighted += torch.dot(part, at)
     return (
         torch.sum(t, dtype=torch.float64).item(),
         torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2,
+        weighted.item(),
     )
 
 
@@ -65,19 +78,22 @@ def differing_values(module: nn.Module, mesh: Mesh) -> list[str]:
     summed = torch.tensor([v for _, t, _ in named for v in _summary(t)], dtype=torch.float64)
     tp = mesh.tp.get_group() if mesh.tp is not None else None
     if group_size(tp) > 1:
-        blocks = torch.tensor([b for _, _, b in named for _ in range(2)])
+        blocks = torch.tensor([b for _, _, b in named for _ in range(_STATS)])
         over_tp = torch.where(blocks, summed, 0.0).to(mesh.device)
         all_reduce(over_tp, tp, dist.ReduceOp.SUM).wait()
         summed = torch.where(blocks, over_tp.cpu(), summed)
     sums = summed.clone()
-    sums[1::2] = summed[1::2].sqrt()
+    sums[1::_STATS] = summed[1::_STATS].sqrt()
     both = torch.cat([sums, -sums]).to(mesh.control_device)
     all_reduce(both, mesh.control, dist.ReduceOp.MIN).wait()
     low, high = both[: len(sums)].cpu(), -both[len(sums) :].cpu()
     differ = []
     for i, (name, t, _) in enumerate(named):
-        scale = float(high[2 * i + 1]) * max(1.0, math.sqrt(t.numel())) + 1e-30
-        if ((high[2 * i : 2 * i + 2] - low[2 * i : 2 * i + 2]).abs() > _RELATIVE * scale).any():
+        at = _STATS * i
+        norm, n = float(high[at + 1]), max(1.0, float(t.numel()))
+        # |sum| <= norm * sqrt(n); |weighted sum| <= norm * n ** 1.5 (positions up to n)
+        scale = torch.tensor([n**0.5, n**0.5, n**1.5], dtype=torch.float64) * norm + 1e-30
+        if ((high[at : at + _STATS] - low[at : at + _STATS]).abs() > _RELATIVE * scale).any():
             differ.append(name)
     return differ
 
