@@ -678,6 +678,44 @@ def test_optimizer_built_before_wrapping(world_size: int, optimizer: type) -> No
     run_ranks(world_size, fn, timeout=TIMEOUT * 5)
 
 
+class _TiedAcross(nn.Module):
+    """A head outside the part that gets wrapped, tied to an embedding inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.encoder[0].weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.encoder(ids)))
+
+
+def test_a_parameter_tied_across_the_wrapped_modules_boundary_is_refused_where_used() -> None:
+    """Wrapping only the encoder retires the embedding the head outside still holds: the head's
+    forward, its state dict and wrapping it elsewhere each raise naming the parameter and the
+    fix (before: a raw size mismatch at the forward, a state dict silently holding an empty
+    tensor, and a second wrap of it accepted, its weight an empty one)."""
+    torch.manual_seed(0)
+    model = _TiedAcross()
+    ids = torch.randint(0, 16, (4, 5))
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        lm = copy.deepcopy(model)
+        lm.encoder = ShardedModule(lm.encoder, process_group=pg)
+        for use, func in ((lambda: lm(ids), "linear"), (lm.state_dict, "detach")):
+            with pytest.raises(RuntimeError) as info:
+                use()
+            message = str(info.value)
+            assert "parameter '0.weight' was moved into a ShardedModule" in message
+            assert f"{func} used it here" in message and "holds every use of it" in message
+        assert "Linear" in repr(lm.head)  # reading what it is still works
+        with pytest.raises(ValueError, match=r"'0\.weight' was moved into another ShardedModule"):
+            ShardedModule(nn.Sequential(lm.head), process_group=pg)
+
+    run_ranks(2, fn, timeout=TIMEOUT)
+
+
 def test_auto_wrap_selecting_a_container_that_is_never_called() -> None:
     """A ModuleList is iterated, never called: as a unit it could never be gathered."""
     with pytest.raises(ValueError, match=r"'blocks' \(ModuleList\).*never called.*block class"):

@@ -27,6 +27,7 @@ from ...comm.collectives import Group, all_reduce, group_size
 from ...options import Compression, MixedPrecision, Offload
 from ..shards.tensor_parallel import is_dtensor
 from .policy import AutoWrap, Placement, group_key, resolve_policy
+from .retired import is_retired
 
 __all__ = [
     "bucket_bytes",
@@ -95,6 +96,14 @@ def check_wrappable(module: nn.Module) -> None:
     for name, p in module.named_parameters():
         if getattr(p, SHARD_ATTR, False):
             already_wrapped(f"its parameter '{name}' (part of a wrapped model)")
+        if is_retired(p):
+            raise ValueError(
+                f"ShardedModule: parameter '{name}' was moved into another ShardedModule when a "
+                "model holding it was wrapped, and the tensor here is the one from before, "
+                "freed (a parameter shared by two models, or tied across a wrapped module's "
+                "boundary). Wrap one model that holds every use of it, choosing its units with "
+                "auto_wrap."
+            )
         if _has_own_layout(p):
             raise TypeError(
                 f"ShardedModule: parameter '{name}' is a {type(p).__module__}."

@@ -1,4 +1,5 @@
-"""Original parameters retired at wrap time: freed, and loud if an old optimizer steps them."""
+"""Original parameters retired at wrap time: freed, and loud if an old optimizer steps them or
+a module outside the wrapped model computes with them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import Tensor, nn
 from ...tiers.shard_param import first_among
 from ..shards.tensor_parallel import is_dtensor
 
-__all__ = ["retire"]
+__all__ = ["is_retired", "retire"]
 
 
 def retire(p: nn.Parameter, name: str) -> None:
@@ -20,6 +21,11 @@ def retire(p: nn.Parameter, name: str) -> None:
     use: every optimizer reads the gradients of the parameters it steps, so an optimizer
     built before wrapping raises at its first ``step()``, naming the parameter, rather than
     silently never training the model. Nothing is registered outside the parameter.
+
+    Any other computation with it raises too, naming it (reading its attributes does not): a
+    module outside the wrapped model that still holds it (a weight tied across the wrapped
+    module's boundary) would compute with an empty tensor, and its ``state_dict`` would hold
+    one; ``requires_grad_`` through a reference taken before wrapping would change nothing.
     """
     with torch.no_grad():
         if is_dtensor(p):
@@ -45,6 +51,42 @@ class _StaleGrad(Tensor):
         )
 
 
+def is_retired(p: Tensor) -> bool:
+    """Whether ``p`` is a parameter that wrapping retired (a model holding it was wrapped)."""
+    return isinstance(p, _Retired)
+
+
+class _Retired:
+    """What every retired parameter's class derives from besides its own."""
+
+    _shardwrap_stale_grad: _StaleGrad
+
+
+# Reading what a parameter is (a property, its size, its printout, its hash as a dict key) is
+# no use of its values: allowed on a retired one. Anything else computes with them, or writes.
+_READS = frozenset(
+    {"__repr__", "__format__", "__hash__", "size", "dim", "numel", "nelement", "element_size"}
+    | {"is_complex", "is_floating_point"}
+)
+
+
+def _refuse_use(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    name = getattr(func, "__name__", "")
+    if name in _READS or (name == "__get__" and getattr(func, "__self__", None) is not None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    retired = first_among(_Retired, args, kwargs)
+    raise RuntimeError(
+        f"shardwrap: parameter '{retired._shardwrap_stale_grad._shardwrap_name}' was moved into a "
+        "ShardedModule when its model was wrapped, and this tensor, the parameter from before, "
+        f"was freed; {name or func} used it here. An optimizer built before wrapping holds it "
+        "(build the optimizer after wrapping: opt = torch.optim.AdamW(model.parameters())), or "
+        "a module outside the wrapped model (a weight tied across the wrapped module's "
+        "boundary, a module kept aside), which no longer has it: wrap the module that holds "
+        "every use of it (the whole model, choosing units with auto_wrap)."
+    )
+
+
 def _stale_grad(self: nn.Parameter) -> Tensor:
     return self._shardwrap_stale_grad
 
@@ -59,6 +101,11 @@ _RETIRED_CLASSES: dict[type, type] = {}
 def _retired_class(cls: type) -> type:
     if cls not in _RETIRED_CLASSES:
         _RETIRED_CLASSES[cls] = type(
-            f"Retired{cls.__name__}", (cls,), {"grad": property(_stale_grad, _ignore_grad)}
+            f"Retired{cls.__name__}",
+            (cls, _Retired),
+            {
+                "grad": property(_stale_grad, _ignore_grad),
+                "__torch_function__": classmethod(_refuse_use),
+            },
         )
     return _RETIRED_CLASSES[cls]
