@@ -57,12 +57,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import itertools
 import math
 import mmap
 import os
 import shutil
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -281,9 +283,17 @@ class DiskHome(Home):
         self._lock = lock
         for stale in self.folder.glob("*.bin"):  # left by a run that was killed
             stale.unlink()
-        self._maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
-        self._files = [_File(self.folder / "lock", _inode(os.fstat(self._lock.fileno())), 0)]
-        self.nbytes = 0
+        self._lock_file = _File(self.folder / "lock", _inode(os.fstat(self._lock.fileno())), 0)
+        # The live files by a key of their own; a file leaves (and is deleted) once no tensor
+        # maps it any more: optimizer state a load or a new optimizer replaced.
+        self._files: dict[int, _File] = {}
+        self._maps: dict[int, tuple[int, int, weakref.ref[mmap.mmap]]] = {}  # address, length
+        self._made = itertools.count()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the live files."""
+        return sum(f.nbytes for f in list(self._files.values()))
 
     def _take_folder(self) -> IO[str] | None:
         """The folder's lock file, made and locked (held while the home lives); ``None`` where
@@ -321,11 +331,13 @@ class DiskHome(Home):
                     "store); free space or choose a larger disk",
                 ) from e
             mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-            self._files.append(_File(path, _inode(os.fstat(fd)), nbytes))
+            made = _File(path, _inode(os.fstat(fd)), nbytes)
         finally:
             os.close(fd)
-        self._maps.append((_address(mapped), nbytes, mapped))
-        self.nbytes += nbytes
+        key = next(self._made)
+        self._files[key] = made
+        self._maps[key] = (_address(mapped), nbytes, weakref.ref(mapped))
+        weakref.finalize(mapped, _released, self._files, self._maps, key)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t = torch.frombuffer(mapped, dtype=torch.uint8, count=numel * dtype.itemsize)
@@ -391,9 +403,9 @@ class DiskHome(Home):
 
     def _map_of(self, t: Tensor) -> mmap.mmap | None:
         ptr = t.data_ptr()
-        for base, length, mapped in self._maps:
+        for base, length, mapped in list(self._maps.values()):
             if base <= ptr < base + length:
-                return mapped
+                return mapped()
         return None
 
     def check(self) -> None:
@@ -404,7 +416,7 @@ class DiskHome(Home):
             StoreError: a file was deleted (or moved away), replaced by another file, or
                 truncated; touching its mapping could end the process with ``SIGBUS``.
         """
-        for file in self._files:
+        for file in (self._lock_file, *list(self._files.values())):
             try:
                 st = os.stat(file.path)
             except FileNotFoundError:
@@ -430,14 +442,28 @@ class DiskHome(Home):
         if self._lock.closed:
             return
         self._maps.clear()
-        for file in self._files:
-            with contextlib.suppress(OSError):
-                if _inode(os.stat(file.path)) == file.inode:
-                    file.path.unlink()
+        for file in (self._lock_file, *list(self._files.values())):
+            _delete(file)
         self._files.clear()
         with contextlib.suppress(OSError):
             self.folder.rmdir()
         self._lock.close()
+
+
+def _delete(file: _File) -> None:
+    """Delete ``file`` if the path still names it (not a newer model's file there)."""
+    with contextlib.suppress(OSError):
+        if _inode(os.stat(file.path)) == file.inode:
+            file.path.unlink()
+
+
+def _released(files: dict[int, _File], maps: dict[int, Any], key: int) -> None:
+    """No tensor maps the file ``key`` any more (state a load or a new optimizer replaced):
+    it leaves the home, deleted, its space free again. After ``close`` it has gone already."""
+    maps.pop(key, None)
+    file = files.pop(key, None)
+    if file is not None:
+        _delete(file)
 
 
 def _inode(st: os.stat_result) -> tuple[int, int]:

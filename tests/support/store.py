@@ -13,4 +13,4 @@ def in_store(model: nn.Module, t: Tensor) -> bool:
     storage = t.untyped_storage()
     start, stop = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     maps = model._shardwrap_root.home._maps
-    return any(base <= start and stop <= base + length for base, length, _ in maps)
+    return any(base <= start and stop <= base + length for base, length, _ in maps.values())

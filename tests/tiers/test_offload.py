@@ -22,6 +22,11 @@ whole global batch:
   ``load_checkpoint`` at once;
 - SGD with momentum over a block unfrozen mid-training (the fused kernel given zeros for its
   first buffers); a model freed late leaves a newer model's files in its folder alone;
+- optimizer state replaced (``load_checkpoint`` into the live model, as a Logbook's rollback
+  does, ``load_full_optimizer_state_dict``, a new optimizer) gives its files back: the store's
+  files, bytes and this process's open descriptors stay level over repeated replacements
+  (before, every load added a whole copy of the optimizer state on disk and a descriptor per
+  file, until "Too many open files");
 - errors: a stage other than 3, a store folder another live model holds, a malformed
   ``Offload``; the cpu tier on a CPU device says it changes nothing; a store file deleted,
   replaced or truncated under a live model raises ``StoreError`` naming it at the next
@@ -55,7 +60,9 @@ from shardwrap import (
     Offload,
     ShardedModule,
     export,
+    full_optimizer_state_dict,
     load_checkpoint,
+    load_full_optimizer_state_dict,
     save_checkpoint,
 )
 from shardwrap.engine.optim import whole_params
@@ -587,3 +594,46 @@ def test_a_model_freed_late_leaves_a_newer_models_files_alone(tmp_path: Path) ->
     del new
     gc.collect()
     assert not (tmp_path / "rank-00000").exists()
+
+
+@pytest.mark.parametrize("replace", ["load_checkpoint", "load_full_optimizer_state_dict", "new"])
+def test_replaced_optimizer_state_gives_its_files_back(tmp_path: Path, replace: str) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    idx, targets = make_batch(0, GLOBAL_BATCH)
+    store = tmp_path / "store"
+
+    def files(rank: int) -> tuple[int, int]:
+        found = list((store / f"rank-{rank:05d}").glob("*.bin"))
+        return len(found), sum(f.stat().st_size for f in found)
+
+    def fn(rank: int, pg: ProcessGroup) -> list[tuple[int, int]]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg,
+                          offload=Offload(device="disk", path=store))  # fmt: skip
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        seen = []
+        for step in range(6):
+            m(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                save_checkpoint(tmp_path / "ckpt" / "step-0", m, opt)
+                state = full_optimizer_state_dict(m, opt)
+            if replace == "load_checkpoint":
+                load_checkpoint(tmp_path / "ckpt", m, opt)
+            elif replace == "load_full_optimizer_state_dict":
+                load_full_optimizer_state_dict(m, opt, state)
+            else:
+                opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+                m(idx.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+                opt.step()
+                opt.zero_grad()
+            gc.collect()
+            pg.barrier().wait()
+            seen.append((*files(rank), len(os.listdir("/proc/self/fd"))))
+            pg.barrier().wait()
+        return seen
+
+    for seen in run_ranks(2, fn, timeout=120):
+        assert len({(n, size) for n, size, _ in seen[1:]}) == 1, seen
+        assert max(fds for _, _, fds in seen) - min(fds for _, _, fds in seen) < 20, seen
