@@ -12,7 +12,9 @@ declared one's, is in the tier's files) are covered here, and every stage at 1 t
 model whose matrices an owner gathers from 3 and 4 ranks' pieces. Also: each optimizer's state is
 sharded by owner (about 1/N per rank), LBFGS is refused before it changes anything, an
 undeclared optimizer of a user's own warns at its first step until declared, and a declared
-one reads each whole gradient's own norm.
+one reads each whole gradient's own norm. An optimizer stepping whole parameters on some ranks
+and elementwise on others makes every rank raise at once naming what each does (before, the
+owners' exchange waited for the others until the group's timeout).
 """
 
 from __future__ import annotations
@@ -661,3 +663,24 @@ def test_the_optimizers_own_step_hooks_see_the_pieces_as_every_other_call(name: 
             want = plain_average[n].flatten()[start:stop].reshape(shape)
             torch.testing.assert_close(average[n], want, atol=atol, rtol=0, msg=n)
         _assert_same(plain.state_dict(), state, atol, rank)
+
+
+def test_a_whole_parameter_step_on_some_ranks_only_is_named_at_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(8, 8)
+
+    def fn(rank: int, pg: ProcessGroup) -> str:
+        m = ShardedModule(copy.deepcopy(model), process_group=pg)
+        kind = torch.optim.AdamW if rank == 0 else torch.optim.Adafactor
+        opt = kind(m.parameters(), lr=0.01)
+        with pytest.raises(RuntimeError) as info:
+            for _ in range(2):
+                m(x.chunk(2)[rank]).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return str(info.value)
+
+    for message in run_ranks(2, fn, timeout=20):  # gloo's own timeout: 10 s
+        assert "ranks are at different steps or calls" in message
+        assert "rank 1: forward pass 1, calling an optimizer's step of whole parameters" in message

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INF_CHECK",
     "NORM",
+    "WHOLE_STEP",
     "PartialNorm",
     "ShardGrad",
     "as_shard_grad",
@@ -62,13 +63,14 @@ _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
 NORM = "a gradient norm (clip_grad_norm_)"
 INF_CHECK = "the loss scaler's inf/NaN check (GradScaler)"
+WHOLE_STEP = "an optimizer's step of whole parameters (Muon, Adafactor)"
 
 
 class _Owner:
     """The group a gradient is sharded over, the counters its completions add to, what every
-    rank calls first to agree it is making a collective call (``enter``, given ``NORM`` or
-    ``INF_CHECK``), and the gradient's home (state an optimizer makes from it may belong
-    there)."""
+    rank calls first to agree it is making a collective call (``enter``, given ``NORM``,
+    ``INF_CHECK`` or ``WHOLE_STEP``), and the gradient's home (state an optimizer makes from it
+    may belong there)."""
 
     def __init__(self, group: Group, stats: CommStats, home: Home, replicas: Group = None) -> None:
         self.group = group

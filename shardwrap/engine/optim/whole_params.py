@@ -72,7 +72,7 @@ from .dcp_pieces import dcp_filling_empty_state
 from .loaded_state import check_held_state, watch
 from .ownership import Entry, Plan, held, make_entries, make_plans, span
 from .pieces import PIECE_ATTR, adopt_optimizer
-from .shard_grad import as_shard_grad
+from .shard_grad import WHOLE_STEP, as_shard_grad
 from .unreduced import refuse_unreduced
 
 __all__ = [
@@ -411,6 +411,13 @@ class _WholeStep:
         key = tuple(id(e) for e in stepped)
         if key != self._key:
             self._plans, self._key = make_plans(stepped), key
+        # One handshake per model first: a rank whose optimizer steps elementwise goes on to
+        # its next forward, and both raise at once naming what each does, where the exchange
+        # would have waited for it until the timeout.
+        owners = [getattr(e.param.grad, "_shardwrap_owner", None) for e in stepped]
+        enters = {id(o.enter): o.enter for o in owners if o is not None}
+        for enter in enters.values():
+            enter(WHOLE_STEP)
         with torch.no_grad():
             for plan in self._plans:
                 self._gather(plan)

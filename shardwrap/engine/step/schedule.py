@@ -73,7 +73,7 @@ import torch.distributed as dist
 from ...comm.buckets import Gathers, bucket_size, last_bucket
 from ...comm.collectives import CommStats, all_reduce
 from ...comm.mesh import Mesh
-from ..optim.shard_grad import INF_CHECK, NORM
+from ..optim.shard_grad import INF_CHECK, NORM, WHOLE_STEP
 from ..shards.unit import ShardState, Unit
 from .full_grads import WITH_GRADS
 from .reduce import Reductions
@@ -96,6 +96,7 @@ CALLS = (
     INF_CHECK,
     "copy.deepcopy",
     WITH_GRADS,
+    WHOLE_STEP,
 )
 
 
