@@ -5,6 +5,9 @@ opt = torch.optim.AdamW(model.parameters())
 shardwrap.save_checkpoint("ckpt/step-1000", model, opt, step=1000)
 """
 
+import importlib
+from typing import Any
+
 from .checkpoint.background import PendingSave
 from .checkpoint.export import export, load_pretrained
 from .checkpoint.full_optimizer import full_optimizer_state_dict, load_full_optimizer_state_dict
@@ -52,3 +55,13 @@ __all__ = [
     "save_checkpoint",
     "track_allocations",
 ]
+
+# Submodules that import a library of their own (transformers, Lightning): made on first use,
+# so that shardwrap.hf.Trainer works after `import shardwrap` alone, as the docs write it.
+_ON_FIRST_USE = ("hf", "lightning")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ON_FIRST_USE:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

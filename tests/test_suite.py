@@ -233,6 +233,21 @@ def test_the_package_imports_only_down_its_floors_and_in_no_cycle() -> None:
         walk(module, [module])
 
 
+def test_the_integrations_are_reached_from_the_package_as_the_docs_write_them() -> None:
+    """``shardwrap.hf.Trainer`` after ``import shardwrap`` alone (before: an AttributeError;
+    the docs write it so), without importing transformers or Lightning before they are used."""
+    script = (
+        "import sys, shardwrap\n"
+        "assert 'transformers' not in sys.modules and 'lightning' not in sys.modules\n"
+        "print(shardwrap.hf.Trainer.__name__, shardwrap.lightning.ShardwrapStrategy.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["Trainer", "ShardwrapStrategy"]
+
+
 def test_importing_the_package_loads_neither_dtensor_nor_dcp() -> None:
     heavy = ("torch.distributed.tensor", "torch.distributed.checkpoint")
     script = f"import sys, shardwrap; print([m for m in {heavy!r} if m in sys.modules])"
