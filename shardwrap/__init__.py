@@ -9,9 +9,10 @@ import importlib
 from typing import Any
 
 from .checkpoint.background import PendingSave
-from .checkpoint.export import export, load_pretrained
+from .checkpoint.export import export
 from .checkpoint.full_optimizer import full_optimizer_state_dict, load_full_optimizer_state_dict
 from .checkpoint.load import load_checkpoint
+from .checkpoint.pretrained import load_pretrained
 from .checkpoint.save import latest_checkpoint, save_checkpoint
 from .comm.collectives import CommStats
 from .comm.failures import CollectiveFailed

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import transformers
 
-from .checkpoint.export import load_pretrained
 from .checkpoint.load import load_checkpoint
+from .checkpoint.pretrained import load_pretrained
 from .checkpoint.save import save_checkpoint
 from .engine.wrap.sharded_module import ShardedModule
 from .integrations.hf_accelerate import check_trainer_arguments

@@ -1,4 +1,4 @@
-"""Consolidated export to safetensors, streamed one flat group at a time, and loading it back.
+"""Consolidated export to safetensors, streamed one flat group at a time.
 
 Design note. :func:`export` declares every tensor's name, shape and dtype up front (they
 are known without gathering), splits them into files by size as Hugging Face does, then
@@ -13,28 +13,22 @@ The folder is the user's as much as the model's: ``tokenizer.save_pretrained(out
 beside it and moved in one by one; nothing is deleted but the stale weight files of a previous
 export, and a folder holding shardwrap's other saves (checkpoints, a Logbook's run) is refused.
 
-:func:`load_pretrained` reads such a folder (or a downloaded Hugging Face one) into a sharded
-model: each rank reads only the rows that cover its pieces, memory-mapped.
+``shardwrap.checkpoint.pretrained`` reads such a folder back.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
-from collections.abc import Mapping
-from contextlib import ExitStack, suppress
+from contextlib import suppress
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from ..engine.shards.param_index import Param
-from ..engine.shards.split import Split
 from .entry import wrapped_root
 from .files import (
     Entry,
@@ -46,7 +40,6 @@ from .files import (
     few,
     fsync_path,
     full_disk_error,
-    is_plain_name,
     partial_path,
     remove_folder,
     safetensors_nbytes,
@@ -57,7 +50,7 @@ from .files import (
 from .folder import refuse_a_file_above, refuse_foreign_scratch, saves_in
 from .format import persistent_buffers
 
-__all__ = ["export", "load_pretrained", "write_export"]
+__all__ = ["CONFIGS", "INDEX", "WEIGHTS", "export", "write_export"]
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -100,61 +93,6 @@ def _hf_dropped(model: nn.Module, state: dict[str, Tensor]) -> set[str]:
     stand_ins: dict[int, Tensor] = {}
     fake = {k: stand_ins.setdefault(id(v), torch.empty(1)) for k, v in state.items()}
     return set(state) - set(remove_tied_weights_from_state_dict(dict(fake), model))
-
-
-def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]] | None:
-    """A ``transformers`` model's checkpoint renamings and its converters (which merge saved
-    tensors into one, a mixture of experts' per-expert weights), as ``from_pretrained``
-    applies them since transformers 5; ``None`` for any other model."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return None
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-    except ImportError:  # a transformers without checkpoint conversions
-        return None
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    return renamings, [t for t in transforms if isinstance(t, WeightConverter)]
-
-
-def _model_names(model: nn.Module, keys: list[str], own: Mapping[str, Any]) -> dict[str, str]:
-    """Each saved key's name in the model: itself, or for a ``transformers`` model the name
-    its checkpoint renamings give it (some models are saved under their original checkpoint
-    names, which ``from_pretrained`` renames as it loads). A key that transformers would merge
-    with others keeps its own name: see :func:`_converted_names`."""
-    names = {k: k for k in keys}
-    conversions = _conversions(model)
-    if conversions is None:
-        return names
-    from transformers.core_model_loading import rename_source_key
-
-    present = dict.fromkeys(own, True)
-    prefix = getattr(model, "base_model_prefix", None) or None
-    for k in keys:
-        if k not in own:
-            renamed, merged = rename_source_key(k, *conversions, prefix, present)
-            if merged is None:
-                names[k] = renamed
-    return names
-
-
-def _converted_names(model: nn.Module) -> str:
-    """Why a ``transformers`` model's own folder may still not match it: keys that
-    ``from_pretrained`` merges as it loads, which ``load_pretrained`` does not. Empty for any
-    other model."""
-    conversions = _conversions(model)
-    if conversions is None or not conversions[1]:
-        return ""
-    name = type(model).__name__
-    return (
-        f". transformers saves a {name} with weights that from_pretrained merges as it loads "
-        "(a mixture of experts' per-expert weights into one tensor); load_pretrained reads "
-        f"whole tensors only. Load it with {name}.from_pretrained(path) before wrapping (then "
-        "ShardedModule(model, ...)); or once so, then shardwrap.export(path, model) from the "
-        "wrapped model: export writes the model's own tensors, which load_pretrained reads"
-    )
 
 
 def _split(entries: list[Entry], limit: int) -> list[list[Entry]]:
@@ -405,163 +343,3 @@ def _move_in(tmp: Path, target: Path) -> None:
             child.unlink()
     fsync_path(target)
     remove_folder(tmp)
-
-
-# loading -----------------------------------------------------------------------------
-
-
-def _open(stack: ExitStack, path: Path) -> Any:
-    if not path.is_file():
-        raise FileNotFoundError(f"load_pretrained: {path} is missing")
-    try:
-        return stack.enter_context(safe_open(path, framework="pt"))
-    except Exception as e:
-        raise ValueError(f"load_pretrained: {path} is corrupt: {e}") from e
-
-
-def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[str, Any]]:
-    """Tensor name -> file name, from the index or the single weights file; file -> handle."""
-    if (folder / INDEX).is_file():
-        where = _weight_map(folder / INDEX)
-        outside = sorted({str(f) for f in where.values() if not is_plain_name(f)})
-        if outside:
-            raise ValueError(
-                f"load_pretrained: {folder / INDEX} names files outside {folder}: {outside}; "
-                "an index names weight files beside it"
-            )
-        return where, {f: _open(stack, folder / f) for f in sorted(set(where.values()))}
-    if not (folder / WEIGHTS).is_file():
-        raise FileNotFoundError(f"load_pretrained: {folder} holds neither {INDEX} nor {WEIGHTS}")
-    handle = _open(stack, folder / WEIGHTS)
-    return {k: WEIGHTS for k in handle.keys()}, {WEIGHTS: handle}
-
-
-def _weight_map(index: Path) -> dict[str, str]:
-    """The index's ``weight_map``: tensor name to the file beside it that holds it.
-
-    Raises:
-        ValueError: naming the index and what is wrong: not JSON (or nested too deep), no
-            ``weight_map``, or one that is not a mapping of names to file names.
-    """
-    try:
-        parsed = json.loads(index.read_text())
-    except (ValueError, RecursionError) as e:
-        raise ValueError(
-            f"load_pretrained: {index} is corrupt: {e!r}. Export the model again, or delete "
-            "the index where the folder holds one model.safetensors"
-        ) from None
-    where = parsed.get("weight_map") if isinstance(parsed, dict) else None
-    if not isinstance(where, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in where.items()
-    ):
-        raise ValueError(
-            f'load_pretrained: {index} is corrupt: its "weight_map" must map each tensor\'s '
-            f"name to the file that holds it, got {type(where).__name__}. Export the model "
-            "again, or fix the index"
-        )
-    return where
-
-
-def _rows(
-    handle: Any, key: str, shape: tuple[int, ...], start: int, stop: int, block: Any = None
-) -> Tensor:
-    """Elements ``[start, stop)`` of the flattened tensor ``key``, reading whole rows only; of
-    its block ``block = (split, index)`` (a tensor-parallel rank's, ``engine/shards/split.py``)
-    where given."""
-    if len(shape) == 0:
-        return handle.get_tensor(key).reshape(-1)[start:stop]
-    split, index = block if block is not None else (Split(shape), 0)
-    rows = split.block_shape
-    row = math.prod(rows[1:])
-    first, last = start // row, -(-stop // row)
-    at = [slice(None)] * len(shape)
-    if split.is_split and split.dim == 0:
-        at[0] = slice(index * rows[0] + first, index * rows[0] + last)
-    else:
-        at[0] = slice(first, last)
-        if split.is_split:
-            assert split.dim is not None
-            n = rows[split.dim]
-            at[split.dim] = slice(index * n, (index + 1) * n)
-    stored = handle.get_slice(key)[tuple(at)]
-    return stored.reshape(-1)[start - first * row : stop - first * row]
-
-
-def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) -> None:
-    """Load a folder written by :func:`export` (or ``save_pretrained``) into a sharded model.
-
-    Each rank reads only the rows of each tensor that cover its own pieces, memory-mapped,
-    so no rank holds the whole model. A tied parameter loads from any of its names.
-    Everything is checked on every rank before anything is modified. Call on every rank.
-
-    Args:
-        path: the folder, with ``model.safetensors`` or ``model.safetensors.index.json``.
-        model: a model wrapped with :class:`ShardedModule`, at any world size and policy.
-        strict: raise on names missing from the files or unknown to the model; with
-            ``False`` such parameters keep their values and unknown names are ignored.
-
-    Raises:
-        FileNotFoundError: no weights in ``path``, or a file named by the index is missing.
-        ValueError: names (with ``strict``) or shapes that differ, or a corrupt file.
-    """
-    model, root = wrapped_root(model, "load_pretrained")
-    folder = agree_path(root.mesh.control, root.mesh.control_device, "load_pretrained", path)
-    params = root.params
-    buffers = persistent_buffers(model, params)
-    state = nn.Module.state_dict(model, keep_vars=True)
-    with ExitStack() as stack:
-        plan: dict[str, tuple[Any, str]] = {}  # canonical name or buffer key -> (handle, key)
-
-        def prepare() -> int:
-            saved_at, handles = _weight_files(folder, stack)
-            name_of = _model_names(model, list(saved_at), state)
-            where = {name_of[k]: f for k, f in saved_at.items()}
-            saved_key = {name_of[k]: k for k in saved_at}
-            keys_of: dict[int, list[str]] = {}
-            for k, v in state.items():
-                keys_of.setdefault(id(v), []).append(k)
-            wanted = [(p.name, p.shape, keys_of[id(p.shard)]) for p in params]
-            wanted += [(k, tuple(v.shape), [k]) for k, v in buffers.items()]
-            missing, shapes = [], []
-            for name, shape, keys in wanted:
-                found = next((k for k in keys if k in where), None)
-                if found is None:
-                    missing.append(name)
-                    continue
-                handle, key = handles[where[found]], saved_key[found]
-                if key not in handle.keys():
-                    raise ValueError(
-                        f"load_pretrained: {folder / INDEX} says {folder / where[found]} holds "
-                        f"'{key}', which that file lacks: the index and the weights are of "
-                        "different exports. Export the model again"
-                    )
-                saved = tuple(handle.get_slice(key).get_shape())
-                if saved != shape:
-                    shapes.append(f"'{key}': file {saved}, model {shape}")
-                plan[name] = (handle, key)
-            unexpected = [saved_key[k] for k in where if k not in state]
-            problems = [f"shape mismatch: {few(shapes, quote=False)}"] if shapes else []
-            if strict and missing:
-                problems.append(f"missing from the files: {few(missing)}")
-            if strict and unexpected:
-                problems.append(f"not in the model: {few(unexpected)}")
-            if problems:
-                raise ValueError(
-                    f"load_pretrained: {folder} does not match the model; "
-                    + "; ".join(problems)
-                    + (_converted_names(model) if missing or unexpected else "")
-                )
-            return 0
-
-        agree(root.mesh.control, root.mesh.control_device, "load_pretrained", prepare)
-        with torch.no_grad():
-            for p in params:
-                piece = p.group.pieces[p.index]
-                if p.name in plan and piece.numel > 0:
-                    handle, key = plan[p.name]
-                    spec = p.group.specs[p.index]
-                    block = (spec.split, spec.index) if spec is not None else None
-                    p.shard.copy_(_rows(handle, key, p.shape, piece.start, piece.stop, block))
-            for k, v in buffers.items():
-                if k in plan:
-                    v.copy_(plan[k][0].get_tensor(plan[k][1]))
