@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -95,7 +96,18 @@ def _open(stack: ExitStack, path: Path) -> Any:
 
 
 def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[str, Any]]:
-    """Tensor name -> file name, from the index or the single weights file; file -> handle."""
+    """Tensor name -> file name, from the single weights file or else the index (the order
+    ``from_pretrained`` reads them in); file -> handle."""
+    if (folder / WEIGHTS).is_file():
+        if (folder / INDEX).is_file():
+            warnings.warn(
+                f"load_pretrained: {folder} holds both {WEIGHTS} and {INDEX}; it reads "
+                f"{WEIGHTS}, as transformers' from_pretrained does. One of them is left from "
+                "an earlier save: delete it",
+                stacklevel=5,
+            )
+        handle = _open(stack, folder / WEIGHTS)
+        return {k: WEIGHTS for k in handle.keys()}, {WEIGHTS: handle}
     if (folder / INDEX).is_file():
         where = _weight_map(folder / INDEX)
         outside = sorted({str(f) for f in where.values() if not is_plain_name(f)})
@@ -105,10 +117,17 @@ def _weight_files(folder: Path, stack: ExitStack) -> tuple[dict[str, str], dict[
                 "an index names weight files beside it"
             )
         return where, {f: _open(stack, folder / f) for f in sorted(set(where.values()))}
-    if not (folder / WEIGHTS).is_file():
-        raise FileNotFoundError(f"load_pretrained: {folder} holds neither {INDEX} nor {WEIGHTS}")
-    handle = _open(stack, folder / WEIGHTS)
-    return {k: WEIGHTS for k in handle.keys()}, {WEIGHTS: handle}
+    pickled = [
+        n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (folder / n).exists()
+    ]
+    hint = (
+        f" ({pickled[0]}: pickled weights, which it does not read; load them with "
+        "from_pretrained before wrapping, or save them again with save_pretrained, which writes "
+        "safetensors)"
+        if pickled
+        else ""
+    )
+    raise FileNotFoundError(f"load_pretrained: {folder} holds neither {WEIGHTS} nor {INDEX}{hint}")
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -162,34 +181,44 @@ def _rows(
     return stored.reshape(-1)[start - first * row : stop - first * row]
 
 
-def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) -> None:
+def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) -> _Keys:
     """Load a folder written by :func:`export` (or ``save_pretrained``) into a sharded model.
 
     Each rank reads only the rows of each tensor that cover its own pieces, memory-mapped,
-    so no rank holds the whole model. A tied parameter loads from any of its names.
-    Everything is checked on every rank before anything is modified. Call on every rank.
+    so no rank holds the whole model. A tied parameter loads from any of its names; where the
+    files hold several of them, they must hold the same values. Everything is checked on
+    every rank before anything is modified. Call on every rank.
 
     Args:
-        path: the folder, with ``model.safetensors`` or ``model.safetensors.index.json``.
+        path: the folder, with ``model.safetensors`` or ``model.safetensors.index.json`` (the
+            former where it holds both, as ``from_pretrained`` reads them, with a warning).
         model: a model wrapped with :class:`ShardedModule`, at any world size and policy.
         strict: raise on names missing from the files or unknown to the model; with
             ``False`` such parameters keep their values and unknown names are ignored.
 
+    Returns:
+        The model's names the files lack and the files' names the model lacks, as
+        ``nn.Module.load_state_dict`` returns them (both empty where ``strict`` held).
+
     Raises:
         FileNotFoundError: no weights in ``path``, or a file named by the index is missing.
-        ValueError: names (with ``strict``) or shapes that differ, or a corrupt file.
+        ValueError: names (with ``strict``) or shapes that differ, two saved names of one
+            parameter (tied names holding different values; a name saved both as it is and
+            as ``from_pretrained`` would rename it), or a corrupt file.
     """
     model, root = wrapped_root(model, "load_pretrained")
     folder = agree_path(root.mesh.control, root.mesh.control_device, "load_pretrained", path)
     params = root.params
     buffers = persistent_buffers(model, params)
     state = nn.Module.state_dict(model, keep_vars=True)
+    keys = _Keys([], [])
     with ExitStack() as stack:
         plan: dict[str, tuple[Any, str]] = {}  # canonical name or buffer key -> (handle, key)
 
         def prepare() -> int:
             saved_at, handles = _weight_files(folder, stack)
             name_of = _model_names(model, list(saved_at), state)
+            _refuse_two_names_for_one(folder, name_of)
             where = {name_of[k]: f for k, f in saved_at.items()}
             saved_key = {name_of[k]: k for k in saved_at}
             keys_of: dict[int, list[str]] = {}
@@ -198,8 +227,8 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
             wanted = [(p.name, p.shape, keys_of[id(p.shard)]) for p in params]
             wanted += [(k, tuple(v.shape), [k]) for k, v in buffers.items()]
             missing, shapes = [], []
-            for name, shape, keys in wanted:
-                found = next((k for k in keys if k in where), None)
+            for name, shape, names in wanted:
+                found = next((k for k in names if k in where), None)
                 if found is None:
                     missing.append(name)
                     continue
@@ -213,8 +242,15 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                 saved = tuple(handle.get_slice(key).get_shape())
                 if saved != shape:
                     shapes.append(f"'{key}': file {saved}, model {shape}")
+                else:
+                    for other in names:
+                        if other != found and other in where:
+                            tied = (handles[where[other]], saved_key[other])
+                            _refuse_tied_that_differ(folder, (handle, key), tied, shape)
                 plan[name] = (handle, key)
             unexpected = [saved_key[k] for k in where if k not in state]
+            keys.missing_keys.extend(missing)
+            keys.unexpected_keys.extend(unexpected)
             problems = [f"shape mismatch: {few(shapes, quote=False)}"] if shapes else []
             if strict and missing:
                 problems.append(f"missing from the files: {few(missing)}")
@@ -240,3 +276,53 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
             for k, v in buffers.items():
                 if k in plan:
                     v.copy_(plan[k][0].get_tensor(plan[k][1]))
+    return keys
+
+
+class _Keys(NamedTuple):
+    """What :func:`load_pretrained` returns, as ``nn.Module.load_state_dict`` does."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _refuse_two_names_for_one(folder: Path, name_of: Mapping[str, str]) -> None:
+    """Raise where two saved names are one name of the model (a name saved both as it is and
+    as ``from_pretrained`` renames it: which one it takes is its own rule)."""
+    seen: dict[str, str] = {}
+    for saved, name in name_of.items():
+        if name in seen:
+            raise ValueError(
+                f"load_pretrained: {folder} holds both '{seen[name]}' and '{saved}', which are "
+                f"both the model's '{name}' (one of them under an older or a base model's "
+                "name). Keep one of them in the files, or load the folder with from_pretrained "
+                "before wrapping"
+            )
+        seen[name] = saved
+
+
+_COMPARED = 1 << 22  # elements of two tied tensors compared at a time
+
+
+def _refuse_tied_that_differ(
+    folder: Path, first: tuple[Any, str], other: tuple[Any, str], shape: tuple[int, ...]
+) -> None:
+    """Raise unless two saved names of one tied parameter hold the same values: the files
+    are of a model whose weights were not tied (``from_pretrained`` unties them then), and a
+    tied parameter holds one of them. Compared a few rows at a time."""
+    numel = math.prod(shape)
+    row = math.prod(shape[1:]) if shape else 1
+    step = max(row, _COMPARED // row * row)
+    for start in range(0, numel, step):
+        stop = min(numel, start + step)
+        a = _rows(*first, shape, start, stop)
+        b = _rows(*other, shape, start, stop)
+        if a.dtype != b.dtype or not torch.equal(a, b):
+            raise ValueError(
+                f"load_pretrained: {folder} holds '{first[1]}' and '{other[1]}' with different "
+                "values, where this model ties them into one parameter: they were saved from "
+                "a model whose weights were not tied, which from_pretrained unties as it loads "
+                "(config.tie_word_embeddings=False). Build the model untied before wrapping "
+                "(from_pretrained(path), or the config with tie_word_embeddings=False), then "
+                "wrap it and load"
+            )

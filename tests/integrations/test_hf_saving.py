@@ -15,7 +15,15 @@ SGD steps in parity with the unwrapped model:
   collective, naming the fix;
 - ``load_pretrained`` reads a folder ``transformers`` saved under a model's original
   checkpoint names (a ViT), renaming them as ``from_pretrained`` does, and refuses weights
-  ``from_pretrained`` would merge (a Mixtral's experts), naming the fix.
+  ``from_pretrained`` would merge (a Mixtral's experts), naming the fix;
+- ``load_pretrained`` of a folder whose tied names hold different values (saved from an
+  untied model, which ``from_pretrained`` unties) is refused naming both, and the same values
+  load (before: the first name's loaded, the other's dropped without a word); a name saved
+  both as it is and under the base model's prefix is refused naming both (before: the later
+  one won); a folder holding both ``model.safetensors`` and an index reads the former, as
+  ``from_pretrained`` does, with a warning (before: the index, which a plain save can leave
+  stale); ``strict=False`` returns the missing and unexpected names, as ``load_state_dict``
+  does; a folder of pickled weights alone is named so.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_saving.py -q``
 """
@@ -28,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -179,3 +188,102 @@ def test_load_pretrained_of_weights_transformers_merges_is_refused_naming_from_p
         assert "model.layers.0.mlp.gate.weight" not in message  # renamed, found
         assert "from_pretrained merges as it loads" in message
         assert "MixtralForCausalLM.from_pretrained(path) before wrapping" in message
+
+
+def _load_into_wrapped(folder: Path, strict: bool = True) -> list[Any]:
+    """Each rank's (full state after, names returned) or (full state, error) of a
+    ``load_pretrained`` of ``folder`` into a wrapped GPT-2 seeded apart from the saved one."""
+    torch.manual_seed(7)
+    fresh, layer = hf_gpt2_lm()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)  # unlike the saved weights
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], Any, dict[str, Tensor]]:
+        m = ShardedModule(copy.deepcopy(fresh), auto_wrap=layer, process_group=pg)
+        before = m.full_state_dict()
+        try:
+            out: Any = load_pretrained(folder, m, strict=strict)
+        except (ValueError, FileNotFoundError) as e:
+            out = e
+        return m.full_state_dict(), out, before
+
+    return run_ranks(WORLD, fn)
+
+
+def _saved_gpt2(folder: Path, **kwargs: Any) -> nn.Module:
+    model, _ = hf_gpt2_lm()
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+def test_tied_names_holding_different_values_are_refused_and_the_same_values_load(
+    tmp_path: Path,
+) -> None:
+    saved = _saved_gpt2(tmp_path / "same")
+    weights = load_file(tmp_path / "same" / "model.safetensors")
+    weights["lm_head.weight"] = weights["transformer.wte.weight"].clone()
+    save_file(weights, tmp_path / "same" / "model.safetensors", metadata={"format": "pt"})
+    for state, _, _ in _load_into_wrapped(tmp_path / "same"):
+        torch.testing.assert_close(state, saved.state_dict(), atol=0, rtol=0)
+    (tmp_path / "untied").mkdir()
+    weights["lm_head.weight"] = torch.randn_like(weights["lm_head.weight"])
+    save_file(weights, tmp_path / "untied" / "model.safetensors", metadata={"format": "pt"})
+    for state, error, before in _load_into_wrapped(tmp_path / "untied"):
+        assert isinstance(error, ValueError), error
+        message = str(error)
+        assert "'transformer.wte.weight' and 'lm_head.weight' with different values" in message
+        assert "tie_word_embeddings=False" in message
+        torch.testing.assert_close(state, before, atol=0, rtol=0)
+
+
+def test_a_name_saved_twice_under_two_prefixes_is_refused_naming_both(tmp_path: Path) -> None:
+    _saved_gpt2(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["wte.weight"] = torch.full_like(weights["transformer.wte.weight"], 3.0)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for state, error, before in _load_into_wrapped(tmp_path):
+        assert isinstance(error, ValueError), error
+        assert "both 'transformer.wte.weight' and 'wte.weight'" in str(error)
+        torch.testing.assert_close(state, before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("first", ["one file", "sharded"])
+def test_a_folder_holding_one_file_and_an_index_reads_the_file_as_transformers_does(
+    tmp_path: Path, first: str
+) -> None:
+    """A plain save over another of the other layout leaves the first one's weights entry."""
+    old = _saved_gpt2(tmp_path, **({"max_shard_size": "20KB"} if first == "sharded" else {}))
+    torch.manual_seed(1)
+    new, _ = hf_gpt2_lm()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(2.0)
+    new.save_pretrained(tmp_path, **({} if first == "sharded" else {"max_shard_size": "20KB"}))
+    assert (tmp_path / "model.safetensors").is_file()
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    read = type(old).from_pretrained(tmp_path).state_dict()
+    with pytest.warns(UserWarning, match="holds both model.safetensors and model.safet"):
+        results = _load_into_wrapped(tmp_path)
+    for state, error, _ in results:
+        assert not isinstance(error, Exception), error
+        torch.testing.assert_close(state, read, atol=0, rtol=0)
+
+
+def test_strict_false_returns_the_names_it_skipped(tmp_path: Path) -> None:
+    _saved_gpt2(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["transformer.h.1.ln_2.weight"]
+    weights["extra.thing"] = torch.zeros(3)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for _, keys, _ in _load_into_wrapped(tmp_path, strict=False):
+        assert keys.missing_keys == ["transformer.h.1.ln_2.weight"]
+        assert keys.unexpected_keys == ["extra.thing"]
+
+
+def test_a_folder_of_pickled_weights_alone_is_named(tmp_path: Path) -> None:
+    model, _ = hf_gpt2_lm()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # an older transformers' save
+    for _, error, _ in _load_into_wrapped(tmp_path):
+        assert isinstance(error, FileNotFoundError), error
+        assert "pytorch_model.bin: pickled weights, which it does not read" in str(error)
