@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -29,6 +30,32 @@ from .files import agree, agree_path, few, is_plain_name
 from .format import persistent_buffers
 
 __all__ = ["load_pretrained"]
+
+
+_NOTHING = re.compile(r"(?!)")  # matches no name
+
+
+def _ignored(model: nn.Module) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """The names a ``transformers`` model's ``from_pretrained`` leaves out of its missing and
+    unexpected keys (its class's ``_keys_to_ignore_on_load_missing`` and ``_unexpected``:
+    GPT-2's causal-mask buffers older folders hold; and, where the model has such buffers,
+    ``rotary_emb.inv_freq`` and ``position_ids``, once persistent); matching none for any
+    other model."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return _NOTHING, _NOTHING
+    buffers = [name for name, _ in model.named_buffers()]
+    unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+        unexpected.add(r"rotary_emb\.inv_freq")
+    if any(b.endswith("position_ids") for b in buffers):
+        unexpected.add(r"(^|\.)position_ids$")
+    missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+
+    def joined(patterns: set[str]) -> re.Pattern[str]:
+        return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else _NOTHING
+
+    return joined(missing), joined(unexpected)
 
 
 def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]] | None:
@@ -249,6 +276,9 @@ def load_pretrained(path: str | Path, model: nn.Module, *, strict: bool = True) 
                             _refuse_tied_that_differ(folder, (handle, key), tied, shape)
                 plan[name] = (handle, key)
             unexpected = [saved_key[k] for k in where if k not in state]
+            ignore_missing, ignore_unexpected = _ignored(model)
+            missing = [k for k in missing if not ignore_missing.search(k)]
+            unexpected = [k for k in unexpected if not ignore_unexpected.search(k)]
             keys.missing_keys.extend(missing)
             keys.unexpected_keys.extend(unexpected)
             problems = [f"shape mismatch: {few(shapes, quote=False)}"] if shapes else []

@@ -23,7 +23,10 @@ SGD steps in parity with the unwrapped model:
   one won); a folder holding both ``model.safetensors`` and an index reads the former, as
   ``from_pretrained`` does, with a warning (before: the index, which a plain save can leave
   stale); ``strict=False`` returns the missing and unexpected names, as ``load_state_dict``
-  does; a folder of pickled weights alone is named so.
+  does; a folder of pickled weights alone is named so; names the model's class tells
+  ``from_pretrained`` to ignore (GPT-2's ``attn.bias`` causal masks, which older folders hold)
+  load as there (before: refused as not in the model, so only ``strict=False`` read them, which
+  hides names that are missing).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_hf_saving.py -q``
 """
@@ -287,3 +290,20 @@ def test_a_folder_of_pickled_weights_alone_is_named(tmp_path: Path) -> None:
     for _, error, _ in _load_into_wrapped(tmp_path):
         assert isinstance(error, FileNotFoundError), error
         assert "pytorch_model.bin: pickled weights, which it does not read" in str(error)
+
+
+def test_names_the_models_class_ignores_on_loading_are_ignored_as_from_pretrained_does(
+    tmp_path: Path,
+) -> None:
+    saved = _saved_gpt2(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    for i in range(2):
+        weights[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 8, 8))
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for state, keys, _ in _load_into_wrapped(tmp_path):
+        assert keys.missing_keys == [] and keys.unexpected_keys == [], keys
+        torch.testing.assert_close(state, saved.state_dict(), atol=0, rtol=0)
+    weights["extra.thing"] = torch.zeros(3)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for _, error, _ in _load_into_wrapped(tmp_path):
+        assert isinstance(error, ValueError) and "not in the model: 'extra.thing'" in str(error)
