@@ -367,13 +367,9 @@ def _joined_norm(g: Tensor, order: float, joined: _Joined, dtype: torch.dtype | 
         ]
     _complete_together(parts)
     wholes = torch.stack([part.complete() for part in parts])
-    if order == float("inf"):
-        return wholes.max()
-    if order == float("-inf"):
-        return wholes.min()
-    if order == 0.0:
-        return wholes.sum()
-    return wholes.pow(order).sum().pow(1.0 / order)
+    # the segments' norms combined as torch's get_total_norm combines tensors' (an order-0
+    # norm counts: the counts add up)
+    return wholes.sum() if order == 0.0 else torch.linalg.vector_norm(wholes, order)
 
 
 def _partial(local: Tensor, order: float, owner: _Owner | None) -> Tensor:

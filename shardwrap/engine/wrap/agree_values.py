@@ -4,7 +4,7 @@ Weights that differ across ranks before wrapping (a seed per rank, as DDP script
 weights loaded on rank 0 only, the habit ``sync_module_states`` serves in other wrappers) would
 otherwise become a patchwork: each rank keeps its own pieces of different values. DDP copies
 rank 0's parameters and buffers to every rank when it wraps; so does shardwrap by default, for
-the tensors that differ, with a warning naming them. :func:`differing_values` costs two passes
+the tensors that differ, with a warning naming them. :func:`differing_values` costs one pass
 over the weights and one small all-reduce (three float64 numbers per tensor: its sum, its norm
 and a sum weighted by position, which tells apart the same values in another order, a
 transposed or flipped matrix);
@@ -50,21 +50,17 @@ _BLOCK = 1 << 20  # elements weighted at a time: a float64 copy of a block, neve
 
 def _summary(t: Tensor) -> tuple[float, float, float]:
     """(sum, sum of squares, sum of each element times its position) of ``t``, accumulated in
-    float64 without a float64 copy of ``t``."""
-    t = as_sent(t)  # a float8 tensor's bytes are summed, a complex one's parts
-    if not t.is_floating_point():
-        t = t.double()
-    flat = t.reshape(-1)
-    weighted = torch.zeros((), dtype=torch.float64, device=t.device)
+    float64 in one pass over ``t``, a block at a time (never a float64 copy of ``t``)."""
+    flat = as_sent(t).reshape(-1)  # a float8 tensor's bytes are summed, a complex one's parts
+    sums = torch.zeros(_STATS, dtype=torch.float64, device=flat.device)
     for start in range(0, flat.numel(), _BLOCK):
         part = flat[start : start + _BLOCK].double()
-        at = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.float64, device=t.device)
-        weighted += torch.dot(part, at)
-    return (
-        torch.sum(t, dtype=torch.float64).item(),
-        torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2,
-        weighted.item(),
-    )
+        at = torch.arange(
+            start + 1, start + 1 + part.numel(), dtype=torch.float64, device=part.device
+        )
+        sums += torch.stack([part.sum(), torch.dot(part, part), torch.dot(part, at)])
+    total, squares, weighted = sums.tolist()
+    return total, squares, weighted
 
 
 def differing_values(module: nn.Module, mesh: Mesh) -> list[str]:
