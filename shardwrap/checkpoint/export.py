@@ -50,7 +50,7 @@ from .files import (
 from .folder import refuse_a_file_above, refuse_foreign_scratch, saves_in
 from .format import persistent_buffers
 
-__all__ = ["CONFIGS", "INDEX", "WEIGHTS", "export", "write_export"]
+__all__ = ["CONFIGS", "INDEX", "WEIGHTS", "export", "is_transformers_model", "write_export"]
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -81,10 +81,15 @@ def _parse_size(size: int | str) -> int:
     return size
 
 
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``transformers`` model (a model of it means it is imported)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
 def _hf_dropped(model: nn.Module, state: dict[str, Tensor]) -> set[str]:
     """The tied keys ``save_pretrained`` leaves out, for a ``transformers`` model (else none)."""
-    transformers = sys.modules.get("transformers")  # a model of it means it is imported
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+    if not is_transformers_model(model):
         return set()
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 

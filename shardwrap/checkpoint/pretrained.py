@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 import warnings
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -25,7 +24,7 @@ from torch import Tensor, nn
 
 from ..engine.shards.split import Split
 from .entry import wrapped_root
-from .export import INDEX, WEIGHTS
+from .export import INDEX, WEIGHTS, is_transformers_model
 from .files import agree, agree_path, few, is_plain_name
 from .format import persistent_buffers
 
@@ -41,8 +40,7 @@ def _ignored(model: nn.Module) -> tuple[re.Pattern[str], re.Pattern[str]]:
     GPT-2's causal-mask buffers older folders hold; and, where the model has such buffers,
     ``rotary_emb.inv_freq`` and ``position_ids``, once persistent); matching none for any
     other model."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+    if not is_transformers_model(model):
         return _NOTHING, _NOTHING
     buffers = [name for name, _ in model.named_buffers()]
     unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
@@ -62,8 +60,7 @@ def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]] | None:
     """A ``transformers`` model's checkpoint renamings and its converters (which merge saved
     tensors into one, a mixture of experts' per-expert weights), as ``from_pretrained``
     applies them since transformers 5; ``None`` for any other model."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+    if not is_transformers_model(model):
         return None
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -377,7 +377,7 @@ def check_same_model(
     n = len(values)
     low, high, longest = agreed[:n], [-v for v in agreed[n : 2 * n]], -agreed[-1]
     if low[:2] != high[:2]:
-        _name_first_parameter_difference(named, sigs, high[0], group, device)
+        _name_first_difference(named, sigs, high[0], group, device)
     differ = [i for i in range(len(texts)) if low[2 + i] != high[2 + i]]
     if differ:
         _name_option_differences(list(options), texts, differ, longest, group, device)
@@ -452,7 +452,7 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
-def _name_first_parameter_difference(
+def _name_first_difference(
     named: list[str],
     sigs: list[int],
     longest: int,
