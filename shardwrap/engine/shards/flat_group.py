@@ -32,7 +32,7 @@ from ...comm.mesh import Mesh
 from ...comm.quantize import Codec
 from ...tiers.home import Home
 from .eager import eager
-from .layout import FlatLayout, LocalPiece
+from .layout import FlatLayout, LocalPiece, view_end
 from .pool import BufferPool
 from .shard_grads import ShardGrads
 from .split import Split
@@ -237,7 +237,7 @@ class FlatGroup:
     ) -> list[str]:
         """The parameters an optimizer stepped after the group's ``steps``-th step that a view
         of the gathered buffer (``at``, ``shape``, ``stride``) reads, by name."""
-        stop = at + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if 0 not in shape else at
+        stop = view_end(at, shape, stride)
         spans = zip(self.names, self.layout.offsets, self.layout.numels, self.stepped)
         return [name for name, o, n, last in spans if last > steps and o < stop and at < o + n]
 

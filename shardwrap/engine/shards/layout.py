@@ -13,10 +13,19 @@ layout of a checkpoint never depends on the world size that wrote it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["FlatLayout", "LocalPiece"]
+__all__ = ["FlatLayout", "LocalPiece", "view_end"]
+
+
+def view_end(offset: int, shape: Sequence[int], stride: Sequence[int]) -> int:
+    """One past the last element of its storage that a view (``offset``, ``shape``,
+    ``stride``) reads; ``offset`` for a view of no elements."""
+    if 0 in shape:
+        return offset
+    return offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
 @dataclass(frozen=True)

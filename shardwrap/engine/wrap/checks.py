@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ...comm.collectives import Group, all_reduce, group_size
 from ...options import Compression, MixedPrecision, Offload
+from ..shards.layout import view_end
 from ..shards.tensor_parallel import is_dtensor
 from .policy import AutoWrap, Placement, group_key, resolve_policy
 from .retired import is_retired
@@ -136,7 +137,7 @@ def _refuse_shared_memory(module: nn.Module) -> None:
             continue
         size = t.element_size()
         start = t.storage_offset()
-        stop = start + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        stop = view_end(start, t.shape, t.stride())
         spans.setdefault(storage, []).append((start * size, stop * size, name, is_param))
     for entries in spans.values():
         if len(entries) < 2 or not any(is_param for *_, is_param in entries):
