@@ -11,6 +11,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_changes_after
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable
@@ -109,6 +110,8 @@ def test_a_parameter_assigned_anew_is_the_one_forward_uses(stage: int) -> None:
         ("resize", "a resize or a cast"),
         ("cast", "a resize or a cast"),
         ("new name", "adds a parameter"),
+        ("parameter in an empty container added", "extra.scale = nn.Parameter.*adds a parameter"),
+        ("layer in an empty container added", "swaps a module holding parameters"),
         ("tie", "ties the two"),
         ("module with parameters", "swaps a module holding parameters"),
     ],
@@ -116,12 +119,15 @@ def test_a_parameter_assigned_anew_is_the_one_forward_uses(stage: int) -> None:
 def test_a_change_the_shards_cannot_follow_is_refused_at_its_line(
     change: str, expected: str
 ) -> None:
-    """Each is refused where it is made, naming the fix, and the model trains on unchanged."""
+    """Each is refused where it is made, naming the fix, and the model trains on unchanged. A
+    container that held nothing when it was added (an empty ``nn.ParameterDict`` or
+    ``nn.Sequential``) had been taken and its modules left unwatched: filled afterwards, it
+    trained whole and unaveraged on each rank, the ranks drifting apart."""
 
     def fn(rank: int, pg: ProcessGroup) -> None:
         m = _wrap(pg)
         before = m.full_state_dict()
-        error = TypeError if change == "module with parameters" else ValueError
+        error = TypeError if "swaps" in expected else ValueError
         with pytest.raises(error, match=expected):
             if change == "resize":
                 m.b1.a.weight = nn.Parameter(torch.zeros(9, 8))
@@ -129,6 +135,12 @@ def test_a_change_the_shards_cannot_follow_is_refused_at_its_line(
                 m.b1.a.weight = nn.Parameter(torch.zeros(8, 8, dtype=torch.float64))
             elif change == "new name":
                 m.b1.scale = nn.Parameter(torch.ones(8))
+            elif change == "parameter in an empty container added":
+                m.extra = nn.ParameterDict()  # holds none: taken, then filled
+                m.extra["scale"] = nn.Parameter(torch.ones(3))
+            elif change == "layer in an empty container added":
+                m.b1.more = nn.Sequential()
+                m.b1.more.append(nn.Linear(8, 8))
             elif change == "tie":
                 m.b2.a.weight = m.b1.a.weight
             else:
@@ -517,6 +529,31 @@ def test_a_parametrization_registered_after_wrapping_is_refused_on_every_rank(wh
             else:
                 parametrize.register_parametrization(m.head, "bias", _Scaled())
         assert not parametrize.is_parametrized(m.b1.a) and not parametrize.is_parametrized(m.head)
+        _train(m, rank, WORLD)
+        return m.full_state_dict()
+
+    for state in run_ranks(WORLD, fn, timeout=30):
+        torch.testing.assert_close(state, dict(plain.state_dict()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("apply", ["weight_norm", "spectral_norm"])
+def test_weight_norm_applied_after_wrapping_is_refused_with_nothing_changed(apply: str) -> None:
+    """``torch.nn.utils.weight_norm`` and ``spectral_norm`` (the functions) delete the layer's
+    weight, then register new parameters in its place: the refusal of the first came after the
+    deletion, leaving a model without its weight (the next forward failed; a save left it
+    out). Now the weight is put back, nothing is changed, and training goes on as on the plain
+    model."""
+    plain = copy.deepcopy(_net())
+    _train(plain, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _wrap(pg)
+        before, hooks = m.full_state_dict(), dict(m.b1.a._forward_pre_hooks)
+        with pytest.warns(FutureWarning) if apply == "weight_norm" else contextlib.nullcontext():
+            with pytest.raises(ValueError, match="spectral_norm .* b1.a.weight .*before wrapping"):
+                getattr(nn.utils, apply)(m.b1.a)
+        assert m.b1.a._forward_pre_hooks == hooks and "weight" in m.b1.a._parameters
+        torch.testing.assert_close(m.full_state_dict(), before, atol=0, rtol=0)
         _train(m, rank, WORLD)
         return m.full_state_dict()
 

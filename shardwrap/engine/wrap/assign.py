@@ -16,7 +16,11 @@ and module assigned to a module of a wrapped model:
    resize), a tie or untie between parameters, a new parameter name, or a module swapped in or
    out that holds parameters. Each must happen before wrapping. A wrapper put around a module
    (torch's ``apply_activation_checkpointing`` after wrapping, as FSDP scripts order it) is
-   named as such, with ``checkpoint_activations`` as the fix.
+   named as such, with ``checkpoint_activations`` as the fix. A module taken because it held
+   no parameter (an activation, an empty container) is watched like the others from then on,
+   so a container filled later is refused too; and ``torch.nn.utils.weight_norm`` or
+   ``spectral_norm``, which delete the weight before registering its replacements, find it
+   put back when they are refused.
 """
 
 from __future__ import annotations
@@ -79,6 +83,14 @@ class Assignments:
         where = f"{self._names.get(id(module), type(module).__name__)}.{name}".lstrip(".")
         slot = self._slots.get((id(module), name))
         if slot is None:
+            replaced = self._put_back_replaced(module, name)
+            if replaced is not None:
+                raise ValueError(
+                    f"{where}: torch.nn.utils.weight_norm or spectral_norm on a sharded model "
+                    f"replaces {where.removesuffix(name)}{replaced} by new parameters, which "
+                    "cannot join the flat shards after wrapping. Apply it before wrapping (it "
+                    "trains as on the plain model then). Nothing was changed."
+                )
             raise ValueError(
                 f"{where} = nn.Parameter(...) adds a parameter to a sharded model: it would live "
                 "whole on each rank, outside the shards, and train there alone. Add it to the "
@@ -126,9 +138,26 @@ class Assignments:
         on_change(fingerprint(param.detach())[1])
         return current
 
+    def _put_back_replaced(self, module: nn.Module, name: str) -> str | None:
+        """Where ``name`` is what ``torch.nn.utils.weight_norm`` (``<w>_g``) or
+        ``spectral_norm`` (``<w>_orig``) registers after deleting the shard parameter ``<w>``
+        from ``module``: put ``<w>`` back, so that the refusal changes nothing, and return it."""
+        for suffix in ("_g", "_orig"):
+            base = name.removesuffix(suffix)
+            slot = self._slots.get((id(module), base))
+            if base == name or slot is None or base in module._parameters:
+                continue
+            group = slot[0]()
+            if group is not None:
+                module._parameters[base] = group.shard_params[slot[1]]
+                return base
+        return None
+
     def module(self, parent: nn.Module, name: str, new: nn.Module) -> None:
         """``parent.<name> = new``: allowed where neither the module replaced nor ``new`` holds
-        parameters (an activation swapped).
+        parameters (an activation swapped, an empty ``nn.ParameterDict``). ``new`` and its
+        modules are then the model's like the others: a parameter later added to them (a
+        container filled) is refused as on any module of the model.
 
         Raises:
             TypeError: a module that holds parameters swapped in or out, naming the fix.
@@ -139,8 +168,8 @@ class Assignments:
         held = old is not None and any(
             (id(m), attr) in self._slots for m in old.modules() for attr in m._parameters
         )
+        where = f"{self._names.get(id(parent), type(parent).__name__)}.{name}".lstrip(".")
         if held or any(True for _ in new.parameters()):
-            where = f"{self._names.get(id(parent), type(parent).__name__)}.{name}".lstrip(".")
             if old is not None and _encloses(new, old):
                 raise TypeError(_wrapped_after(where, old, new))
             raise TypeError(
@@ -151,6 +180,9 @@ class Assignments:
                 "to change weights after wrapping, assign parameters of the same shape, or edit "
                 "them inside model.gathered(writeback=True)."
             )
+        for inner_name, inner in new.named_modules(prefix=where):
+            _registry[inner] = self
+            self._names[id(inner)] = inner_name
 
 
 def _encloses(new: nn.Module, old: nn.Module) -> bool:
