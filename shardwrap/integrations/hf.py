@@ -34,6 +34,7 @@ from torch import nn
 from ..checkpoint.export import write_export
 from ..comm.collectives import all_reduce
 from ..engine.optim.callers import caller_frame
+from ..engine.optim.whole_params import declare_optimizer_name
 from ..engine.shards.unit import Unit
 from ..engine.step.inference import decoding_alone
 from ..engine.step.recompute import guard_recompute
@@ -48,6 +49,10 @@ __all__ = [
     "refuse_stock_trainer",
     "synced_decoding",
 ]
+
+# transformers' Adafactor (``TrainingArguments(optim="adafactor")``) factors the second moment
+# into row and column means and scales by the parameter's RMS, as torch's does: stepped whole.
+declare_optimizer_name("transformers.optimization.Adafactor", reads_shapes=True)
 
 _TRAINER_MODULE = "transformers.trainer"
 

@@ -174,6 +174,23 @@ def test_shape_aware_optimizers_train_like_the_plain_model(name: str, world_size
     _parity(name, world_size)
 
 
+def hf_adafactor(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    import transformers.optimization
+
+    return transformers.optimization.Adafactor(params)  # relative steps, scaled by the RMS
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_transformers_adafactor_is_stepped_whole_like_the_plain_model(world_size: int) -> None:
+    """``TrainingArguments(optim="adafactor")``'s optimizer reads shapes as torch's does, and is
+    known as such. Its step also makes state with ``torch.zeros(...).to(grad)``, a plain tensor
+    converted like a gradient, which had raised ``AttributeError``."""
+    import transformers.optimization
+
+    assert whole_params.steps_whole(transformers.optimization.Adafactor)
+    _parity("adafactor", world_size, make=hf_adafactor)
+
+
 class Pair(nn.Module):
     """Two linears, 16 -> 48 -> 16, with biases."""
 

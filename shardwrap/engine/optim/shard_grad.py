@@ -230,8 +230,8 @@ class ShardGrad(Tensor):
                 return made
         with _DisableSubclass():
             out = func(*args, **kwargs)
-        if func in _GRAD_ALIASES and isinstance(out, Tensor):
-            return as_shard_grad(out, args[0]._shardwrap_owner)
+        if func in _GRAD_ALIASES and owner is not None and isinstance(out, Tensor):
+            return as_shard_grad(out, owner)  # an alias of a gradient, not x.to(grad)
         if func in _JOINS and isinstance(out, Tensor):
             joined = _joined(func, args, kwargs)
             if joined is not None:
