@@ -23,7 +23,9 @@ What this class changes is saving and loading, which the stock Trainer does on r
   own shards; the scheduler as usual (``scheduler.pt``).
 - Resuming (``train(resume_from_checkpoint=...)``) and ``load_best_model_at_end`` read them
   back, at any world size; a folder holding only ``save_pretrained`` files loads with
-  :func:`shardwrap.load_pretrained`.
+  :func:`shardwrap.load_pretrained`. A checkpoint the stock Trainer wrote for the plain model
+  (under DDP or on one device: ``model.safetensors``, ``optimizer.pt``) resumes too, its
+  optimizer state cut to this rank's pieces.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import transformers
 
+from .checkpoint.full_optimizer import load_full_optimizer_state_dict
 from .checkpoint.load import load_checkpoint
 from .checkpoint.pretrained import load_pretrained
 from .checkpoint.save import save_checkpoint
@@ -45,6 +48,7 @@ __all__ = ["Seq2SeqTrainer", "ShardedTrainerMixin", "Trainer"]
 
 CHECKPOINT = "shardwrap"
 SCHEDULER = "scheduler.pt"  # the stock Trainer's name for the scheduler's state
+OPTIMIZER = "optimizer.pt"  # the stock Trainer's name for the optimizer's state (DDP, one GPU)
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -121,9 +125,12 @@ class ShardedTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        folder = Path(checkpoint) / CHECKPOINT
+        folder, stock = Path(checkpoint) / CHECKPOINT, Path(checkpoint) / OPTIMIZER
         if folder.is_dir():
             load_checkpoint(folder, self._sharded(), _torch_optimizer(self.optimizer))
+        elif stock.is_file():  # the stock Trainer's checkpoint of a plain model: whole state
+            state = torch.load(stock, map_location="cpu", weights_only=True)
+            load_full_optimizer_state_dict(self._sharded(), _torch_optimizer(self.optimizer), state)
         scheduler = Path(checkpoint) / SCHEDULER
         if scheduler.is_file() and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

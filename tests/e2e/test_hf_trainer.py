@@ -6,7 +6,8 @@ must match it step for step. Proves:
 
 - ``shardwrap.hf.Trainer`` (GPT-2): fp32 losses, clipped gradient norms (global: the same as
   DDP's) and evaluation losses within 1e-5 of DDP over 4 steps; the model is not wrapped in DDP;
-  the Trainer's own checkpoint (``checkpoint-2``) resumes to the same steps 3 and 4;
+  the Trainer's own checkpoint (``checkpoint-2``) resumes to the same steps 3 and 4, and so
+  does the stock Trainer's checkpoint of the DDP run (its ``optimizer.pt`` too);
   ``save_model`` writes a folder ``from_pretrained`` loads to the trained weights;
   ``generate()`` with a different length on each rank completes with DDP's tokens;
 - a stock ``accelerate`` loop (Llama; ``prepare``, gradient accumulation, ``clip_grad_norm_``,
@@ -59,6 +60,9 @@ def test_trainer_matches_ddp_and_resumes(tmp_path: Path) -> None:
     _assert_steps_match(sharded["train"], ddp["train"], ("loss", "grad_norm"))
     assert sharded["eval"] == pytest.approx(ddp["eval"], abs=1e-5)
     _assert_steps_match(sharded["resumed_train"], sharded["train"][2:], ("loss", "grad_norm"))
+    # The stock Trainer's own checkpoint of the DDP run: its optimizer.pt had been ignored
+    # without a word, AdamW's moments starting again from zero.
+    _assert_steps_match(sharded["from_ddp_train"], ddp["train"][2:], ("loss", "grad_norm"))
     assert sharded["resumed_eval"] == pytest.approx(sharded["eval"][1:], abs=1e-5)
     assert "checkpoint-2/shardwrap/metadata.json" in sharded["checkpoint_files"]
     assert sharded["reload_equal"] is True

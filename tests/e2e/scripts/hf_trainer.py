@@ -7,7 +7,8 @@ Launched by tests/e2e/test_hf_trainer.py:
 For each of ``ddp`` (stock ``transformers.Trainer``, which wraps the plain model in DDP) and
 ``shardwrap`` (``shardwrap.hf.Trainer`` on a ``ShardedModule``), in this one launch: train
 4 steps with gradient clipping at norm 1, a checkpoint and an evaluation every 2 steps; resume
-a fresh model from ``checkpoint-2`` and train to step 4 again; ``generate()`` with a
+a fresh model from ``checkpoint-2`` and train to step 4 again (and a sharded one from the DDP
+run's ``checkpoint-2``); ``generate()`` with a
 different length on each rank; ``save_model`` and reload the result with ``from_pretrained``.
 Rank 0 writes the logged losses, gradient norms, evaluation losses, generated tokens and
 whether the reloaded weights equal the trained ones.
@@ -150,6 +151,10 @@ def main(out_path: str, work: str) -> None:
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo")
     results = {mode: run(mode, Path(work)) for mode in ("ddp", "shardwrap")}
+    from_ddp = Logs()  # a run moved from DDP: the stock Trainer's checkpoint, optimizer.pt too
+    again = _trainer("shardwrap", Path(work) / "from_ddp", from_ddp)
+    again.train(resume_from_checkpoint=str(Path(work) / "ddp" / "checkpoint-2"))
+    results["shardwrap"]["from_ddp_train"] = from_ddp.train
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
     end_ranks()
