@@ -49,6 +49,7 @@ __all__ = ["Seq2SeqTrainer", "ShardedTrainerMixin", "Trainer"]
 CHECKPOINT = "shardwrap"
 SCHEDULER = "scheduler.pt"  # the stock Trainer's name for the scheduler's state
 OPTIMIZER = "optimizer.pt"  # the stock Trainer's name for the optimizer's state (DDP, one GPU)
+ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")  # a PEFT model's own weights
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -109,18 +110,25 @@ class ShardedTrainerMixin:
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
 
-    def _load_model(self, checkpoint: str) -> None:
+    def _load_model(self, checkpoint: str, trainable: bool) -> None:
+        """The model's weights from ``checkpoint``: a shardwrap checkpoint, else a PEFT model's
+        adapter (``save_only_model``: the adapter alone), else ``save_pretrained`` files."""
+        model = self._sharded()
         folder = Path(checkpoint) / CHECKPOINT
         if folder.is_dir():
-            load_checkpoint(folder, self._sharded())
+            load_checkpoint(folder, model)
+        elif hasattr(model, "load_adapter") and any(
+            (Path(checkpoint) / n).is_file() for n in ADAPTER
+        ):
+            model.load_adapter(checkpoint, model.active_adapters[0], is_trainable=trainable)
         else:
-            load_pretrained(checkpoint, self._sharded())
+            load_pretrained(checkpoint, model)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        self._load_model(resume_from_checkpoint)
+        self._load_model(resume_from_checkpoint, trainable=True)
 
     def _load_best_model(self) -> None:
-        self._load_model(self.state.best_model_checkpoint)
+        self._load_model(self.state.best_model_checkpoint, trainable=False)  # as the stock one
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -20,9 +20,11 @@ A wrapped ``PeftModel``'s class gains :class:`PeftHabits` ahead of its own:
   ``transformers`` model (``integrations/hf.py``);
 - ``get_nb_trainable_parameters()`` (and so ``print_trainable_parameters()``) counts whole
   parameters, not this rank's pieces;
-- ``add_adapter``, ``load_adapter`` and ``delete_adapter`` are refused (the adapters are
-  sharded when the model is wrapped), and so are ``merge_adapter`` and ``unmerge_adapter``
-  (they write the adapters' product into the base weights in place, which are pieces here).
+- ``add_adapter``, ``load_adapter`` of a new adapter and ``delete_adapter`` are refused (the
+  adapters are sharded when the model is wrapped; ``load_adapter`` into an adapter the model
+  has loads its weights, each rank cutting its pieces), and so are ``merge_adapter`` and
+  ``unmerge_adapter`` (they write the adapters' product into the base weights in place, which
+  are pieces here).
 
 The engine does not import this module (nor ``peft``): ``shardwrap/__init__.py`` imports it,
 and it registers the habits with the engine (``engine/wrap/extensions.py``).
@@ -168,9 +170,13 @@ class PeftHabits:
         """Refused: see :meth:`_refuse_new_adapters`."""
         self._refuse_new_adapters("add_adapter")
 
-    def load_adapter(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: see :meth:`_refuse_new_adapters`."""
-        self._refuse_new_adapters("load_adapter")
+    def load_adapter(self, model_id: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Loads saved weights into an adapter the model already has (the Trainer's
+        ``load_best_model_at_end`` and resume of an adapter-only checkpoint), each rank cutting
+        its pieces; a new adapter is refused: see :meth:`_refuse_new_adapters`."""
+        if adapter_name not in self.peft_config:
+            self._refuse_new_adapters("load_adapter of a new adapter")
+        return super().load_adapter(model_id, adapter_name, *args, **kwargs)  # type: ignore[misc]
 
     def delete_adapter(self, *args: Any, **kwargs: Any) -> None:
         """Refused: see :meth:`_refuse_new_adapters`."""

@@ -296,6 +296,50 @@ def test_adapters_added_to_a_sharded_model_are_refused() -> None:
     run_ranks(WORLD, fn)
 
 
+def test_load_adapter_loads_saved_weights_into_its_own_adapter_and_refuses_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """``load_adapter(dir, name)`` into an adapter the model has loads the saved weights (what
+    the Trainer's ``load_best_model_at_end`` and resume do with an adapter-only checkpoint,
+    ``save_only_model``: refused, it had failed the run once training ended); a new adapter
+    is still refused."""
+    folder = tmp_path / "adapter"
+    _, peft_model = _models()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = ShardedModule(copy.deepcopy(peft_model), auto_wrap=LlamaDecoderLayer, process_group=pg)
+        _train(m, rank, WORLD)
+        m.save_pretrained(folder)
+        saved = m.full_state_dict()
+        _train(m, rank, WORLD)
+        moved = m.full_state_dict()
+        assert any(not torch.equal(moved[k], v) for k, v in saved.items())  # trained on
+        m.load_adapter(folder, "default", is_trainable=True)
+        torch.testing.assert_close(m.full_state_dict(), saved, atol=0, rtol=0)
+        with pytest.raises(TypeError, match="load_adapter of a new adapter .* fixed"):
+            m.load_adapter(folder, "other")
+
+    run_ranks(WORLD, fn, timeout=60.0)
+
+
+def test_the_trainer_loads_the_best_adapter_of_an_adapter_only_checkpoint(tmp_path: Path) -> None:
+    """``shardwrap.hf.Trainer`` with ``save_only_model``: the checkpoint holds the adapter
+    alone, which ``load_best_model_at_end`` loads (it had looked for the whole model's files)."""
+    import shardwrap.hf
+
+    _, peft_model = _models()
+    m = ShardedModule(peft_model, auto_wrap=LlamaDecoderLayer)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = shardwrap.hf.Trainer(model=m, args=args)
+    _train(m, 0, 1)
+    m.save_pretrained(tmp_path / "checkpoint-3")
+    best = m.full_state_dict()
+    _train(m, 0, 1)
+    trainer.state.best_model_checkpoint = str(tmp_path / "checkpoint-3")
+    trainer._load_best_model()
+    torch.testing.assert_close(m.full_state_dict(), best, atol=0, rtol=0)
+
+
 def _two_adapters() -> tuple[nn.Module, nn.Module]:
     """The base model and a PEFT model of a copy of it with adapters ``one`` (q and v) and
     ``two`` (v alone, rank 2), ``one`` active."""
