@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..comm.collectives import all_gather, all_reduce, all_to_all
 from ..engine.optim.dcp_pieces import register_full_optimizer_state
+from ..engine.optim.pieces import inner_optimizer
 from ..engine.optim.whole_params import stepped_whole
 from ..engine.shards.flat_group import FlatGroup
 from ..engine.step.root import Root
@@ -61,6 +62,7 @@ def full_optimizer_state_dict(
             a scalar, LBFGS; or optimizer state whose keys differ across ranks (every rank).
     """
     model, root = wrapped_root(model, "full_optimizer_state_dict")
+    optimizer = inner_optimizer(optimizer)  # a wrapper's (Lookahead's) state is its inner one's
     mesh = root.mesh
     plan: OptimizerPlan | None = None
     work: Gathers = []
@@ -126,7 +128,7 @@ def load_full_optimizer_state_dict(
             piece; groups of other sizes (as ``load_state_dict`` says); a dict that is no
             optimizer state (``{}``, what ``rank0_only`` gives ranks other than 0).
     """
-    model = sharded_model(model)
+    model, optimizer = sharded_model(model), inner_optimizer(optimizer)
     root = vars(model).get("_shardwrap_root")
     if not isinstance(root, Root):
         raise TypeError(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.optim.pieces import piece_of
+from ..engine.optim.pieces import inner_optimizer, piece_of
 from ..engine.optim.whole_params import stepped_whole
 from .files import few
 from .packed_state import pack
@@ -47,8 +47,14 @@ __all__ = [
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
 
+def _inner(optimizer: Any) -> Any:
+    return inner_optimizer(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+
+
 def as_list(optimizer: Optimizers, caller: str) -> list[torch.optim.Optimizer]:
-    """The optimizers passed: none, one, or each of a list or tuple of them.
+    """The optimizers passed: none, one, or each of a list or tuple of them; for a wrapper
+    sharing its inner optimizer's groups (timm's ``Lookahead``), the inner one, which holds the
+    state (:func:`~shardwrap.engine.optim.pieces.inner_optimizer`).
 
     Raises:
         TypeError: anything else, naming what was passed.
@@ -56,13 +62,13 @@ def as_list(optimizer: Optimizers, caller: str) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
     if not isinstance(optimizer, (list, tuple)) and hasattr(optimizer, "param_groups"):
-        return [optimizer]
+        return [_inner(optimizer)]
     if (
         isinstance(optimizer, (list, tuple))
         and optimizer
         and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
     ):
-        return list(optimizer)
+        return [_inner(o) for o in optimizer]
     raise TypeError(
         f"{caller} takes an optimizer, or a list of optimizers over disjoint parameters (e.g. "
         f"[muon, adamw]), got {type(optimizer).__name__}"

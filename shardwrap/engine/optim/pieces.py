@@ -52,7 +52,7 @@ from .dcp_pieces import (
 from .save_guard import guard_torch_save
 from .shard_grad import ShardGrad
 
-__all__ = ["PIECE_ATTR", "ShardPiece", "adopt_optimizer", "as_piece"]
+__all__ = ["PIECE_ATTR", "ShardPiece", "adopt_optimizer", "as_piece", "inner_optimizer"]
 
 PIECE_ATTR = "_shardwrap_piece"  # on a shard parameter: (its FlatGroup, weakly; index; CommStats)
 
@@ -205,6 +205,40 @@ def piece_of(param: Tensor) -> tuple[torch.Size, int, int, tuple[int, ...]] | No
 # optimizers ------------------------------------------------------------------------------
 
 Owns = Callable[[nn.Parameter], bool]  # whether this rank steps a parameter whole
+_followers: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # wrappers kept on their groups
+
+
+def inner_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer whose ``state`` holds ``optimizer``'s: ``optimizer`` itself, or, for a
+    wrapper holding another optimizer whose ``param_groups`` it shares (timm's ``Lookahead``,
+    whose own ``state`` stays empty and whose ``state_dict()`` is the inner one's), that one,
+    through any number of wrappers. Saves read it, loads write it; a load replaces its
+    ``param_groups`` list, so the wrapper is then pointed at the new one, as the wrapper's own
+    ``load_state_dict`` does (a scheduler over the wrapper keeps reaching the groups)."""
+    held = next(
+        (
+            v
+            for v in vars(optimizer).values()
+            if isinstance(v, Optimizer) and v is not optimizer
+            and v.param_groups is optimizer.param_groups
+        ),
+        None,
+    )  # fmt: skip
+    if held is None:
+        return optimizer
+    inner = inner_optimizer(held)
+    if "param_groups" in vars(optimizer) and optimizer not in _followers:
+        _followers.add(optimizer)
+        wrapper = weakref.ref(optimizer)
+
+        def follow(loaded: Optimizer) -> None:
+            if (w := wrapper()) is not None:
+                w.param_groups = loaded.param_groups
+
+        inner.register_load_state_dict_post_hook(follow)
+    return inner
+
+
 _adopted: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 

@@ -71,7 +71,7 @@ from .adoption import adopt_before_state_dicts
 from .dcp_pieces import dcp_filling_empty_state
 from .loaded_state import check_held_state, watch
 from .ownership import Entry, Plan, held, make_entries, make_plans, span
-from .pieces import PIECE_ATTR, adopt_optimizer
+from .pieces import PIECE_ATTR, adopt_optimizer, inner_optimizer
 from .shard_grad import WHOLE_STEP, as_shard_grad
 from .unreduced import refuse_unreduced
 
@@ -313,8 +313,8 @@ def _classify(optimizer: Optimizer) -> _WholeStep | None:
     Raises:
         ValueError: a refused optimizer over shard parameters, before it changes anything.
     """
-    if next(_pieces(optimizer), None) is None:
-        return None
+    if next(_pieces(optimizer), None) is None or inner_optimizer(optimizer) is not optimizer:
+        return None  # a wrapper (Lookahead) steps through its inner optimizer, classified apart
     cls = type(optimizer)
     kind = _kind(cls)
     if kind == "refused":
