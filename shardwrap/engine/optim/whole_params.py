@@ -129,7 +129,7 @@ def declare_optimizer(cls: type[Optimizer], *, reads_shapes: bool) -> None:
     Args:
         cls: the optimizer class (its subclasses that keep its ``step`` are declared too).
         reads_shapes: ``True`` if its update of a parameter depends on the parameter's shape or
-            on other elements of it (per-row or per-matrix normalisation, factored moments, a
+            on other elements of it (per-row or per-matrix normalisation, factored moments, its
             norm): each parameter is then stepped whole on one rank. ``False`` if it treats
             every element on its own (like AdamW): it steps this rank's pieces.
 
@@ -330,7 +330,9 @@ def _classify(optimizer: Optimizer) -> _WholeStep | None:
             "unwrapped model's step only for an elementwise optimizer. Declare it once before "
             f"training: shardwrap.declare_optimizer({cls.__name__}, reads_shapes=True) to step "
             "each parameter whole on one rank (per-row or per-matrix updates, factored moments, "
-            "norms), or reads_shapes=False for an elementwise one (silences this warning).",
+            "a parameter's own norm), or reads_shapes=False for an elementwise one, or one "
+            "whose only other reads are norms over all parameters (global clipping, SAM), "
+            "which are global on pieces (silences this warning).",
             stacklevel=4,
         )
     whole = _WholeStep(optimizer) if kind == "whole" else None
