@@ -685,6 +685,38 @@ def _train_on(m: nn.Module, data: list[Tensor], world: int, rank: int) -> None:
         opt.step()
 
 
+@pytest.mark.parametrize("given", ["state_dict", "clones"])
+def test_functional_call_given_pieces_names_them_and_the_fix(given: str) -> None:
+    """``functional_call(model, model.state_dict(), x)``, the unwrapped model's identity, and
+    the EMA habit of calling with clones of ``named_parameters()`` give this rank's pieces:
+    each rank raised torch's shape error alone (rank 0's blaming a parameter read outside its
+    unit). Now every rank names the tensors given and the fix, and the model trains on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3))
+    x = torch.randn(8, 6)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = _shard(copy.deepcopy(model), pg)
+        tensors = (
+            m.state_dict()
+            if given == "state_dict"
+            else {n: p.detach().clone() for n, p in m.named_parameters()}
+        )
+        with pytest.raises(
+            RuntimeError,
+            match=r"given for 0.weight \(given \(1, \d+\), is \(7, 6\)\)"
+            r".*model.full_state_dict\(\)",
+        ):
+            with torch.no_grad():
+                torch.func.functional_call(m, tensors, (_slice(x, rank, 2),))
+        whole = m.full_state_dict()
+        with torch.no_grad():
+            out = torch.func.functional_call(m, whole, (_slice(x, rank, 2),))
+        torch.testing.assert_close(out, model(_slice(x, rank, 2)), atol=1e-6, rtol=0)
+
+    run_ranks(2, fn)
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_functional_call_computes_with_the_tensors_given(world_size: int) -> None:
     """``torch.func.functional_call(model, tensors, x)`` (meta-learning's inner loop, a

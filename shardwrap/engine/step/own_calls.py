@@ -24,7 +24,7 @@ from ..shards.eager import eager
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 
-__all__ = ["Driver", "OwnCalls", "piece_hint", "precision_hint", "ready"]
+__all__ = ["Driver", "OwnCalls", "given_hint", "piece_hint", "precision_hint", "ready"]
 
 
 class Driver(Protocol):
@@ -153,6 +153,35 @@ def ready(unit: Unit, grad: bool) -> bool:
         and all(
             g.shown and (g.views_track_grad or not (grad and g.requires_grad)) for g in unit.groups
         )
+    )
+
+
+def given_hint(units: list[Unit], error: BaseException) -> str | None:
+    """What to say when a forward failed computing with tensors given in place of parameters
+    (``torch.func.functional_call``, which swaps ``module._parameters`` for the call) shaped
+    unlike them: this rank's pieces, from ``model.state_dict()`` or copies of
+    ``model.parameters()``. ``None`` where no tensor given has another shape."""
+    found = []
+    for unit in units:
+        for g in unit.groups:
+            for name, p, shape, spec, slots in zip(
+                g.names, g.shard_params, g.shapes, g.specs, g.slots
+            ):
+                for module, attr in slots:
+                    given = module._parameters.get(attr)
+                    if given is None or given is p or spec is not None:
+                        continue
+                    if tuple(given.shape) != tuple(shape):
+                        found.append(f"{name} (given {tuple(given.shape)}, is {tuple(shape)})")
+    if not found:
+        return None
+    return (
+        f"shardwrap: forward failed computing with tensors given for {', '.join(found[:4])}"
+        f"{' and more' if len(found) > 4 else ''} (torch.func.functional_call): the module "
+        "computes with whole parameters, and model.state_dict(), model.parameters() and copies "
+        "of them are this rank's pieces. Give whole values: model.full_state_dict() (every rank "
+        "calls it), or the model's own parameters, dict(model.named_parameters()). "
+        f"The error: {error}"
     )
 
 

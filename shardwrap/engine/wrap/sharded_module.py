@@ -29,7 +29,7 @@ from ..optim.save_guard import guard_torch_save
 from ..shards.tensor_parallel import check_tensor_parallel
 from ..step.edits import check_modifier_rank
 from ..step.inference import fits_gathered
-from ..step.own_calls import piece_hint, precision_hint
+from ..step.own_calls import given_hint, piece_hint, precision_hint
 from ..step.recompute import compile_unit, recompute_activations
 from ..step.root import Root
 from ..step.strategy import Strategy
@@ -284,15 +284,20 @@ class ShardedModule(DDPHabits, FSDPHabits, Moves, nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model; a forward that fails on the shape of a parameter's piece (a
-        parameter read outside its unit's forward), or on float32 met with the compute dtype
-        of mixed precision (a dtype read from the pieces), raises naming it and the fixes."""
+        parameter read outside its unit's forward, or pieces given to ``functional_call``), or
+        on float32 met with the compute dtype of mixed precision (a dtype read from the
+        pieces), raises naming it and the fixes."""
         try:
             return super().__call__(*args, **kwargs)
         except (RuntimeError, ValueError, IndexError) as e:
             if isinstance(e, CollectiveFailed):
                 raise
             root = self._shardwrap_root
-            hint = piece_hint(root.units, e) or precision_hint(root.precision, e)
+            hint = (
+                given_hint(root.units, e)
+                or piece_hint(root.units, e)
+                or precision_hint(root.precision, e)
+            )
             if hint is None:
                 raise
             raise RuntimeError(hint) from e
