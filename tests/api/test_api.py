@@ -424,6 +424,51 @@ def test_the_norm_of_the_gradients_joined_into_one_vector_is_the_whole_models() 
         _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_sams_norm_of_scaled_gradients_is_the_whole_models(adaptive: bool) -> None:
+    """SAM steps from weights moved by ``rho * g / |g|``, the norm over every parameter of
+    ``1.0 * p.grad`` (adaptive SAM: of ``|p| * p.grad``, moved by ``p**2 * g``), as the widely
+    copied implementation writes it. A product of a shard gradient was a plain tensor, so its
+    norm was each rank's own part: the ranks moved their pieces by different amounts and
+    trained apart from the plain model without an error. Elementwise arithmetic of a shard
+    gradient is now a piece of it, whose norm completes."""
+    model = _gpt()
+
+    def train(m: nn.Module, rank: int, world: int) -> list[float]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        params, norms = list(m.parameters()), []
+        for step in range(STEPS):
+            idx, targets = make_batch(step, GLOBAL_BATCH)
+            batch = idx.chunk(world)[rank], targets.chunk(world)[rank]
+            m(*batch).backward()
+            with torch.no_grad():
+                scaled = [(p.abs() if adaptive else 1.0) * p.grad for p in params]
+                norm = torch.stack([s.norm(p=2) for s in scaled]).norm(p=2)
+                moves = [(p.pow(2) if adaptive else 1.0) * p.grad * (0.05 / norm) for p in params]
+                for p, move in zip(params, moves):
+                    p.add_(move)
+            norms.append(norm.item())
+            opt.zero_grad()
+            m(*batch).backward()
+            with torch.no_grad():
+                for p, move in zip(params, moves):
+                    p.sub_(move)
+            opt.step()
+            opt.zero_grad()
+        return norms
+
+    ref = copy.deepcopy(model)
+    ref_norms = train(ref, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], dict[str, Tensor]]:
+        m = _wrap(model, pg)
+        return train(m, rank, pg.size()), m.full_state_dict()
+
+    for norms, state in run_ranks(2, fn):
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_clip_grad_norm_of_a_float64_model_is_reduced_in_float64(norm_type: float) -> None:
     model = _gpt().double()

@@ -26,6 +26,8 @@ skips alike and lowers the scale alike, with torch's own scaler as with
 Any other operation on a ``ShardGrad`` (the optimizer's) runs as on a plain tensor, at the cost
 of one Python call per torch call, and returns plain tensors; aliases of a ``ShardGrad``
 (``.data``, ``detach()``, ``view(-1)``, dtype conversions) stay ``ShardGrad``, and so do
+elementwise arithmetic of one with numbers or tensors of its shape (``1.0 * p.grad``,
+``p.abs() * p.grad``: SAM's perturbation, whose norm is then the whole one), and
 shard gradients of one group joined into one tensor (``torch.cat``: ``parameters_to_vector`` of
 the gradients, whose norm is then the whole vector's). Zeroing one in
 place (``zero_grad(set_to_none=False)``) is noted on it, for the engine's unreduced gradients.
@@ -185,6 +187,43 @@ _JOINS = {
 }
 
 
+# Elementwise functions: from one parameter's shard gradient and numbers (or tensors of its
+# piece's shape) they make a piece of that parameter, whose norm completes like the gradient's.
+# SAM's perturbation scale is the norm of ``1.0 * p.grad`` (or ``|p| * p.grad``) over every
+# parameter.
+_ELEMENTWISE = frozenset(
+    {
+        *(Tensor.__mul__, Tensor.__rmul__, Tensor.mul, torch.mul),
+        *(Tensor.__truediv__, Tensor.__rtruediv__, Tensor.div, torch.div),
+        *(Tensor.__add__, Tensor.__radd__, Tensor.add, torch.add),
+        *(Tensor.__sub__, Tensor.__rsub__, Tensor.sub, torch.sub),
+        *(Tensor.__neg__, Tensor.neg, torch.neg, Tensor.__abs__, Tensor.abs, torch.abs),
+        *(Tensor.__pow__, Tensor.pow, torch.pow, Tensor.square, torch.square),
+        *(Tensor.sign, torch.sign),
+    }
+)
+
+
+def _elementwise_owner(args: tuple, kwargs: dict, out: Tensor) -> _Owner | None:
+    """The owner of the piece an elementwise function made, ``out``, where its tensors are
+    shard gradients of one owner shaped as ``out`` and numbers or tensors of that shape; else
+    ``None`` (a broadcast, gradients of several groups, ``out=``, a gradient standing in under
+    ``no_sync``)."""
+    if "out" in kwargs:
+        return None
+    owner = None
+    for a in (*args, *kwargs.values()):
+        if not isinstance(a, Tensor):
+            continue
+        mine = getattr(a, "_shardwrap_owner", None)
+        if mine is not None and (owner not in (None, mine) or _stands_in(a)):
+            return None
+        if (mine is not None or a.ndim) and a.shape != out.shape:
+            return None
+        owner = mine if mine is not None else owner
+    return owner
+
+
 def _joined(func: Callable[..., Any], args: tuple, kwargs: dict) -> _Joined | None:
     """What shard gradients joined by ``func`` make: each one's elements in turn; ``None``
     where not every input is a shard gradient, or they are not joined along the first
@@ -232,6 +271,10 @@ class ShardGrad(Tensor):
             out = func(*args, **kwargs)
         if func in _GRAD_ALIASES and owner is not None and isinstance(out, Tensor):
             return as_shard_grad(out, owner)  # an alias of a gradient, not x.to(grad)
+        if func in _ELEMENTWISE and isinstance(out, Tensor):
+            made = _elementwise_owner(args, kwargs, out)
+            if made is not None:
+                return as_shard_grad(out, made)
         if func in _JOINS and isinstance(out, Tensor):
             joined = _joined(func, args, kwargs)
             if joined is not None:
