@@ -389,6 +389,24 @@ def test_clip_grad_norm_matches_torch_and_clipped_steps_keep_parity(
         _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
 
 
+def _norms_and_weights_match(
+    model: nn.Module, train: Callable[[nn.Module, int, int], list[float]]
+) -> list[float]:
+    """Train a copy of ``model`` unwrapped and one wrapped at 2 ranks with ``train(m, rank,
+    world)``: the norms it returns and the weights after must match. Returns the norms."""
+    ref = copy.deepcopy(model)
+    ref_norms = train(ref, 0, 1)
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], dict[str, Tensor]]:
+        m = _wrap(model, pg)
+        return train(m, rank, pg.size()), m.full_state_dict()
+
+    for norms, state in run_ranks(2, fn):
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
+    return ref_norms
+
+
 def test_the_norm_of_the_gradients_joined_into_one_vector_is_the_whole_models() -> None:
     """Clipping written by hand over ``parameters_to_vector`` of the gradients (``torch.cat`` of
     their views): the joined pieces were a plain tensor, so its norm was each rank's own part,
@@ -411,17 +429,7 @@ def test_the_norm_of_the_gradients_joined_into_one_vector_is_the_whole_models() 
             opt.zero_grad()
         return norms
 
-    ref = copy.deepcopy(model)
-    ref_norms = train(ref, 0, 1)
-    assert all(n > 0.5 for n in ref_norms)  # every step clips
-
-    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], dict[str, Tensor]]:
-        m = _wrap(model, pg)
-        return train(m, rank, pg.size()), m.full_state_dict()
-
-    for norms, state in run_ranks(2, fn):
-        assert norms == pytest.approx(ref_norms, rel=1e-5)
-        _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
+    assert all(n > 0.5 for n in _norms_and_weights_match(model, train))  # every step clips
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
@@ -457,16 +465,7 @@ def test_sams_norm_of_scaled_gradients_is_the_whole_models(adaptive: bool) -> No
             opt.zero_grad()
         return norms
 
-    ref = copy.deepcopy(model)
-    ref_norms = train(ref, 0, 1)
-
-    def fn(rank: int, pg: ProcessGroup) -> tuple[list[float], dict[str, Tensor]]:
-        m = _wrap(model, pg)
-        return train(m, rank, pg.size()), m.full_state_dict()
-
-    for norms, state in run_ranks(2, fn):
-        assert norms == pytest.approx(ref_norms, rel=1e-5)
-        _assert_state_dicts_equal(state, ref.state_dict(), atol=1e-5)
+    _norms_and_weights_match(model, train)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
