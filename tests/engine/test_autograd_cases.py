@@ -226,13 +226,20 @@ def _count_calls(module: nn.Module) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("read", [False, True], ids=["", "full_state_dict_each_step"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grad_none", "grad_zeroed"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_branch_run_by_some_ranks_all_or_none(world_size: int, set_to_none: bool) -> None:
+def test_branch_run_by_some_ranks_all_or_none(
+    world_size: int, set_to_none: bool, read: bool
+) -> None:
     """Steps where some, none and all ranks run ``branch``: no hang, plain-PyTorch updates.
 
     With ``set_to_none`` a step no rank ran leaves the branch's gradients ``None`` and its
     parameters untouched; with zeroed gradients momentum still moves them, as in PyTorch.
+    ``full_state_dict()`` after each step (logging, an average) changes nothing: at stages 1
+    and 2 it had taken a rank's part in a peer's gather of the branch it skipped, still in
+    flight over the optimizer step, for the stepped values, and the rank's next use of the
+    branch computed with the values before the step.
     """
     plan = [
         [r % 2 == 0 for r in range(world_size)],  # rank 0 runs the branch, rank 1 skips it
@@ -257,6 +264,8 @@ def test_branch_run_by_some_ranks_all_or_none(world_size: int, set_to_none: bool
             F.mse_loss(m(_slice(x, rank, world_size)), _slice(y, rank, world_size)).backward()
             ran.append(calls[0])
             opt.step()
+            if read:
+                m.full_state_dict()
             if set_to_none and not any(runs):  # no rank used it: plain PyTorch skips it
                 assert all(p.grad is None for p in m.branch.parameters())
                 assert all(

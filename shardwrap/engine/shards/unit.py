@@ -144,6 +144,15 @@ class Unit:
             batch.issue()
         self.state = ShardState.GATHERING
 
+    def land_gather(self) -> None:
+        """Finish the gather in flight, leaving stale the groups whose shard changed since it
+        began (a rank that took part in a peer's gather of a unit it skipped, then stepped the
+        optimizer): they are gathered afresh before use, as a stale unit is."""
+        stale = [g for g in self.groups if g.is_stale]
+        self.finish_gather()
+        for g in stale:
+            g.mark_stale()
+
     def finish_gather(self) -> None:
         for p in self._pending:
             p.wait()
@@ -158,7 +167,7 @@ class Unit:
         stay as they are: see :meth:`FlatGroup.gather_apart`); returns what completes it
         once ``batch`` is issued."""
         if self.state is ShardState.GATHERING:
-            self.finish_gather()
+            self.land_gather()
         completions = [g.gather_apart(self.stats, batch) for g in self.groups]
 
         def done() -> None:
@@ -201,7 +210,7 @@ class Unit:
         tensor-parallel parameter is yielded whole, gathered over tp too.
         """
         if self.state is ShardState.GATHERING:
-            self.finish_gather()
+            self.land_gather()
         buffer = group.take_buffer(group.dtype)
         try:
             all_gather(
