@@ -17,6 +17,13 @@ What the ranks do share, being threads of one process:
   meets the op: two ranks' modes (a tracker, ``torch.compile``'s fake tensors) meeting one at
   once could leave it holding a freed object. The first ``run_ranks`` of a process makes
   every registered op's object before its ranks start (``shardwrap/planning/python_ops.py``).
+- The default generator's lock. ``torch.get_rng_state()`` (activation checkpointing's, on
+  every checkpointed forward) holds it while it makes the state's Python object, which may
+  run the garbage collector, whose Python callbacks may yield the interpreter lock to another
+  rank, which then waits for the generator's lock holding the interpreter's: both ranks
+  stopped for good (seen once, in a `make test` run). The first ``run_ranks`` of a
+  process has ``torch.get_rng_state`` and ``set_rng_state`` take a Python lock first, which a
+  waiting rank waits for without the interpreter's. Ranks in processes share no generator.
 
 The group is not registered in ``torch.distributed``'s default world, which tests never
 initialise: call ``pg.rank()`` and ``pg.size()`` (``dist.get_rank(pg)`` raises), and pass
@@ -161,6 +168,21 @@ def _report(
     return "\n".join(sections)
 
 
+def _serialize_rng_state() -> None:
+    """Have ``torch.get_rng_state`` and ``set_rng_state`` (and ``torch.random``'s) take one
+    Python lock around the generator's (see the module's note)."""
+    lock = threading.Lock()
+    for name in ("get_rng_state", "set_rng_state"):
+        original = getattr(torch.random, name)
+
+        def serialized(*args: object, _original: Callable[..., object] = original) -> object:
+            with lock:
+                return _original(*args)
+
+        setattr(torch.random, name, serialized)
+        setattr(torch, name, serialized)
+
+
 def run_ranks(
     world_size: int, fn: Callable[[int, ProcessGroup], T], *, timeout: float = 60.0
 ) -> list[T]:
@@ -188,6 +210,7 @@ def run_ranks(
     global _OPS_RESOLVED
     if not _OPS_RESOLVED:
         resolve_python_ops()
+        _serialize_rng_state()
         _OPS_RESOLVED = True
     collective_timeout = timedelta(seconds=timeout / 2)
     store = dist.HashStore()
