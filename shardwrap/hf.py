@@ -52,11 +52,6 @@ OPTIMIZER = "optimizer.pt"  # the stock Trainer's name for the optimizer's state
 ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")  # a PEFT model's own weights
 
 
-def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)
-
-
 class ShardedTrainerMixin:
     """Trainer methods for a sharded model; mix in ahead of a ``transformers.Trainer`` class.
 
@@ -104,7 +99,7 @@ class ShardedTrainerMixin:
         save_checkpoint(
             Path(output_dir) / CHECKPOINT,
             self._sharded(),
-            _torch_optimizer(self.optimizer),
+            self.optimizer,
             step=self.state.global_step,
         )
         if self.args.should_save and self.lr_scheduler is not None:
@@ -135,10 +130,10 @@ class ShardedTrainerMixin:
             return
         folder, stock = Path(checkpoint) / CHECKPOINT, Path(checkpoint) / OPTIMIZER
         if folder.is_dir():
-            load_checkpoint(folder, self._sharded(), _torch_optimizer(self.optimizer))
+            load_checkpoint(folder, self._sharded(), self.optimizer)
         elif stock.is_file():  # the stock Trainer's checkpoint of a plain model: whole state
             state = torch.load(stock, map_location="cpu", weights_only=True)
-            load_full_optimizer_state_dict(self._sharded(), _torch_optimizer(self.optimizer), state)
+            load_full_optimizer_state_dict(self._sharded(), self.optimizer, state)
         scheduler = Path(checkpoint) / SCHEDULER
         if scheduler.is_file() and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

@@ -214,8 +214,7 @@ def _sharded_pairs(accelerator: Any) -> list[tuple[nn.Module, Any]]:
     owner = {id(p): i for i, m in enumerate(models) for p in m.parameters()}
     found: list[list[Any]] = [[] for _ in models]
     for optimizer in accelerator._optimizers:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        ids = {id(p) for g in inner.param_groups for p in g["params"]}
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         mine = {owner[i] for i in ids if i in owner}
         if len(mine) > 1 or (mine and len(ids) != sum(i in owner for i in ids)):
             raise ValueError(
@@ -252,10 +251,6 @@ def _set_aside(accelerator: Any, pairs: list[tuple[nn.Module, Any]]) -> Iterator
         accelerator._models, accelerator._optimizers = models, optimizers
 
 
-def _torch_optimizer(optimizer: Any) -> Any:
-    return None if optimizer is None else getattr(optimizer, "optimizer", optimizer)
-
-
 def _save_sharded(accelerator: Any) -> None:
     """Wrap ``accelerator``'s ``save_state``, ``load_state`` and ``get_state_dict`` (once)."""
     if getattr(accelerator, _SAVES, False):
@@ -277,9 +272,9 @@ def _save_sharded(accelerator: Any) -> None:
                 directory = rest[-1]  # (weights, output_dir) when saving, (input_dir) loading
                 for i, (model, optimizer) in enumerate(pairs):
                     if write:
-                        save_checkpoint(_folder(directory, i), model, _torch_optimizer(optimizer))
+                        save_checkpoint(_folder(directory, i), model, optimizer)
                     else:
-                        load_checkpoint(_folder(directory, i), model, _torch_optimizer(optimizer))
+                        load_checkpoint(_folder(directory, i), model, optimizer)
 
             handle = register(sharded)
             try:
