@@ -90,7 +90,7 @@ def make_gloo_group(
 # The store and the open groups of each run, by the run's id (the first part of its groups'
 # names): subgroup() rendezvous through the store and keeps its group with the run's.
 _RUNS: dict[str, tuple[dist.Store, list[ProcessGroup]]] = {}
-_OPS_RESOLVED = False  # see "What the ranks do share"
+_PREPARED = False  # the ops resolved and the RNG state serialised: see "What the ranks do share"
 
 
 def subgroup(pg: ProcessGroup, ranks: list[int], name: str) -> ProcessGroup:
@@ -207,11 +207,11 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    global _OPS_RESOLVED
-    if not _OPS_RESOLVED:
+    global _PREPARED
+    if not _PREPARED:
         resolve_python_ops()
         _serialize_rng_state()
-        _OPS_RESOLVED = True
+        _PREPARED = True
     collective_timeout = timedelta(seconds=timeout / 2)
     store = dist.HashStore()
     store.set_timeout(collective_timeout)
