@@ -9,10 +9,59 @@ only in the default run."""
 from __future__ import annotations
 
 import gc
+import os
+from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 from shardwrap import ShardedModule
+
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+LEFT_BEHIND = pytest.StashKey[tuple[dict[str, str | None], bool]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[LEFT_BEHIND] = (
+        {name: os.environ.get(name) for name in LAUNCHER_VARIABLES},
+        dist.is_initialized(),
+    )
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """A test that leaves torch.distributed's default group or a launcher's variables behind,
+    once its fixtures (``monkeypatch`` among them) are undone, fails by name, and its leftovers
+    are undone. Left there, they broke whichever later test a worker happened to run:
+    Lightning's ``Trainer`` sets ``LOCAL_RANK``; with it set, ``TrainingArguments(use_cpu=True)``
+    starts a default group of this process alone (through accelerate); a later
+    ``init_process_group`` then raised "trying to initialize the default process group twice"."""
+    result = yield
+    saved, started = item.stash[LEFT_BEHIND]
+    left = [name for name, value in saved.items() if os.environ.get(name) != value]
+    for name in left:
+        value = saved[name]
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
+    if dist.is_initialized() and not started:
+        dist.destroy_process_group()
+        left.append("torch.distributed's default group")
+    if left:
+        pytest.fail(f"{item.nodeid} left {', '.join(left)} behind; undo it in the test")
+    return result
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -11,6 +11,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/integrations/test_ligh
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,12 +31,17 @@ pytestmark = pytest.mark.stage3  # no stage involved
 
 @pytest.fixture(autouse=True)
 def no_default_group_left() -> Iterator[None]:
-    """A ``Trainer`` that fits or validates starts torch.distributed's default group (of this
-    process alone) and leaves it: ended after each test, so that the tests that run after it in
-    this process find none."""
+    """A ``Trainer`` sets a launcher's variables (``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) and, once it fits or validates, starts torch.distributed's default group
+    (of this process alone); both are undone after each test, so that the tests that run after
+    it in this process find neither."""
+    saved = dict(os.environ)
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
 
 
 def _trainer(**kw: object) -> pl.Trainer:
