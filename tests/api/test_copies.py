@@ -83,6 +83,60 @@ def test_an_ema_kept_by_averaged_model_is_the_plain_models(stage: int) -> None:
         torch.testing.assert_close(logits, want_logits.chunk(WORLD)[rank], atol=1e-5, rtol=0)
 
 
+class Twos(nn.Module):
+    """Two 2 x 2 linears and a vector of 2: at 2 ranks every piece (``(1, 2)``, ``(1,)``)
+    broadcasts against its whole parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2, bias=False) for _ in range(2))
+        self.scale = nn.Parameter(torch.tensor([1.0, 2.0]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x * self.scale
+
+
+def _lerp_state_foreach(ema: nn.Module, model: nn.Module) -> None:
+    torch._foreach_lerp_(list(ema.state_dict().values()), list(model.state_dict().values()), 0.1)
+
+
+def _lerp_parameters(ema: nn.Module, model: nn.Module) -> None:
+    for e, p in zip(ema.parameters(), model.parameters()):
+        e.lerp_(p, 0.1)
+
+
+def _copy_state(ema: nn.Module, model: nn.Module) -> None:
+    for e, p in zip(ema.state_dict().values(), model.state_dict().values()):
+        e.copy_(p)
+
+
+@pytest.mark.parametrize("update", [_lerp_state_foreach, _lerp_parameters, _copy_state])
+@pytest.mark.parametrize("model", ["twos", "gpt"])
+def test_an_ema_made_before_wrapping_is_refused_naming_the_fix(update: Any, model: str) -> None:
+    """An EMA made before wrapping, in timm's order (its ``ModelEmaV3`` is made before the DDP
+    wrapper): a whole copy, updated from the sharded model's ``state_dict()`` or
+    ``parameters()`` (a foreach lerp, a lerp per tensor, its warm-up's copy). Its whole
+    tensors met this rank's pieces: where their shapes broadcast it blended other elements
+    without a word (``twos``); elsewhere torch's size error named no fix (``gpt``). Refused
+    on every rank, naming the fix, the EMA left as it was."""
+    torch.manual_seed(0)
+    base = Twos() if model == "twos" else _gpt()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = copy.deepcopy(base)
+        ema = copy.deepcopy(m)
+        before = copy.deepcopy(ema.state_dict())
+        wrap = nn.Linear if model == "twos" else Block
+        m = ShardedModule(m, auto_wrap=wrap, process_group=pg)
+        with torch.no_grad(), pytest.raises(ValueError, match="made before wrapping"):
+            update(ema, m)
+        torch.testing.assert_close(ema.state_dict(), before, atol=0, rtol=0)
+
+    run_ranks(WORLD, fn, timeout=60)
+
+
 class Tracked(nn.Module):
     def __init__(self) -> None:
         super().__init__()

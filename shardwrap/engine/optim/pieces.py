@@ -40,7 +40,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ...tiers.shard_param import copies_whole_into, first_among, is_collective
+from ...tiers.shard_param import (
+    copies_whole_into,
+    first_among,
+    is_collective,
+    whole_beside,
+    whole_beside_piece,
+)
 from .dcp_pieces import (
     DCPPiece,
     dcp_call,
@@ -132,6 +138,10 @@ class ShardPiece(Tensor):
                 "rank's pieces. Load whole values with model.load_state_dict(state_dict) "
                 "(strict=False for some of them), which each rank cuts to its pieces."
             )
+        piece = whole_beside_piece(ShardPiece, func, args, "full_shape")
+        if piece is not None:
+            message = whole_beside(func, piece._held(), tuple(piece.full_shape))
+            raise ValueError(f"shardwrap: {message}")
         if (
             func is Tensor.copy_
             and len(args) > 1
