@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.utils import prune
@@ -674,6 +675,94 @@ def test_a_transform_that_refuses_saved_tensor_hooks_is_refused_and_training_goe
                 with pytest.raises(RuntimeError, match=r"refused \(not here\)"):
                     m(xs)
             F.mse_loss(m(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    for got in run_ranks(world_size, fn):
+        _assert_close(got, ref.state_dict())
+
+
+def _rounding_hooks(skip: set[int], calls: list[int]) -> Any:
+    """Saved-tensor hooks that keep each floating tensor in bf16 (lossy, as activation
+    compression is), counting their packs; tensors over the storages in ``skip`` (the plain
+    model's parameters) pass as they are."""
+
+    def pack(t: Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in skip or not t.is_floating_point():
+            return t
+        calls.append(1)
+        return t.dtype, t.detach().to(torch.bfloat16)
+
+    def unpack(packed: Any) -> Tensor:
+        return packed if isinstance(packed, Tensor) else packed[1].to(packed[0])
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_saved_tensor_hooks_around_the_forward_see_what_they_see_on_the_plain_model(
+    world_size: int,
+) -> None:
+    """The user's saved-tensor hooks around the forward (``save_on_cpu()``, or activation
+    compression, here to bf16) pack every tensor autograd saves as they do on the plain
+    model, but the gathered parameters, which shardwrap keeps by address: as many calls, and
+    the weights of the plain model trained with the hooks on its tensors but its parameters.
+    They had never been called: shardwrap's hooks, pushed inside them at the root's call,
+    hid them, and the model trained as without them."""
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, depth=2, context=8)
+    batches = _gpt_batches(3, seed=40)
+    ref = copy.deepcopy(model)
+    skip = {p.untyped_storage().data_ptr() for p in ref.parameters()}
+    want: list[int] = []
+    opt = _sgd(ref)
+    for x, y in batches:
+        with _rounding_hooks(skip, want):
+            loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> tuple[dict[str, Tensor], int]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=Block)
+        calls: list[int] = []
+        opt = _sgd(m)
+        for x, y in batches:
+            with _rounding_hooks(set(), calls):
+                loss = m(_slice(x, rank, world_size), _slice(y, rank, world_size))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict(), len(calls)
+
+    for got, calls in run_ranks(world_size, fn):
+        assert calls == len(want)
+        _assert_close(got, ref.state_dict())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_checkpoint_around_the_whole_model_trains_as_the_plain_model(world_size: int) -> None:
+    """``torch.utils.checkpoint.checkpoint(model, ...)`` (non-reentrant) around the whole
+    sharded model: its saved-tensor hooks enclose the root's call but are handed nothing
+    (its recomputation would save the gathered parameters' views, which the forward had
+    kept by address), and the model trains as the plain model does under it."""
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, depth=2, context=8)
+    batches = _gpt_batches(3, seed=50)
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    for x, y in batches:
+        torch.utils.checkpoint.checkpoint(ref, x, y, use_reentrant=False).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=Block)
+        opt = _sgd(m)
+        for x, y in batches:
+            xs, ys = _slice(x, rank, world_size), _slice(y, rank, world_size)
+            torch.utils.checkpoint.checkpoint(m, xs, ys, use_reentrant=False).backward()
             opt.step()
             opt.zero_grad()
         return m.full_state_dict()

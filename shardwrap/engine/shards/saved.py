@@ -7,6 +7,16 @@ replace every saved view of a pooled buffer with where it lies in its flat group
 shape, stride), and rebuild it at backward over wherever the group is gathered then,
 gathering it first if it is not. A saved DTensor over such a view (a tensor-parallel
 parameter) is kept as its local view's address and its DTensor layout, and rebuilt alike.
+
+torch calls only the innermost saved-tensor hooks, and these are pushed at the root's call,
+inside any the user entered around it (``torch.autograd.graph.save_on_cpu()``, a pack hook
+that compresses activations). So every other tensor is handed to the hooks that were on top
+when the call began, and unpacked by them: the user's hooks see what they see on the plain
+model but the gathered parameters, which are kept by address instead. They had never been
+called: activations stayed where they were, uncompressed, without a word. The hooks of
+``torch.utils.checkpoint`` around the whole model are the exception, handed nothing as before:
+its recomputation, in backward, would save the parameters' views too, and find the saved
+tensors out of step (checkpoint the units themselves: ``checkpoint_activations``).
 """
 
 from __future__ import annotations
@@ -38,6 +48,16 @@ class _SavedView(NamedTuple):
     shape: torch.Size
     stride: tuple[int, ...]
     steps: int  # the group's optimizer steps when saved
+
+
+_CHECKPOINT = "torch.utils.checkpoint"  # the module of its saved-tensor hooks
+
+
+class _PackedOutside(NamedTuple):
+    """A tensor packed by the saved-tensor hooks that enclosed the root's call."""
+
+    unpack: Callable[[Any], Tensor]
+    packed: Any
 
 
 class _SavedDTensor(NamedTuple):
@@ -95,14 +115,22 @@ class SavedViews:
             # Weakly: the graph holds these hooks, and a graph nobody runs backward through
             # may live on in torch's cycles; it must not keep the model alive.
             ref = weakref.ref(self)
+            outside = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if outside is not None and outside[0].__module__ == _CHECKPOINT:
+                outside = None  # its recomputation would see the parameters' views too
 
             @eager
             def pack(t: Tensor) -> Any:
                 live = ref()
-                return t if live is None else live._pack(t)
+                saved = t if live is None else live._pack(t)
+                if saved is t and outside is not None:
+                    return _PackedOutside(outside[1], outside[0](t))
+                return saved
 
             @eager
             def unpack(saved: Any) -> Tensor:
+                if isinstance(saved, _PackedOutside):
+                    return saved.unpack(saved.packed)
                 live = ref()
                 if live is None and isinstance(saved, _SavedView):
                     raise RuntimeError("backward through a sharded model that has been deleted")
