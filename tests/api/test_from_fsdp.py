@@ -47,7 +47,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from shardwrap import MixedPrecision, Offload, ShardedModule
-from tests.support.models import GPT, Block, CausalSelfAttention
+from tests.support.models import GPT, Block, CausalSelfAttention, make_batch
 from tests.support.parity import (
     GPT_BATCHES,
     adamw,
@@ -419,3 +419,26 @@ def test_every_other_fsdp2_method_raises_naming_what_to_do_instead() -> None:
     assert model.blocks[0] is model.get_submodule("blocks.0")
     with pytest.raises(AttributeError, match="'GPT' object has no attribute 'nothing'"):
         model.nothing  # noqa: B018
+
+
+def test_a_dtensors_own_calls_on_pieces_name_what_gives_whole_values() -> None:
+    """FSDP2's parameters, gradients and state dict values are DTensors: a script (torchtune's
+    ``gather_cpu_state_dict``) calls ``.full_tensor()`` on them. Here they are this rank's
+    pieces, and each such call raises an ``AttributeError`` naming ``full_state_dict`` and
+    ``gathered`` (before: only that the attribute was missing); ``hasattr`` stays false."""
+    model = ShardedModule(GPT(), auto_wrap=Block)
+    model(*make_batch(seed=0, batch=2)).backward()
+    p = next(model.parameters())
+    pieces = {
+        "parameter": p,
+        "data": p.data,
+        "grad": p.grad,
+        "state_dict": next(iter(model.state_dict().values())),
+    }
+    for where, piece in pieces.items():
+        for name in ("full_tensor", "to_local", "placements"):
+            assert not hasattr(piece, name), where
+            with pytest.raises(AttributeError, match=r"not DTensors.*full_state_dict\(\)"):
+                getattr(piece, name)
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing_such'$"):
+        p.nothing_such  # noqa: B018

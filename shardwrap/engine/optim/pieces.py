@@ -44,6 +44,7 @@ from ...tiers.shard_param import (
     copies_whole_into,
     first_among,
     is_collective,
+    not_a_dtensor,
     whole_beside,
     whole_beside_piece,
 )
@@ -95,6 +96,10 @@ class ShardPiece(Tensor):
     full_shape: torch.Size
     start: int
     stop: int
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for attributes it lacks: a DTensor's are named with what does their work."""
+        raise not_a_dtensor(self, name)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: this rank's piece would be saved as if it were the whole tensor."""

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ...comm.collectives import CommStats, Group, all_reduce
 from ...tiers.offload import count_fused_write
-from ...tiers.shard_param import first_among, is_collective
+from ...tiers.shard_param import first_among, is_collective, not_a_dtensor
 
 if TYPE_CHECKING:
     from ...tiers.home import Home
@@ -288,6 +288,10 @@ class ShardGrad(Tensor):
         with _DisableSubclass():
             copied = self.detach().clone()
         return as_shard_grad(copied, self._shardwrap_owner)
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for attributes it lacks: a DTensor's are named with what does their work."""
+        raise not_a_dtensor(self, name)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled (``torch.save``) as the plain tensor it is on this rank."""
