@@ -4,8 +4,8 @@ and ``gathered()``, each against a deep-copied plain model over real optimizer s
 Proves that a wrapped model keeps its class, attributes, methods and names (Hugging Face
 models included); that its parameters are 1-D shards summing to the original sizes, empty on
 some ranks without harm; that parameter groups by name, ``clip_grad_norm_``,
-``full_state_dict``, ``load_full_state_dict`` and ``gathered()`` behave as their plain-PyTorch
-counterparts do on the whole model.
+``full_state_dict``, ``load_full_state_dict``, ``gathered()`` and a multi-grad hook on the
+parameters behave as their plain-PyTorch counterparts do on the whole model.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/api/test_api.py -q``
 """
@@ -607,6 +607,74 @@ def test_load_full_state_dict_rejects_wrong_keys_and_shapes(world_size: int) -> 
             "torch.Size([144, 36])." in shape_message
         )
         _assert_state_dicts_equal(state, before)  # a rejected dict leaves the model untouched
+
+
+# gradient hooks ----------------------------------------------------------------------
+
+
+class GPTWithUnused(GPT):
+    """A GPT with a layer its forward never calls: that layer's parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(5, 3)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_multi_grad_hook_on_the_parameters_fires_once_per_backward(
+    world_size: int, stage: int
+) -> None:
+    """``torch.autograd.graph.register_multi_grad_hook(params, fn)`` (mode ``"all"``: once every
+    gradient of the module is in) calls ``fn`` once per backward, registered on the parameters
+    before wrapping or after, with each parameter's gradient as ``p.register_hook`` sees it and
+    ``None`` for one that got none; at world size 1 those are the plain model's gradients
+    (before: ``fn`` was never called, as it waited for gradient nodes that never run)."""
+    torch.manual_seed(0)
+    model = GPTWithUnused()
+    batches = [make_batch(step, GLOBAL_BATCH) for step in range(STEPS)]
+    plain = copy.deepcopy(model)
+    expected: list[list[Tensor | None]] = []
+    torch.autograd.graph.register_multi_grad_hook(list(plain.parameters()), expected.append)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for idx, targets in batches:
+        plain(idx, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = copy.deepcopy(model)
+        before: list[list[Tensor | None]] = []
+        after: list[list[Tensor | None]] = []
+        torch.autograd.graph.register_multi_grad_hook(list(m.parameters()), before.append)
+        m = ShardedModule(m, auto_wrap=Block, process_group=_group(pg), stage=stage)
+        params = list(m.parameters())
+        torch.autograd.graph.register_multi_grad_hook(params, after.append)
+        seen: dict[int, Tensor] = {}
+        for i, p in enumerate(params):
+            p.register_hook(lambda g, i=i: seen.__setitem__(i, g))
+        opt = torch.optim.SGD(params, lr=0.1)
+        for step, (idx, targets) in enumerate(batches):
+            seen.clear()
+            m(_local(idx, pg), _local(targets, pg)).backward()
+            opt.step()
+            opt.zero_grad()
+            assert len(before) == len(after) == step + 1
+            for grads in (before[step], after[step]):
+                assert len(grads) == len(params)
+                for i, g in enumerate(grads):
+                    if seen.get(i) is None:
+                        assert g is None, i
+                    else:
+                        assert g is not None and torch.equal(g, seen[i]), i
+            if pg.size() == 1:
+                for got, want in zip(after[step], expected[step]):
+                    assert (got is None) == (want is None)
+                    if want is not None:
+                        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        assert after[-1][-1] is None  # the unused layer's bias
+
+    run_ranks(world_size, fn)
 
 
 # gathered ----------------------------------------------------------------------------
