@@ -1,4 +1,5 @@
-"""A backward that raises, caught by the training loop, leaves the model able to train on.
+"""A backward that raises, caught by the training loop, leaves the model able to train on; so
+does a forward whose gather raises before its exchange goes out.
 
 An exception in backward (here from a hook on the loss or on the first block's output, midway
 through backward, as an injected fault or a bad loss would raise) stops autograd before
@@ -13,7 +14,9 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/engine/test_recovery.p
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap.comm import buckets
 from tests.support.models import GPT, Block, make_batch
 from tests.support.ranks import run_ranks
 
@@ -92,3 +96,50 @@ def test_training_goes_on_after_a_backward_that_raised(
         torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)
     fresh = ShardedModule(copy.deepcopy(model), auto_wrap=Block)
     load_checkpoint(tmp_path / "after-failure", fresh)  # the save after the failure is whole
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_training_goes_on_after_a_gather_that_raised(
+    monkeypatch: pytest.MonkeyPatch, world_size: int, stage: int
+) -> None:
+    """A forward's first exchange of gathers raises on every rank before it goes out (as
+    ``torch.func.jvp`` of a forward made it raise, from inside the transform): the units it
+    was for are left sharded, not gathering, so the next forward gathers them afresh. Before,
+    it waited for nothing and computed with buffers nothing had been gathered into (at stages
+    1 and 2 the resident buffers' other slices; at stage 3 a pooled buffer's old values)."""
+    torch.manual_seed(0)
+    model = GPT()
+    batches = [make_batch(seed=s, batch=GLOBAL_BATCH) for s in range(STEPS)]
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(batches):
+        if step != FAILING:
+            _step(ref, ref_opt, x, y, fail=None)
+    many, armed = buckets.all_gather_many, threading.local()
+
+    def failing(*args: Any) -> Any:
+        if getattr(armed, "on", False):
+            armed.on = False
+            raise InjectedError("injected in a gather")
+        return many(*args)
+
+    monkeypatch.setattr(buckets, "all_gather_many", failing)
+
+    def fn(rank: int, pg: ProcessGroup | None) -> dict[str, Tensor]:
+        m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for step, (x, y) in enumerate(batches):
+            n = GLOBAL_BATCH // world_size
+            local = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+            if step == FAILING:
+                armed.on = True
+                with pytest.raises(InjectedError):
+                    m(*local)
+            else:
+                _step(m, opt, *local, fail=None)
+        return m.full_state_dict()
+
+    states = [fn(0, None)] if world_size == 1 else run_ranks(world_size, fn, timeout=30.0)
+    for state in states:
+        torch.testing.assert_close(state, ref.state_dict(), atol=1e-5, rtol=0)

@@ -139,10 +139,26 @@ class Unit:
             self.finish_gather()
         own = batch is None
         batch = Gathers(self.stats, self.bucket_bytes) if batch is None else batch
-        self._pending = [g.gather(self.stats, exact, batch) for g in self.groups]
-        if own:
-            batch.issue()
+        try:
+            self._pending = [g.gather(self.stats, exact, batch) for g in self.groups]
+            if own:
+                batch.issue()
+        except BaseException:
+            self.abandon_gather()
+            raise
         self.state = ShardState.GATHERING
+
+    def abandon_gather(self) -> None:
+        """Forget a gather that raised before its exchange went out: each group is stale, so
+        that it is gathered afresh before it is next read, as after a step. Left GATHERING, the
+        next :meth:`finish_gather` would find nothing to wait for and take as gathered buffers
+        nothing was gathered into (at stages 1 and 2, resident buffers whose other ranks'
+        slices are old values or garbage, for every later forward)."""
+        self._pending = []
+        for g in self.groups:
+            g.mark_stale()
+        held = any(g.is_allocated for g in self.groups)  # released as a gathered unit's
+        self.state = ShardState.GATHERED if held else ShardState.SHARDED
 
     def land_gather(self) -> None:
         """Finish the gather in flight, leaving stale the groups whose shard changed since it

@@ -446,16 +446,28 @@ class Schedule:
         batch = Gathers(self.stats, self.bucket_bytes)
         apart: list[Callable[[], None]] = []
         served: list[Unit] = []
-        for unit in units:
-            if unit.state is not ShardState.SHARDED and not unit.is_stale and unit.holds_buffers:
-                apart.append(unit.gather_apart(batch))
-                continue
-            if serving and unit.state is ShardState.SHARDED:
-                served.append(unit)
-            unit.start_gather(batch=batch)
-        batch.issue()
-        for done in apart:  # only now: each waits for its part of the exchange just issued
-            done()
+        started: list[Unit] = []
+        try:
+            for unit in units:
+                if (
+                    unit.state is not ShardState.SHARDED
+                    and not unit.is_stale
+                    and unit.holds_buffers
+                ):
+                    apart.append(unit.gather_apart(batch))
+                    continue
+                if serving and unit.state is ShardState.SHARDED:
+                    served.append(unit)
+                started.append(unit)
+                unit.start_gather(batch=batch)
+            batch.issue()
+        except BaseException:  # nothing went out: no unit may count on this exchange
+            for unit in started:
+                unit.abandon_gather()
+            raise
+        finally:
+            for done in apart:  # only now: each waits for its part of the exchange just issued
+                done()  # (or, where it raised, only gives its spare buffer back)
         for unit in served:
             unit.finish_gather()
             unit.reshard()
