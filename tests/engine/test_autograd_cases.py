@@ -12,6 +12,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/engine/test_autograd_c
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -768,6 +769,62 @@ def test_checkpoint_around_the_whole_model_trains_as_the_plain_model(world_size:
         return m.full_state_dict()
 
     for got in run_ranks(world_size, fn):
+        _assert_close(got, ref.state_dict())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_forward_mode_transforms_without_gradients_run_as_on_the_plain_model(
+    world_size: int,
+) -> None:
+    """``torch.func.jvp`` and ``jacfwd`` of a forward under ``torch.no_grad()`` give the plain
+    model's outputs, tangents and Jacobian of the rank's slice, and the model trains on as the
+    plain model: the gathers run outside the transform, and the full parameters are constants
+    to it, as the plain model's are (before: an internal error, "Cannot access data pointer of
+    Tensor that doesn't have storage", from the pool or the exchange, at every stage on 2
+    ranks, and every later forward garbage at stages 1 and 2). torch's forward-AD levels are
+    process-wide, so no two rank threads may be inside ``jvp`` at once: the ranks take turns,
+    the others running the same forwards plainly meanwhile, and wait for each other between
+    turns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    want = []
+    for _ in range(2):
+        with torch.no_grad():
+            tangents = [
+                torch.func.jvp(ref, (xs,), (torch.ones_like(xs),)) for xs in x.chunk(world_size)
+            ]
+            jacobians = [torch.func.jacfwd(ref)(xs) for xs in x.chunk(world_size)]
+            want.append([(*t, j) for t, j in zip(tangents, jacobians)])
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    turns = threading.Barrier(world_size)
+
+    def fn(rank: int, pg: ProcessGroup) -> dict[str, Tensor]:
+        m = _shard(copy.deepcopy(model), pg, auto_wrap=nn.Linear)
+        xs, ys = _slice(x, rank, world_size), _slice(y, rank, world_size)
+        opt = _sgd(m)
+        for step in range(2):
+            for turn in range(world_size):
+                with torch.no_grad():
+                    if turn == rank:
+                        got = (
+                            *torch.func.jvp(m, (xs,), (torch.ones_like(xs),)),
+                            torch.func.jacfwd(m)(xs),
+                        )
+                        torch.testing.assert_close(got, want[step][rank], atol=ATOL, rtol=0)
+                    else:
+                        m(xs), m(xs)
+                turns.wait(timeout=10.0)
+            F.mse_loss(m(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.full_state_dict()
+
+    for got in run_ranks(world_size, fn, timeout=20.0):
         _assert_close(got, ref.state_dict())
 
 

@@ -78,7 +78,7 @@ _REFUSED = (
     "torch.autograd.graph.disable_saved_tensors_hooks refuse them. Take gradients with "
     "loss.backward(), or torch.autograd.grad(loss, inputs) for inputs' (a gradient penalty "
     "with create_graph=True works); run a forward without gradients under torch.no_grad() "
-    "(torch.func.vmap works there). "
+    "(torch.func.vmap, jvp and jacfwd work there). "
     "The model is left as it was: training goes on."
 )
 

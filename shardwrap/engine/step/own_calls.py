@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from ..optim.callers import caller_frame
-from ..shards.eager import eager
+from ..shards.eager import eager, untransformed
 from ..shards.saved import SavedViews
 from ..shards.unit import ShardState, Unit
 
@@ -70,8 +70,8 @@ class OwnCalls:
                                 entry[1].append(unit)
         for module, units in owners.values():
             self._hooks[id(module)] = [
-                module.register_forward_pre_hook(eager(self._hook_pre_call(units))),
-                module.register_forward_hook(eager(self._hook_post_call(units))),
+                module.register_forward_pre_hook(eager(untransformed(self._hook_pre_call(units)))),
+                module.register_forward_hook(eager(untransformed(self._hook_post_call(units)))),
             ]
 
     def unhook(self, module: nn.Module) -> None:

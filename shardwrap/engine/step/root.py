@@ -45,7 +45,7 @@ from ...options import Compression, MixedPrecision
 from ...tiers.home import Home
 from ...tiers.offload import before_step
 from ..optim.step_hooks import OptimizerHooks
-from ..shards.eager import eager
+from ..shards.eager import eager, untransformed
 from ..shards.param_index import Param, index_params
 from ..shards.pool import BufferPool
 from ..shards.profile import label
@@ -244,6 +244,7 @@ class Root:
 
         return hook
 
+    @untransformed  # a torch.func transform's wrappers have no address to gather into
     def _pre_forward(self, unit: Unit) -> None:
         self.settle()  # a backward that raised: its reductions go out before any gather here
         if self.phase is Phase.BACKWARD:  # recomputation under activation checkpointing
@@ -268,6 +269,7 @@ class Root:
         # overlaps that compute.
         self._prefetch(unit, backward=False)
 
+    @untransformed
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if self.phase is Phase.BACKWARD:
             return output
