@@ -677,6 +677,31 @@ def test_a_multi_grad_hook_on_the_parameters_fires_once_per_backward(
     run_ranks(world_size, fn)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_gradient_hook_on_a_parameter_the_forward_does_not_use_is_never_called(
+    world_size: int,
+) -> None:
+    """As on the plain model, whose unused parameter's gradient accumulator never runs: a hook
+    registered before wrapping or after is not called (before: called with ``None``, so a
+    hook ``g * 2`` raised ``TypeError``), and the parameter's gradient stays ``None``."""
+    torch.manual_seed(0)
+    model = GPTWithUnused()
+    idx, targets = make_batch(0, GLOBAL_BATCH)
+
+    def fn(rank: int, pg: ProcessGroup) -> None:
+        m = copy.deepcopy(model)
+        m.unused.weight.register_hook(lambda g: g * 2)
+        m = ShardedModule(m, auto_wrap=Block, process_group=_group(pg))
+        calls: list[Tensor | None] = []
+        params = dict(m.named_parameters())
+        params["unused.bias"].register_hook(calls.append)
+        m(_local(idx, pg), _local(targets, pg)).backward()
+        assert calls == []
+        assert params["unused.weight"].grad is None and params["unused.bias"].grad is None
+
+    run_ranks(world_size, fn)
+
+
 # gathered ----------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from ...comm.quantize import Codec
 from ...tiers.home import Home
 from .eager import eager
 from .layout import FlatLayout, LocalPiece, view_end
-from .multi_grad import count_view
+from .param_hooks import hook_view
 from .pool import BufferPool
 from .shard_grads import ShardGrads
 from .split import Split
@@ -356,16 +356,10 @@ class FlatGroup:
         """Give each full parameter its shard parameter's gradient hooks (``p.register_hook``):
         a shard parameter is in no graph, so autograd would never call them. On the view they
         see this rank's gradient of the whole parameter before the reduction, and what they
-        return is what is reduced, as DDP's hooks on its parameters.
-
-        Those of ``torch.autograd.graph.register_multi_grad_hook`` (mode ``"all"``) are also
-        told to wait for the view's gradient (see :func:`count_view`)."""
+        return is what is reduced, as DDP's hooks on its parameters (see :func:`hook_view`)."""
         for view, p in zip(self.views, self.shard_params):
-            hooks = p._backward_hooks
-            if hooks:
-                for hook in tuple(hooks.values()):
-                    view.register_hook(hook)
-                    count_view(hook, view)
+            if p._backward_hooks:
+                hook_view(view, tuple(p._backward_hooks.values()))
 
     def param_views(self) -> list[Tensor]:
         """The gathered buffer shaped into the parameters (local blocks), outside autograd."""

@@ -1,11 +1,19 @@
-"""``torch.autograd.graph.register_multi_grad_hook`` over shard parameters.
+"""A shard parameter's gradient hooks (``p.register_hook``), given to its gathered view.
 
-Design note. In mode ``"all"`` torch's hook calls the user's function once every tensor it
-was given has its gradient in: at a backward's first call it counts the tensors' gradient
-nodes (a leaf's accumulator) that the backward runs, and waits for that many calls. A shard
-parameter is in no graph (its gathered view is), so none of its nodes ever runs and the
-function was never called. Each view that is given the hook (``FlatGroup._hook_views``) is
-counted among the nodes the hook waits for.
+Design note. A shard parameter is in no graph (its gathered view is), so autograd never calls
+its hooks: each is registered on the view instead (``FlatGroup._hook_views``), where it sees
+this rank's gradient of the whole parameter before the reduction. Two differences from a
+leaf are made up for here:
+
+- A view the forward did not use gets no gradient, and autograd calls its hooks with ``None``,
+  where a plain model's unused parameter's hooks are never called (a hook ``g * mask`` would
+  raise): they are not called then.
+- ``torch.autograd.graph.register_multi_grad_hook`` in mode ``"all"`` calls the user's
+  function once every tensor it was given has its gradient in: at a backward's first call it
+  counts the tensors' gradient nodes (a leaf's accumulator) that the backward runs, and waits
+  for that many calls. A shard parameter's nodes never run, so the function was never called.
+  Each view given such a hook is counted among the nodes it waits for, and the hook is called
+  with ``None`` too, since it counts every call.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["count_view"]
+__all__ = ["hook_view"]
 
 
 def _nested_code(code: CodeType, *names: str) -> CodeType | None:
@@ -63,7 +71,13 @@ class _NodesAndViews(list):
         yield from (node for node in (ref() for ref in self.views) if node is not None)
 
 
-def count_view(hook: Callable[..., Any], view: Tensor) -> None:
+def _counts_views(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is one of ``register_multi_grad_hook``'s (mode ``"all"``), which counts
+    each call, one with no gradient (``None``) too."""
+    return _MULTI_GRAD_ALL is not None and getattr(hook, "__code__", None) is _MULTI_GRAD_ALL
+
+
+def _count_view(hook: Callable[..., Any], view: Tensor) -> None:
     """Where ``hook`` is one of ``register_multi_grad_hook``'s (mode ``"all"``), count the
     gradient node of ``view``, which now calls it, among those it waits for.
 
@@ -75,7 +89,7 @@ def count_view(hook: Callable[..., Any], view: Tensor) -> None:
     plain model. Where the hook sees a parameter's gradient in parts (its unit called twice
     in a forward at stage 3, its piece in the loss as well), ``fn`` gets the last part. A
     view whose node is torch's own (not weakly referable) is left uncounted."""
-    if _MULTI_GRAD_ALL is None or getattr(hook, "__code__", None) is not _MULTI_GRAD_ALL:
+    if not _counts_views(hook):
         return
     cells = dict(zip(_MULTI_GRAD_ALL.co_freevars, hook.__closure__ or ()))
     cell = cells.get("grad_fns")
@@ -87,3 +101,23 @@ def count_view(hook: Callable[..., Any], view: Tensor) -> None:
         cell.cell_contents.add(view.grad_fn)
     except TypeError:
         pass
+
+
+def hook_view(view: Tensor, hooks: tuple[Callable[..., Any], ...]) -> None:
+    """Register a shard parameter's gradient ``hooks`` on its gathered ``view`` (see the
+    module's note)."""
+    for hook in hooks:
+        if _counts_views(hook):
+            view.register_hook(hook)
+            _count_view(hook, view)
+        else:
+            view.register_hook(_given_a_gradient(hook))
+
+
+def _given_a_gradient(hook: Callable[[Tensor], Any]) -> Callable[[Tensor | None], Any]:
+    """``hook``, not called where there is no gradient (``None``)."""
+
+    def called(grad: Tensor | None) -> Any:
+        return None if grad is None else hook(grad)
+
+    return called
