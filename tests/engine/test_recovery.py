@@ -61,6 +61,16 @@ def _step(
     opt.step()
 
 
+def _reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> nn.Module:
+    """A copy of ``model`` trained on every batch but the failing step's."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(batches):
+        if step != FAILING:
+            _step(ref, opt, x, y, fail=None)
+    return ref
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("where", ["loss", "mid"])
@@ -72,11 +82,7 @@ def test_training_goes_on_after_a_backward_that_raised(
     torch.manual_seed(0)
     model = GPT()
     batches = [make_batch(seed=s, batch=GLOBAL_BATCH) for s in range(STEPS)]
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(batches):
-        if step != FAILING:
-            _step(ref, ref_opt, x, y, fail=None)
+    ref = _reference(model, batches)
 
     def fn(rank: int, pg: ProcessGroup | None) -> dict[str, Tensor]:
         m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
@@ -111,11 +117,7 @@ def test_training_goes_on_after_a_gather_that_raised(
     torch.manual_seed(0)
     model = GPT()
     batches = [make_batch(seed=s, batch=GLOBAL_BATCH) for s in range(STEPS)]
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(batches):
-        if step != FAILING:
-            _step(ref, ref_opt, x, y, fail=None)
+    ref = _reference(model, batches)
     many, armed = buckets.all_gather_many, threading.local()
 
     def failing(*args: Any) -> Any:
