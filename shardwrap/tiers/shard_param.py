@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed.distributed_c10d as dist_c10d
@@ -105,6 +105,26 @@ _SHAPED_INITS = {f.__code__: f for f in (nn.init.eye_, nn.init.orthogonal_, nn.i
 _DIM = frozenset({Tensor.dim, Tensor.ndimension})
 
 
+_DTENSOR_ONLY = frozenset({"full_tensor", "to_local", "redistribute", "placements", "device_mesh"})
+
+
+def not_a_dtensor(self: Tensor, name: str) -> NoReturn:
+    """The pieces' ``__getattr__``, called only for an attribute one lacks: a DTensor's own
+    (FSDP2's ``p.full_tensor()``, ``sd[k].full_tensor()``) raise naming what gives the whole
+    values here."""
+    message = f"'{type(self).__name__}' object has no attribute '{name}'"
+    if name in _DTENSOR_ONLY:
+        message += (
+            ": a sharded model's parameters, their .grad and the values of its state_dict() "
+            "are this rank's pieces, plain tensors, not DTensors. For whole values call "
+            "model.full_state_dict() on every rank (shardwrap.full_optimizer_state_dict for "
+            "the optimizer's), or read the modules' attributes inside "
+            "`with model.gathered():` (with_grads=True for whole gradients; a gradient's "
+            "norm, p.grad.norm(), is the whole one's already). See docs/fsdp.md"
+        )
+    raise AttributeError(message)
+
+
 class ShardParam(nn.Parameter):
     """A shard parameter: a ``Parameter`` whose ``data`` writes count as writes to it (see the
     module's note), and on which a random or shape-reading initialiser is refused.
@@ -162,9 +182,7 @@ class ShardParam(nn.Parameter):
             return  # the piece itself (Module._apply's no-op conversions assign it back)
         self.detach().copy_(value)
 
-    def __getattr__(self, name: str) -> Any:
-        """Only for attributes it lacks: a DTensor's are named with what does their work."""
-        raise not_a_dtensor(self, name)
+    __getattr__ = not_a_dtensor
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: see :func:`_pickled_piece`."""
@@ -191,9 +209,7 @@ class ShardData(Tensor):
         _refuse_on_piece(ShardData, func, args, kwargs)
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        """Only for attributes it lacks: a DTensor's are named with what does their work."""
-        raise not_a_dtensor(self, name)
+    __getattr__ = not_a_dtensor
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: see :func:`_pickled_piece`."""
@@ -351,25 +367,6 @@ def _whole_into_piece(piece: Tensor) -> str:
         "`with model.gathered(writeback=True):`, copy into the module's attribute (the full "
         "parameter), e.g. model.get_submodule('...').weight.copy_(value)."
     )
-
-
-_DTENSOR_ONLY = frozenset({"full_tensor", "to_local", "redistribute", "placements", "device_mesh"})
-
-
-def not_a_dtensor(obj: Tensor, name: str) -> AttributeError:
-    """The error for an attribute ``obj``, a piece, lacks: for a DTensor's own (FSDP2's
-    ``p.full_tensor()``, ``sd[k].full_tensor()``), naming what gives the whole values here."""
-    message = f"'{type(obj).__name__}' object has no attribute '{name}'"
-    if name in _DTENSOR_ONLY:
-        message += (
-            ": a sharded model's parameters, their .grad and the values of its state_dict() "
-            "are this rank's pieces, plain tensors, not DTensors. For whole values call "
-            "model.full_state_dict() on every rank (shardwrap.full_optimizer_state_dict for "
-            "the optimizer's), or read the modules' attributes inside "
-            "`with model.gathered():` (with_grads=True for whole gradients; a gradient's "
-            "norm, p.grad.norm(), is the whole one's already). See docs/fsdp.md"
-        )
-    return AttributeError(message)
 
 
 def whole_beside(func: Any, held: str, whole: tuple[int, ...]) -> str:

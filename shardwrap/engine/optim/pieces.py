@@ -97,9 +97,7 @@ class ShardPiece(Tensor):
     start: int
     stop: int
 
-    def __getattr__(self, name: str) -> Any:
-        """Only for attributes it lacks: a DTensor's are named with what does their work."""
-        raise not_a_dtensor(self, name)
+    __getattr__ = not_a_dtensor
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: this rank's piece would be saved as if it were the whole tensor."""

@@ -289,9 +289,7 @@ class ShardGrad(Tensor):
             copied = self.detach().clone()
         return as_shard_grad(copied, self._shardwrap_owner)
 
-    def __getattr__(self, name: str) -> Any:
-        """Only for attributes it lacks: a DTensor's are named with what does their work."""
-        raise not_a_dtensor(self, name)
+    __getattr__ = not_a_dtensor
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled (``torch.save``) as the plain tensor it is on this rank."""
