@@ -88,8 +88,7 @@ def test_training_goes_on_after_a_backward_that_raised(
         m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         for step, (x, y) in enumerate(batches):
-            n = GLOBAL_BATCH // world_size
-            local = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+            local = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
             _step(m, opt, *local, fail=where if step == FAILING else None)
             if step == FAILING:
                 save_checkpoint(tmp_path / "after-failure", m, opt)
@@ -132,8 +131,7 @@ def test_training_goes_on_after_a_gather_that_raised(
         m = ShardedModule(copy.deepcopy(model), auto_wrap=Block, process_group=pg, stage=stage)
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         for step, (x, y) in enumerate(batches):
-            n = GLOBAL_BATCH // world_size
-            local = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+            local = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
             if step == FAILING:
                 armed.on = True
                 with pytest.raises(InjectedError):
