@@ -742,6 +742,27 @@ def test_saved_tensor_hooks_around_the_forward_see_what_they_see_on_the_plain_mo
         _assert_close(got, ref.state_dict())
 
 
+def test_a_saved_tensor_hook_that_is_a_method_of_torchs_is_taken_as_any() -> None:
+    """A pack hook that is one of torch's own methods (``Tensor.clone``, which has no
+    ``__module__``) is handed what autograd saves, as a function is, and the model trains as
+    the plain model under it (before: the forward raised ``AttributeError``)."""
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, depth=2, context=8)
+    batches = _gpt_batches(2, seed=60)
+    trained = []
+    for m in (copy.deepcopy(model), ShardedModule(copy.deepcopy(model), auto_wrap=Block)):
+        opt = _sgd(m)
+        for x, y in batches:
+            with torch.autograd.graph.saved_tensors_hooks(Tensor.clone, Tensor.clone):
+                loss = m(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        trained.append(m)
+    ref, sharded = trained
+    _assert_close(sharded.full_state_dict(), ref.state_dict())
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_checkpoint_around_the_whole_model_trains_as_the_plain_model(world_size: int) -> None:
     """``torch.utils.checkpoint.checkpoint(model, ...)`` (non-reentrant) around the whole

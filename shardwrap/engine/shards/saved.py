@@ -116,7 +116,7 @@ class SavedViews:
             # may live on in torch's cycles; it must not keep the model alive.
             ref = weakref.ref(self)
             outside = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if outside is not None and outside[0].__module__ == _CHECKPOINT:
+            if outside is not None and getattr(outside[0], "__module__", None) == _CHECKPOINT:
                 outside = None  # its recomputation would see the parameters' views too
 
             @eager
